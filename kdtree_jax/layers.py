@@ -1,0 +1,68 @@
+"""Small traceable building blocks shared by the target model and the drafter."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kdtree_jax.config import ModelConfig
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """y = weight * x / sqrt(mean(x^2) + eps); statistics in float32, result in x.dtype. x [..., D]."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, linear=None) -> jax.Array:
+    """(silu(x @ gate) * (x @ up)) @ down for [in, out] weights; `linear(x, w)` may dispatch INT4."""
+    if linear is None:
+        linear = lambda a, w: a @ w.astype(a.dtype)  # noqa: E731
+    return linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)
+
+
+def rope_inv_freq(theta: float, dim: int) -> np.ndarray:
+    """Plain RoPE frequencies theta^(-2i/dim), i < dim/2 (float64, static)."""
+    return theta ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+
+
+def yarn_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
+    """(inv_freq [r/2] float64, attention_factor) for the target's rope slice (YaRN when configured)."""
+    dim = cfg.qk_rope_head_dim
+    extra = rope_inv_freq(cfg.rope_theta, dim)
+    rs = cfg.rope_scaling
+    if rs is None:
+        return extra, 1.0
+    inter = extra / rs.factor
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(rs.original_max_position_embeddings / (num_rotations * 2 * math.pi))
+                / (2 * math.log(cfg.rope_theta)))
+
+    low = max(math.floor(correction_dim(rs.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(rs.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    return inter * ramp + extra * (1.0 - ramp), rs.attention_factor
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
+               attention_factor: float = 1.0) -> jax.Array:
+    """Rotate interleaved pairs (2i, 2i+1) of x [..., T, (heads,) r] by positions [..., T] * inv_freq[i].
+
+    `x` is [B, T, r] or [B, T, H, r]; positions [B, T] int. Angles are computed in float32.
+    """
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [B, T, r/2]
+    if x.ndim == positions.ndim + 2:  # per-head input: broadcast over the head axis
+        angles = angles[..., None, :]
+    cos = jnp.cos(angles) * attention_factor
+    sin = jnp.sin(angles) * attention_factor
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
+    return rotated.reshape(x.shape).astype(x.dtype)
