@@ -1,0 +1,344 @@
+"""The target model: DeepSeek-V3 / Kimi K2.x (MLA + DeepSeekMoE) as a Flax linen module applied as a
+pure function over a plain nested-dict params tree (layout: docs/params.md).
+
+Two attention forms share one set of weights:
+- naive MLA (`forward`, no cache): per-head keys/values are decompressed from the latent; used by the
+  plain causal forward and as the independent check of the absorbed form;
+- absorbed MLA (`forward_with_cache`): the query is folded into latent space and attends to the latent
+  cache of `kv_lora_rank + qk_rope_head_dim` values per token (MQA with one 576-wide key per token),
+  the form every decode, prefill-into-cache and tree-verification step uses.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kdtree_jax import attention
+from kdtree_jax.config import ModelConfig
+from kdtree_jax.layers import apply_rope, rms_norm, swiglu, yarn_inv_freq
+from kdtree_jax.linear import linear
+
+Params = dict[str, Any]
+
+
+class KVCache(NamedTuple):
+    """The latent KV cache of every layer, preallocated to a static `max_len`."""
+
+    latent: jax.Array  # [L, B, max_len, kv_lora_rank + qk_rope_head_dim]: c_kv (normed) ; k_pe (roped)
+    lengths: jax.Array  # [B] int32: committed rows per batch row
+
+    @property
+    def max_len(self) -> int:
+        return self.latent.shape[2]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    latent = jnp.zeros((cfg.num_hidden_layers, batch, max_len, cfg.latent_dim), dtype)
+    return KVCache(latent=latent, lengths=jnp.zeros((batch,), jnp.int32))
+
+
+# ------------------------------------------------------------------------------------------ modules
+def _fan_in_normal(key, shape, dtype):
+    fan_in = shape[-2] if len(shape) >= 2 else shape[-1]
+    return (jax.random.normal(key, shape, jnp.float32) / np.sqrt(fan_in)).astype(dtype)
+
+
+def _weight(mod: nn.Module, name: str, shape: Sequence[int], dtype, init=_fan_in_normal):
+    """A weight leaf: created at init; at apply whatever the tree holds (a dense array or an INT4
+    leaf dict), so a quantized tree runs through the same module."""
+    if mod.is_initializing():
+        return mod.param(name, init, tuple(shape), dtype)
+    value = mod.get_variable("params", name)
+    if value is None:
+        raise KeyError(f"params are missing {'/'.join(mod.scope.path)}/{name}")
+    return value
+
+
+def _ones(key, shape, dtype):
+    del key
+    return jnp.ones(shape, dtype)
+
+
+class MLA(nn.Module):
+    cfg: ModelConfig
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x, positions, latent_cache=None, start=None, visibility=None):
+        """x [B, T, D]; positions [B, T]. Without a cache: naive causal attention over x itself.
+        With latent_cache [B, S, c+r] and start [B]: writes the T new rows at start+t, attends with
+        `visibility` [B, T, T] among the new tokens, returns (out [B, T, D], new latent_cache)."""
+        cfg, dt = self.cfg, self.param_dtype
+        heads, nope, rope, vdim, c = (cfg.num_attention_heads, cfg.qk_nope_head_dim,
+                                      cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank)
+        batch, steps, _ = x.shape
+        inv_freq, attention_factor = yarn_inv_freq(cfg)
+
+        if cfg.q_lora_rank is None:
+            q = linear(x, _weight(self, "q", (cfg.hidden_size, heads * (nope + rope)), dt))
+        else:
+            c_q = linear(x, _weight(self, "q_a", (cfg.hidden_size, cfg.q_lora_rank), dt))
+            c_q = rms_norm(c_q, _weight(self, "q_a_norm", (cfg.q_lora_rank,), dt, _ones),
+                           cfg.latent_norm_eps)
+            q = linear(c_q, _weight(self, "q_b", (cfg.q_lora_rank, heads * (nope + rope)), dt))
+        q = q.reshape(batch, steps, heads, nope + rope)
+        q_nope = q[..., :nope]  # [B, T, H, n]
+        q_pe = apply_rope(q[..., nope:], positions, inv_freq, attention_factor)  # [B, T, H, r]
+
+        kv_a = linear(x, _weight(self, "kv_a", (cfg.hidden_size, c + rope), dt))  # [B, T, c+r]
+        c_kv = rms_norm(kv_a[..., :c], _weight(self, "kv_a_norm", (c,), dt, _ones), cfg.latent_norm_eps)
+        k_pe = apply_rope(kv_a[..., c:], positions, inv_freq, attention_factor)  # [B, T, r]
+        kv_b = _weight(self, "kv_b", (c, heads * (nope + vdim)), dt).reshape(c, heads, nope + vdim)
+        w_uk, w_uv = kv_b[..., :nope], kv_b[..., nope:]  # [c, H, n], [c, H, v]
+        w_o = _weight(self, "o", (heads * vdim, cfg.hidden_size), dt)
+
+        if latent_cache is None:  # naive form: decompress per-head keys and values
+            k_nope = jnp.einsum("btc,chn->bthn", c_kv, w_uk.astype(c_kv.dtype))
+            values = jnp.einsum("btc,chv->bthv", c_kv, w_uv.astype(c_kv.dtype))
+            keys = jnp.concatenate(
+                [k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (batch, steps, heads, rope))], axis=-1)
+            query = jnp.concatenate([q_nope, q_pe], axis=-1)
+            scores = jnp.einsum("bthd,bshd->bhts", query, keys,
+                                preferred_element_type=jnp.float32) * cfg.softmax_scale
+            causal = jnp.tril(jnp.ones((steps, steps), bool))
+            if visibility is not None:
+                causal = visibility[:, None]
+            scores = jnp.where(causal, scores, -jnp.inf)
+            probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+            out = jnp.einsum("bhts,bshv->bthv", probs, values)
+            return linear(out.reshape(batch, steps, heads * vdim), w_o), None
+
+        # absorbed form over the latent cache
+        new_rows = jnp.concatenate([c_kv, k_pe], axis=-1).astype(latent_cache.dtype)  # [B, T, c+r]
+        latent_cache = jax.vmap(
+            lambda rows_cache, rows, s: jax.lax.dynamic_update_slice(rows_cache, rows, (s, 0))
+        )(latent_cache, new_rows, start)
+        q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w_uk.astype(q_nope.dtype))  # [B, T, H, c]
+        query = jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1)  # [B, T, H, c+r]
+        if visibility is None:
+            visibility = jnp.broadcast_to(jnp.tril(jnp.ones((steps, steps), bool)), (batch, steps, steps))
+        out_latent = attention.mla_attention(
+            query.astype(latent_cache.dtype), latent_cache, start, visibility,
+            scale=cfg.softmax_scale, value_dim=c)  # [B, T, H, c]
+        out = jnp.einsum("bthc,chv->bthv", out_latent.astype(x.dtype), w_uv.astype(x.dtype))
+        return linear(out.reshape(batch, steps, heads * vdim), w_o), latent_cache
+
+
+class DenseMLP(nn.Module):
+    width: int
+    hidden: int
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        dt = self.param_dtype
+        return swiglu(x, _weight(self, "gate", (self.hidden, self.width), dt),
+                      _weight(self, "up", (self.hidden, self.width), dt),
+                      _weight(self, "down", (self.width, self.hidden), dt), linear=linear)
+
+
+def route(cfg: ModelConfig, x: jax.Array, router: jax.Array, router_bias: jax.Array):
+    """Sigmoid no-aux-loss routing. x [N, D] -> (expert ids [N, k] int32, combine weights [N, k] f32).
+
+    The bias only chooses experts; weights are the unbiased scores of the chosen ones, normalised
+    (norm_topk_prob) and multiplied by routed_scaling_factor. Group-limited: groups are scored by
+    the sum of their top-2 biased scores, only the best topk_group groups may be chosen."""
+    scores = jax.nn.sigmoid(x.astype(jnp.float32) @ router.astype(jnp.float32))  # [N, E]
+    choice = scores + router_bias.astype(jnp.float32)
+    num_tokens, experts = choice.shape
+    if cfg.n_group > 1:
+        grouped = choice.reshape(num_tokens, cfg.n_group, experts // cfg.n_group)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, G]
+        _, keep = jax.lax.top_k(group_scores, cfg.topk_group)
+        keep_mask = jnp.zeros((num_tokens, cfg.n_group), bool).at[
+            jnp.arange(num_tokens)[:, None], keep].set(True)
+        choice = jnp.where(keep_mask[:, :, None], grouped, -jnp.inf).reshape(num_tokens, experts)
+    _, idx = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, idx, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return idx.astype(jnp.int32), weights * cfg.routed_scaling_factor
+
+
+class MoE(nn.Module):
+    cfg: ModelConfig
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        cfg, dt = self.cfg, self.param_dtype
+        d, e, inter = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+        router = _weight(self, "router", (d, e), jnp.float32)
+        router_bias = _weight(self, "router_bias", (e,), jnp.float32, nn.initializers.zeros)
+        experts = self._experts(d, e, inter, dt)
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, d)  # [N, D]
+        idx, weights = route(cfg, flat, router, router_bias)
+        out = routed_experts(flat, experts, idx, weights)
+        if cfg.n_shared_experts:
+            shared = DenseMLP(cfg.shared_intermediate_size, d, dt, name="shared")
+            out = out + shared(flat)
+        return out.reshape(*lead, d)
+
+    def _experts(self, d, e, inter, dt):
+        # The experts live in their own sub-dict; a bare submodule-free scope keeps names flat.
+        return ExpertWeights(d, e, inter, dt, name="experts")()
+
+
+class ExpertWeights(nn.Module):
+    hidden: int
+    num_experts: int
+    width: int
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self):
+        e, d, i, dt = self.num_experts, self.hidden, self.width, self.param_dtype
+        return {"gate": _weight(self, "gate", (e, d, i), dt), "up": _weight(self, "up", (e, d, i), dt),
+                "down": _weight(self, "down", (e, i, d), dt)}
+
+
+def routed_experts(x: jax.Array, experts: dict, idx: jax.Array, weights: jax.Array) -> jax.Array:
+    """sum_k weights[n, k] * SwiGLU_{idx[n, k]}(x[n]). x [N, D], idx/weights [N, k] -> [N, D].
+
+    Small token counts gather only the chosen experts' weights (decode reads k experts, not E);
+    larger ones run every expert on every token with a dense combine matrix. INT4 experts run one
+    W4A16 matmul per expert (the grouped INT4 MoE kernel is future work)."""
+    num_tokens, top_k = idx.shape
+    num_experts = experts["gate"]["packed"].shape[0] if isinstance(experts["gate"], dict) \
+        else experts["gate"].shape[0]
+    combine = jnp.zeros((num_tokens, num_experts), jnp.float32).at[
+        jnp.arange(num_tokens)[:, None], idx].add(weights)  # [N, E]
+    if isinstance(experts["gate"], dict):  # INT4 leaves: a static loop of per-expert W4A16 matmuls
+        out = jnp.zeros(x.shape, jnp.float32)
+        for expert in range(num_experts):
+            leaf = {k: jax.tree.map(lambda a: a[expert], v) for k, v in experts.items()}
+            y = swiglu(x, leaf["gate"], leaf["up"], leaf["down"], linear=linear)
+            out = out + combine[:, expert, None] * y.astype(jnp.float32)
+        return out.astype(x.dtype)
+    if num_tokens * top_k < num_experts:
+        gate, up, down = (experts[k][idx] for k in ("gate", "up", "down"))  # [N, k, ...]
+        hidden = jax.nn.silu(jnp.einsum("nd,nkdi->nki", x, gate.astype(x.dtype)))
+        hidden = hidden * jnp.einsum("nd,nkdi->nki", x, up.astype(x.dtype))
+        y = jnp.einsum("nki,nkid->nkd", hidden, down.astype(x.dtype))
+        return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights).astype(x.dtype)
+    hidden = jax.nn.silu(jnp.einsum("nd,edi->eni", x, experts["gate"].astype(x.dtype)))
+    hidden = hidden * jnp.einsum("nd,edi->eni", x, experts["up"].astype(x.dtype))
+    y = jnp.einsum("eni,eid->end", hidden, experts["down"].astype(x.dtype))
+    return jnp.einsum("end,ne->nd", y.astype(jnp.float32), combine).astype(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+    layer: int
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, h, positions, latent_cache=None, start=None, visibility=None):
+        cfg, dt = self.cfg, self.param_dtype
+        normed = rms_norm(h, _weight(self, "input_norm", (cfg.hidden_size,), dt, _ones), cfg.rms_norm_eps)
+        attn_out, latent_cache = MLA(cfg, dt, name="attn")(normed, positions, latent_cache, start, visibility)
+        h = h + attn_out
+        normed = rms_norm(h, _weight(self, "post_attn_norm", (cfg.hidden_size,), dt, _ones),
+                          cfg.rms_norm_eps)
+        if cfg.is_moe_layer(self.layer):
+            h = h + MoE(cfg, dt, name="moe")(normed)
+        else:
+            h = h + DenseMLP(cfg.intermediate_size, cfg.hidden_size, dt, name="mlp")(normed)
+        return h, latent_cache
+
+
+class Transformer(nn.Module):
+    cfg: ModelConfig
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens, positions, cache_latent=None, start=None, visibility=None,
+                 hidden_layers: tuple[int, ...] = ()):
+        """tokens/positions [B, T] -> (logits [B, T, V] f32, hidden [B, T, len(hidden_layers), D],
+        new cache_latent or None). hidden = the residual stream after each requested layer."""
+        cfg, dt = self.cfg, self.param_dtype
+        embed = _weight(self, "embed_tokens", (cfg.vocab_size, cfg.hidden_size), dt,
+                        lambda k, s, d: jax.random.normal(k, s, jnp.float32).astype(d))
+        h = jnp.take(embed, tokens, axis=0)  # [B, T, D]
+        saved, new_latent = {}, []
+        for layer in range(cfg.num_hidden_layers):
+            layer_cache = None if cache_latent is None else cache_latent[layer]
+            h, layer_cache = DecoderLayer(cfg, layer, dt, name=f"layers_{layer}")(
+                h, positions, layer_cache, start, visibility)
+            new_latent.append(layer_cache)
+            if layer in hidden_layers:
+                saved[layer] = h
+        h = rms_norm(h, _weight(self, "final_norm", (cfg.hidden_size,), dt, _ones), cfg.rms_norm_eps)
+        if cfg.tie_word_embeddings:
+            logits = h @ embed.T.astype(h.dtype)
+        else:
+            logits = linear(h, _weight(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), dt))
+        hidden = (jnp.stack([saved[layer] for layer in hidden_layers], axis=2) if hidden_layers
+                  else jnp.zeros(h.shape[:2] + (0, cfg.hidden_size), h.dtype))
+        latent = None if cache_latent is None else jnp.stack(new_latent)
+        return logits.astype(jnp.float32), hidden, latent
+
+
+# ------------------------------------------------------------------------------------- entry points
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
+    """Random parameters (fan-in scaled normals, unit norms, zero router bias) as a plain dict."""
+    cfg.validate()
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    variables = jax.jit(Transformer(cfg, dtype).init)(key, tokens, tokens)
+    return _plain(variables["params"])
+
+
+def _plain(tree):
+    """Flax returns plain dicts already; normalise any FrozenDict-like mapping to dict."""
+    if isinstance(tree, dict) or hasattr(tree, "items"):
+        return {k: _plain(v) for k, v in tree.items()}
+    return tree
+
+
+def _param_dtype(params: Params):
+    return params["embed_tokens"].dtype
+
+
+def check_tokens(cfg: ModelConfig, tokens) -> None:
+    """Raise ValueError for token ids outside [0, vocab_size) (checked eagerly, outside jit)."""
+    arr = np.asarray(tokens)
+    if arr.size and (arr.min() < 0 or arr.max() >= cfg.vocab_size):
+        bad = arr[(arr < 0) | (arr >= cfg.vocab_size)].ravel()[0]
+        raise ValueError(f"token id {int(bad)} is outside the vocabulary [0, {cfg.vocab_size})")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _forward(params, cfg, tokens):
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    logits, _, _ = Transformer(cfg, _param_dtype(params)).apply({"params": params}, tokens, positions)
+    return logits
+
+
+def forward(params: Params, cfg: ModelConfig, tokens) -> jax.Array:
+    """Plain causal forward (naive MLA, no cache): tokens [B, S] int32 -> logits [B, S, V] float32."""
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be an integer array [batch, seq], got {tokens.dtype}{list(tokens.shape)}")
+    if not isinstance(tokens, jax.core.Tracer):
+        check_tokens(cfg, tokens)
+    return _forward(params, cfg, tokens.astype(jnp.int32))
+
+
+def forward_with_cache(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+                       cache: KVCache, visibility: jax.Array | None = None,
+                       hidden_layers: tuple[int, ...] = ()):
+    """One cached forward (traceable; call inside jit). tokens/positions [B, T]; the T new latent rows
+    are written at cache slots lengths[b] + t; new token t sees every committed row and the new rows u
+    with visibility[b, t, u] (default causal). Returns (logits [B, T, V] f32, hidden [B, T, n, D],
+    cache with the rows written; `lengths` unchanged - the caller commits)."""
+    logits, hidden, latent = Transformer(cfg, _param_dtype(params)).apply(
+        {"params": params}, tokens, positions, cache.latent, cache.lengths, visibility,
+        hidden_layers=tuple(hidden_layers))
+    return logits, hidden, cache._replace(latent=latent)
