@@ -1,0 +1,464 @@
+"""The DFlash-style block-diffusion drafter (arXiv 2602.06036) used by DDTree (docs/ddtree.md step 1).
+
+One forward pass drafts `block_size - 1` future tokens at once. The block holds the target's embeddings of
+[bonus token, mask, mask, ...]; its queries attend to the drafter's keys/values of
+[context features of every committed token ; the block itself], with no mask inside the block. Context
+features are the target's residual stream after the layers `target_layer_ids`, concatenated, projected by
+`fc` and RMS-normed; every drafter layer projects the SAME features with its own k/v weights. Those
+context keys/values depend only on the context, so they live in a `DrafterCache` (extended once per
+committed token); the block's own keys/values are recomputed every round and never cached.
+
+Everything is plain functions over a plain nested params dict (the tree Orbax saves; see docs/drafter.md);
+`Drafter` is a thin Flax linen wrapper whose `params` collection is exactly that dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kdtree_jax.config import ConfigError, ModelConfig
+from kdtree_jax.layers import apply_rope, rms_norm, rope_inv_freq, swiglu
+
+
+# ------------------------------------------------------------------------------------------ config
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """Drafter hyper-parameters (Qwen3-style layers, as in DFlash). Hashable: a static jit argument.
+
+    `target_layer_ids` are 0-based target decoder layers whose OUTPUT residual stream is read (HF
+    `hidden_states[i + 1]`). `target_layer_ids` and `mask_token_id` have no usable default: set them, or
+    build the config with `DrafterConfig.for_target`.
+    """
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    block_size: int = 16
+    target_layer_ids: tuple[int, ...] = ()
+    mask_token_id: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    @property
+    def num_target_layers(self) -> int:
+        """How many target hidden states are concatenated into one context feature."""
+        return len(self.target_layer_ids)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """L = block_size - 1: positions drafted per round (the bonus token is known)."""
+        return self.block_size - 1
+
+    def validate(self) -> "DrafterConfig":
+        """Raise ConfigError naming the first bad value; return self so calls can chain."""
+
+        def positive_int(name: str, value: Any) -> None:
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"DrafterConfig.{name} must be a positive integer, got {value!r}")
+
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "intermediate_size", "block_size"):
+            positive_int(name, getattr(self, name))
+        if self.block_size < 2:
+            raise ConfigError(f"DrafterConfig.block_size must be >= 2 (the bonus token plus at least one "
+                              f"drafted position), got {self.block_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"DrafterConfig.num_attention_heads={self.num_attention_heads} is not a multiple "
+                              f"of num_key_value_heads={self.num_key_value_heads} (GQA groups)")
+        if self.head_dim % 2:
+            raise ConfigError(f"DrafterConfig.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+        ids = self.target_layer_ids
+        if not isinstance(ids, tuple) or not ids:
+            raise ConfigError(f"DrafterConfig.target_layer_ids must be a non-empty tuple of target layer "
+                              f"indices, got {ids!r} (DrafterConfig.for_target picks them)")
+        for i in ids:
+            if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or i < 0:
+                raise ConfigError(f"DrafterConfig.target_layer_ids entries must be integers >= 0, got {ids!r}")
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"DrafterConfig.target_layer_ids has duplicates: {ids!r}")
+        m = self.mask_token_id
+        if not isinstance(m, (int, np.integer)) or isinstance(m, bool) or m < 0:
+            raise ConfigError(f"DrafterConfig.mask_token_id must be a token id >= 0, got {m!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"DrafterConfig.{name} must be a positive number, got {value!r}")
+        return self
+
+    def check_target(self, cfg: ModelConfig) -> "DrafterConfig":
+        """Raise ConfigError if this drafter cannot run on target `cfg`; return self."""
+        self.validate()
+        if self.hidden_size != cfg.hidden_size:
+            raise ConfigError(f"drafter hidden_size={self.hidden_size} != target hidden_size={cfg.hidden_size} "
+                              "(the drafter shares the target's embedding and lm_head)")
+        bad = [i for i in self.target_layer_ids if i >= cfg.num_hidden_layers]
+        if bad:
+            raise ConfigError(f"drafter target_layer_ids {bad} do not exist in a target with "
+                              f"num_hidden_layers={cfg.num_hidden_layers}")
+        if self.mask_token_id >= cfg.vocab_size:
+            raise ConfigError(f"drafter mask_token_id={self.mask_token_id} is outside the target vocabulary "
+                              f"[0, {cfg.vocab_size})")
+        if cfg.mask_token_id is not None and cfg.mask_token_id != self.mask_token_id:
+            raise ConfigError(f"drafter mask_token_id={self.mask_token_id} differs from the target config's "
+                              f"mask_token_id={cfg.mask_token_id}")
+        return self
+
+    @classmethod
+    def for_target(cls, cfg: ModelConfig, *, num_layers: int = 1, block_size: int = 16,
+                   target_layer_ids: tuple[int, ...] | None = None, num_target_layers: int | None = None,
+                   num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
+                   head_dim: int | None = None, intermediate_size: int | None = None,
+                   mask_token_id: int | None = None, rms_norm_eps: float | None = None,
+                   rope_theta: float | None = None) -> "DrafterConfig":
+        """A drafter for target `cfg`: hidden size, mask id, eps and rope theta from the target.
+
+        Defaults: `num_target_layers` = `num_layers` target layers spread over the target as DFlash
+        does (`default_target_layer_ids`); heads = the target's; head_dim = the target's v_head_dim;
+        KV heads = the largest divisor of the heads <= heads / 8; intermediate size = the target's dense one.
+        """
+        heads = cfg.num_attention_heads if num_attention_heads is None else num_attention_heads
+        if num_key_value_heads is None and isinstance(heads, int) and heads > 0:
+            num_key_value_heads = max(d for d in range(1, max(1, heads // 8) + 1) if heads % d == 0)
+        if mask_token_id is None:
+            if cfg.mask_token_id is None:
+                raise ConfigError("the target config has no mask_token_id; pass mask_token_id= explicitly")
+            mask_token_id = cfg.mask_token_id
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(
+                cfg.num_hidden_layers, num_layers if num_target_layers is None else num_target_layers)
+        out = cls(
+            hidden_size=cfg.hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=num_key_value_heads,
+            head_dim=cfg.v_head_dim if head_dim is None else head_dim,
+            intermediate_size=cfg.intermediate_size if intermediate_size is None else intermediate_size,
+            block_size=block_size,
+            target_layer_ids=tuple(int(i) for i in target_layer_ids),
+            mask_token_id=int(mask_token_id),
+            rms_norm_eps=cfg.rms_norm_eps if rms_norm_eps is None else rms_norm_eps,
+            rope_theta=cfg.rope_theta if rope_theta is None else rope_theta,
+        )
+        return out.check_target(cfg)
+
+    def replace(self, **changes: Any) -> "DrafterConfig":
+        return dataclasses.replace(self, **changes).validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["target_layer_ids"] = list(self.target_layer_ids)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "DrafterConfig":
+        """Inverse of to_dict (our own serialisation, stored next to drafter checkpoints)."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"expected a DrafterConfig dict, got {type(data).__name__}")
+        data = dict(data)
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown DrafterConfig fields: {sorted(unknown)}")
+        if "target_layer_ids" in data:
+            if not isinstance(data["target_layer_ids"], (list, tuple)):
+                raise ConfigError(f"DrafterConfig.target_layer_ids must be a list, got "
+                                  f"{data['target_layer_ids']!r}")
+            data["target_layer_ids"] = tuple(data["target_layer_ids"])
+        try:
+            return cls(**data).validate()
+        except TypeError as e:
+            raise ConfigError(f"bad DrafterConfig fields: {e}") from None
+
+
+def default_target_layer_ids(num_target_hidden_layers: int, count: int) -> tuple[int, ...]:
+    """DFlash's choice of target layers: one layer -> the middle one; otherwise `count` layers evenly
+    spaced over [1, L - 3] (skipping the first and the last few). Shallow targets where that range is too
+    short for distinct layers use [0, L - 1] instead."""
+    if not isinstance(count, int) or count <= 0:
+        raise ConfigError(f"the number of target layers to read must be a positive integer, got {count!r}")
+    if count > num_target_hidden_layers:
+        raise ConfigError(f"cannot read {count} distinct target layers from a target with "
+                          f"{num_target_hidden_layers} layers")
+    if count == 1:
+        return (num_target_hidden_layers // 2,)
+    start, end = 1, num_target_hidden_layers - 3
+    if end - start < count - 1:
+        start, end = 0, num_target_hidden_layers - 1
+    return tuple(int(round(start + i * (end - start) / (count - 1))) for i in range(count))
+
+
+# ------------------------------------------------------------------------------------------ params
+def _init_linear(key: jax.Array, fan_in: int, fan_out: int, dtype) -> jax.Array:
+    return (jax.random.normal(key, (fan_in, fan_out), jnp.float32) * fan_in**-0.5).astype(dtype)
+
+
+def _init_component(dcfg: DrafterConfig, name: str, key: jax.Array, dtype) -> Any:
+    """The params subtree `name` ("fc", "hidden_norm", "layers_i", "final_norm"), freshly initialised."""
+    D, hd, F = dcfg.hidden_size, dcfg.head_dim, dcfg.intermediate_size
+    H, KVH = dcfg.num_attention_heads, dcfg.num_key_value_heads
+    if name == "fc":
+        return _init_linear(key, dcfg.num_target_layers * D, D, dtype)
+    if name in ("hidden_norm", "final_norm"):
+        return jnp.ones((D,), dtype)
+    if name.startswith("layers_"):
+        k = jax.random.split(key, 7)
+        return {
+            "input_norm": jnp.ones((D,), dtype),
+            "attn": {
+                "q": _init_linear(k[0], D, H * hd, dtype),
+                "k": _init_linear(k[1], D, KVH * hd, dtype),
+                "v": _init_linear(k[2], D, KVH * hd, dtype),
+                "o": _init_linear(k[3], H * hd, D, dtype),
+                "q_norm": jnp.ones((hd,), dtype),
+                "k_norm": jnp.ones((hd,), dtype),
+            },
+            "post_attn_norm": jnp.ones((D,), dtype),
+            "mlp": {"gate": _init_linear(k[4], D, F, dtype), "up": _init_linear(k[5], D, F, dtype),
+                    "down": _init_linear(k[6], F, D, dtype)},
+        }
+    raise ValueError(f"unknown drafter params entry {name!r}")
+
+
+def drafter_param_names(dcfg: DrafterConfig) -> tuple[str, ...]:
+    """Top-level keys of the drafter params dict."""
+    return ("fc", "hidden_norm", *(f"layers_{i}" for i in range(dcfg.num_hidden_layers)), "final_norm")
+
+
+def init_drafter_params(dcfg: DrafterConfig, key: jax.Array, dtype=jnp.float32) -> dict:
+    """Random drafter params (weights ~ N(0, 1/fan_in), norms 1) as a plain nested dict; layout in
+    docs/drafter.md. Linear weights are [in, out] (y = x @ W)."""
+    dcfg.validate()
+    names = drafter_param_names(dcfg)
+    keys = jax.random.split(key, len(names))
+    return {name: _init_component(dcfg, name, k, dtype) for name, k in zip(names, keys)}
+
+
+# ------------------------------------------------------------------------------------------- cache
+class DrafterCache(NamedTuple):
+    """Keys/values of the context features for every drafter layer (part of the decode state).
+
+    Row j of batch row b holds the context token written j-th; rows >= lengths[b] are garbage.
+    """
+
+    keys: jax.Array     # [Ld, B, max_len, KVH, hd], k_norm and RoPE applied
+    values: jax.Array   # [Ld, B, max_len, KVH, hd]
+    lengths: jax.Array  # [B] int32: context tokens cached per row
+
+
+def init_drafter_cache(dcfg: DrafterConfig, batch: int, max_len: int, dtype=jnp.float32) -> DrafterCache:
+    """An empty cache with `max_len` rows per batch row."""
+    dcfg.validate()
+    for name, value in (("batch", batch), ("max_len", max_len)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"init_drafter_cache: {name} must be a positive integer, got {value!r}")
+    shape = (dcfg.num_hidden_layers, batch, max_len, dcfg.num_key_value_heads, dcfg.head_dim)
+    return DrafterCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+
+# ----------------------------------------------------------------------------------------- helpers
+def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    return x @ w.astype(x.dtype)
+
+
+def _inv_freq(dcfg: DrafterConfig) -> np.ndarray:
+    return rope_inv_freq(dcfg.rope_theta, dcfg.head_dim)
+
+
+def _is_concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def context_features(dparams: dict, dcfg: DrafterConfig, target_hidden: jax.Array) -> jax.Array:
+    """target_hidden [B, T, n, D] (n = len(target_layer_ids), in that order) -> features [B, T, D]:
+    RMSNorm(concat_n(hidden) @ fc)."""
+    B, T, n, D = target_hidden.shape
+    flat = target_hidden.reshape(B, T, n * D)  # [B, T, n*D]: layer target_layer_ids[0] first, as DFlash
+    return rms_norm(_linear(flat, dparams["fc"]), dparams["hidden_norm"], dcfg.rms_norm_eps)  # [B, T, D]
+
+
+def _project_kv(p_attn: dict, dcfg: DrafterConfig, x: jax.Array, positions: jax.Array):
+    """x [B, T, D] -> (keys [B, T, KVH, hd] (k_norm, RoPE), values [B, T, KVH, hd])."""
+    B, T, _ = x.shape
+    KVH, hd = dcfg.num_key_value_heads, dcfg.head_dim
+    k = _linear(x, p_attn["k"]).reshape(B, T, KVH, hd)
+    k = apply_rope(rms_norm(k, p_attn["k_norm"], dcfg.rms_norm_eps), positions, _inv_freq(dcfg))
+    v = _linear(x, p_attn["v"]).reshape(B, T, KVH, hd)
+    return k, v
+
+
+# ------------------------------------------------------------------------------------------ extend
+def drafter_extend_context(dparams: dict, dcfg: DrafterConfig, cache: DrafterCache, target_hidden: jax.Array,
+                           positions: jax.Array, num_valid: jax.Array) -> DrafterCache:
+    """Append context tokens to the cache.
+
+    target_hidden [B, T, n, D]: the target's residual stream after layers `target_layer_ids`;
+    positions [B, T] int: their positions; num_valid [B] int: how many of the T are real per row.
+    All T rows are written at cache rows lengths[b] + t (shape-stable; rows t >= num_valid[b] are garbage
+    that later calls overwrite), then lengths += num_valid. Rows that would land at or past max_len are
+    dropped: the caller must keep lengths + num_valid <= max_len (checked here when the values are
+    concrete; inside jit it cannot be, so size max_len for the whole generation).
+    """
+    Ld, B, S, KVH, hd = cache.keys.shape
+    _check_batch_hidden(dcfg, cache, target_hidden, "drafter_extend_context")
+    T = target_hidden.shape[1]
+    if positions.shape != (B, T) or not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"drafter_extend_context: positions must be int [B, T] = [{B}, {T}], "
+                         f"got {positions.dtype} {tuple(positions.shape)}")
+    num_valid = jnp.asarray(num_valid)
+    if num_valid.shape != (B,) or not jnp.issubdtype(num_valid.dtype, jnp.integer):
+        raise ValueError(f"drafter_extend_context: num_valid must be int [B] = [{B}], "
+                         f"got {num_valid.dtype} {tuple(num_valid.shape)}")
+    if _is_concrete(num_valid) and _is_concrete(cache.lengths):
+        nv, ln = np.asarray(num_valid), np.asarray(cache.lengths)
+        if (nv < 0).any() or (nv > T).any():
+            raise ValueError(f"drafter_extend_context: num_valid must be in [0, T={T}], got {nv.tolist()}")
+        if (ln + nv > S).any():
+            raise ValueError(f"drafter_extend_context: lengths {ln.tolist()} + num_valid {nv.tolist()} "
+                             f"exceeds the cache's max_len={S}")
+
+    features = context_features(dparams, dcfg, target_hidden)  # [B, T, D]
+    rows = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+    batch_index = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))  # [B, T]
+    new_keys, new_values = [], []
+    for layer in range(Ld):
+        k, v = _project_kv(dparams[f"layers_{layer}"]["attn"], dcfg, features, positions)  # [B, T, KVH, hd]
+        # A scatter (not dynamic_update_slice, which would clamp the start and shift valid rows) whose
+        # out-of-range garbage rows are dropped.
+        new_keys.append(cache.keys[layer].at[batch_index, rows].set(k.astype(cache.keys.dtype), mode="drop"))
+        new_values.append(cache.values[layer].at[batch_index, rows].set(v.astype(cache.values.dtype),
+                                                                        mode="drop"))
+    return DrafterCache(jnp.stack(new_keys), jnp.stack(new_values),
+                        cache.lengths + num_valid.astype(jnp.int32))
+
+
+def _check_batch_hidden(dcfg: DrafterConfig, cache: DrafterCache, target_hidden: jax.Array, where: str) -> None:
+    Ld, B, S, KVH, hd = cache.keys.shape
+    expected = (dcfg.num_hidden_layers, B, S, dcfg.num_key_value_heads, dcfg.head_dim)
+    if (Ld, KVH, hd) != (expected[0], expected[3], expected[4]) or cache.values.shape != cache.keys.shape:
+        raise ValueError(f"{where}: cache keys/values {tuple(cache.keys.shape)}/{tuple(cache.values.shape)} "
+                         f"do not match [Ld, B, max_len, KVH, hd] = {expected}")
+    if cache.lengths.shape != (B,):
+        raise ValueError(f"{where}: cache.lengths must be [B] = [{B}], got {tuple(cache.lengths.shape)}")
+    if target_hidden is not None:
+        want = (B, dcfg.num_target_layers, dcfg.hidden_size)
+        th = tuple(target_hidden.shape)
+        if len(th) != 4 or (th[0], th[2], th[3]) != want:
+            raise ValueError(f"{where}: target_hidden must be [B, T, n_target_layers, D] = "
+                             f"[{B}, T, {want[1]}, {want[2]}], got {th}")
+
+
+# ----------------------------------------------------------------------------------------- forward
+def _block_attention(p_attn: dict, dcfg: DrafterConfig, x: jax.Array, positions: jax.Array,
+                     ctx_keys: jax.Array, ctx_values: jax.Array, ctx_lengths: jax.Array) -> jax.Array:
+    """x [B, Tb, D] (normed block states) -> attention output [B, Tb, D].
+
+    Queries: the block. Keys/values: cached context rows j < ctx_lengths[b] (ctx_keys [B, S, KVH, hd])
+    followed by the whole block (no causal mask). One softmax over both parts, statistics in float32;
+    the two parts are scored separately so the cache is never copied.
+    """
+    B, Tb, _ = x.shape
+    H, KVH, hd = dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim
+    G = H // KVH  # query heads per KV head; head h uses KV head h // G (HF repeat_kv order)
+    q = _linear(x, p_attn["q"]).reshape(B, Tb, H, hd)
+    q = apply_rope(rms_norm(q, p_attn["q_norm"], dcfg.rms_norm_eps), positions, _inv_freq(dcfg))
+    q = q.reshape(B, Tb, KVH, G, hd)  # [B, Tb, KVH, G, hd]
+    k_blk, v_blk = _project_kv(p_attn, dcfg, x, positions)  # [B, Tb, KVH, hd]
+
+    scale = hd**-0.5
+    f32 = jnp.float32
+    s_ctx = jnp.einsum("btkgd,bskd->bkgts", q, ctx_keys.astype(q.dtype), preferred_element_type=f32) * scale
+    s_blk = jnp.einsum("btkgd,bskd->bkgts", q, k_blk, preferred_element_type=f32) * scale
+    S = ctx_keys.shape[1]
+    visible = jnp.arange(S)[None, :] < ctx_lengths[:, None]  # [B, S]
+    s_ctx = jnp.where(visible[:, None, None, None, :], s_ctx, -jnp.inf)  # [B, KVH, G, Tb, S]
+    # The block part is always visible, so the max is finite even for rows with no context.
+    m = jnp.maximum(s_ctx.max(-1, keepdims=True), s_blk.max(-1, keepdims=True))  # [B, KVH, G, Tb, 1]
+    p_ctx, p_blk = jnp.exp(s_ctx - m), jnp.exp(s_blk - m)
+    denom = p_ctx.sum(-1, keepdims=True) + p_blk.sum(-1, keepdims=True)
+    out = (jnp.einsum("bkgts,bskd->btkgd", p_ctx.astype(x.dtype), ctx_values.astype(x.dtype),
+                      preferred_element_type=f32)
+           + jnp.einsum("bkgts,bskd->btkgd", p_blk.astype(x.dtype), v_blk, preferred_element_type=f32))
+    out = out / jnp.moveaxis(denom, (1, 2, 3), (2, 3, 1))  # denom [B, Tb, KVH, G, 1]
+    return _linear(out.reshape(B, Tb, H * hd).astype(x.dtype), p_attn["o"])
+
+
+def drafter_forward(dparams: dict, dcfg: DrafterConfig, cache: DrafterCache, embed_tokens: jax.Array,
+                    lm_head: jax.Array, bonus_tokens: jax.Array, block_start: jax.Array) -> jax.Array:
+    """Draft logits for one round.
+
+    embed_tokens [V, D] and lm_head [D, V] are the target's (pass embed_tokens.T when tied);
+    bonus_tokens [B] int; block_start [B] int = position of the bonus token (normally cache.lengths).
+    The block is [bonus, mask * (block_size - 1)] at positions block_start + 0..block_size-1; it attends to
+    context rows [0, cache.lengths[b]) and to itself. Activations run in embed_tokens.dtype.
+    Returns float32 logits [B, block_size - 1, V] for positions block_start+1 .. block_start+block_size-1.
+    """
+    _check_batch_hidden(dcfg, cache, None, "drafter_forward")
+    B = cache.lengths.shape[0]
+    V, D = embed_tokens.shape
+    if D != dcfg.hidden_size:
+        raise ValueError(f"drafter_forward: embed_tokens must be [V, D={dcfg.hidden_size}], "
+                         f"got {tuple(embed_tokens.shape)}")
+    if lm_head.shape != (D, V):
+        raise ValueError(f"drafter_forward: lm_head must be [D, V] = [{D}, {V}], got {tuple(lm_head.shape)}")
+    if dcfg.mask_token_id >= V:
+        raise ValueError(f"drafter_forward: mask_token_id={dcfg.mask_token_id} is outside the vocabulary of {V}")
+    for name, arr in (("bonus_tokens", bonus_tokens), ("block_start", block_start)):
+        if arr.shape != (B,) or not jnp.issubdtype(arr.dtype, jnp.integer):
+            raise ValueError(f"drafter_forward: {name} must be int [B] = [{B}], got {arr.dtype} {tuple(arr.shape)}")
+
+    Tb = dcfg.block_size
+    tokens = jnp.concatenate(
+        [bonus_tokens[:, None].astype(jnp.int32),
+         jnp.full((B, Tb - 1), dcfg.mask_token_id, jnp.int32)], axis=1)  # [B, Tb]
+    positions = block_start[:, None].astype(jnp.int32) + jnp.arange(Tb, dtype=jnp.int32)[None, :]  # [B, Tb]
+    h = jnp.take(embed_tokens, tokens, axis=0)  # [B, Tb, D]
+    eps = dcfg.rms_norm_eps
+    for layer in range(dcfg.num_hidden_layers):
+        p = dparams[f"layers_{layer}"]
+        h = h + _block_attention(p["attn"], dcfg, rms_norm(h, p["input_norm"], eps), positions,
+                                 cache.keys[layer], cache.values[layer], cache.lengths)
+        mlp = p["mlp"]
+        h = h + swiglu(rms_norm(h, p["post_attn_norm"], eps), mlp["gate"], mlp["up"], mlp["down"])
+    h = rms_norm(h[:, 1:], dparams["final_norm"], eps)  # [B, Tb-1, D]: the bonus position predicts nothing
+    return jnp.einsum("btd,dv->btv", h, lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+# ------------------------------------------------------------------------------------ linen wrapper
+class Drafter(nn.Module):
+    """Thin Flax linen wrapper: `variables["params"]` is exactly the `init_drafter_params` dict, and
+    `apply` is pure. `Drafter(dcfg).apply({"params": dparams}, cache, embed, lm_head, bonus, start)` ==
+    `drafter_forward(...)`; `method="extend_context"` == `drafter_extend_context(...)`."""
+
+    config: DrafterConfig
+    param_dtype: Any = jnp.float32
+
+    def setup(self) -> None:
+        self.config.validate()
+        self.tree = {name: self.param(name, lambda key, n=name: _init_component(self.config, n, key,
+                                                                               self.param_dtype))
+                     for name in drafter_param_names(self.config)}
+
+    def __call__(self, cache: DrafterCache, embed_tokens, lm_head, bonus_tokens, block_start) -> jax.Array:
+        return drafter_forward(self.tree, self.config, cache, embed_tokens, lm_head, bonus_tokens, block_start)
+
+    def extend_context(self, cache: DrafterCache, target_hidden, positions, num_valid) -> DrafterCache:
+        return drafter_extend_context(self.tree, self.config, cache, target_hidden, positions, num_valid)
+
+    def init_params(self) -> None:
+        """Touch every parameter: `Drafter(dcfg).init(key, method="init_params")` builds the tree."""
+        _ = self.tree  # accessing the tree runs setup(), which creates every parameter
+
+
+__all__ = [
+    "DrafterConfig", "DrafterCache", "Drafter", "default_target_layer_ids", "drafter_param_names",
+    "init_drafter_params", "init_drafter_cache", "context_features", "drafter_extend_context",
+    "drafter_forward",
+]
