@@ -1,0 +1,138 @@
+"""Tree-masked MLA attention in absorbed form: T tree tokens x H heads against one latent cache.
+
+Every query head is a (c + r)-wide vector (absorbed latent part, then RoPE part) scored against the
+shared cache rows [c_kv | k_pe]; the value is the c-wide latent c_kv, so the output stays in latent
+space (the caller applies W_UV). Visible rows for new token t of batch row b:
+  * rows j < start[b]                       - the committed prefix, visible to every new token;
+  * rows start[b] + u for u < T             - visible iff tree_mask[b, t, u] (ancestors + itself);
+  * rows j >= start[b] + T                  - never (garbage, may even hold NaN).
+
+`tree_mla_attention` is the public entry point; `tree_mla_attention_reference` is the plain-jnp
+definition it is tested against; `check_tree_attention_values` checks what shapes cannot show
+(start >= 0, start + T <= S_max, diagonal of tree_mask) and must be called outside `jit`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .block_table import pick_config
+from .kernel import BlockConfig, tree_attention_pallas
+
+__all__ = [
+    "BlockConfig",
+    "check_tree_attention_values",
+    "pick_config",
+    "tree_mla_attention",
+    "tree_mla_attention_reference",
+]
+
+_FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def tree_mla_attention_reference(q, cache, start, tree_mask, *, scale: float, value_dim: int):
+    """Plain-jnp definition. q [B, T, H, c+r]; cache [B, S_max, c+r]; start [B] int32;
+    tree_mask [B, T, T] bool -> [B, T, H, c] in q.dtype. Computed in float32 at HIGHEST precision
+    (also the XLA path of `impl="xla"`); it builds a [B, T, S_max] mask, which the kernel never does."""
+    B, T, H, D = q.shape
+    S_max = cache.shape[1]
+    offset = jnp.arange(S_max)[None, :] - start[:, None]  # [B, S_max]: row index minus start
+    in_tree = (offset >= 0) & (offset < T)  # [B, S_max]
+    tree_visible = jnp.take_along_axis(
+        tree_mask, jnp.broadcast_to(jnp.clip(offset, 0, T - 1)[:, None, :], (B, T, S_max)), axis=2)
+    visible = (offset < 0)[:, None, :] | (in_tree[:, None, :] & tree_visible)  # [B, T, S_max]
+    # Garbage rows may hold NaN/Inf; 0 * NaN would poison the value sum, so zero them first.
+    rows_ok = (offset < T)[:, :, None]  # [B, S_max, 1]
+    kv = jnp.where(rows_ok, cache.astype(jnp.float32), 0.0)  # [B, S_max, c+r]
+    hi = jax.lax.Precision.HIGHEST
+    scores = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), kv, precision=hi) * scale
+    scores = jnp.where(visible[:, :, None, :], scores, -jnp.inf)  # [B, T, H, S_max]
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bths,bsc->bthc", probs, kv[..., :value_dim], precision=hi)
+    return out.astype(q.dtype)
+
+
+def check_tree_attention_values(start, tree_mask, *, cache_rows: int) -> None:
+    """Value checks that `jit` cannot do (call with concrete arrays, outside jit).
+
+    Raises ValueError if some start[b] < 0, start[b] + T > cache_rows, or tree_mask has a False
+    on its diagonal. Inside jit these go unchecked: start + T > S_max reads past the cache."""
+    import numpy as np
+
+    start = np.asarray(start)
+    tree_mask = np.asarray(tree_mask)
+    T = tree_mask.shape[-1]
+    if (start < 0).any():
+        raise ValueError(f"start must be >= 0, got {start.tolist()}")
+    if (start + T > cache_rows).any():
+        raise ValueError(
+            f"start + T must be <= S_max = {cache_rows} (T = {T}), got start = {start.tolist()}")
+    diag = np.diagonal(tree_mask, axis1=-2, axis2=-1)
+    if not diag.all():
+        bad = np.argwhere(~diag)[0].tolist()
+        raise ValueError(f"tree_mask diagonal must be True (a token sees itself); False at [b, t] = {bad}")
+
+
+def _check_shapes(q, cache, start, tree_mask, value_dim):
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, T, H, c + r], got shape {q.shape}")
+    B, T, H, D = q.shape
+    if cache.ndim != 3 or cache.shape[0] != B or cache.shape[2] != D:
+        raise ValueError(f"cache must be [B={B}, S_max, c + r = {D}], got shape {cache.shape}")
+    if start.shape != (B,) or not jnp.issubdtype(start.dtype, jnp.integer):
+        raise ValueError(f"start must be an integer array of shape ({B},), got {start.dtype}{start.shape}")
+    if tree_mask.shape != (B, T, T) or tree_mask.dtype != jnp.bool_:
+        raise ValueError(f"tree_mask must be bool [{B}, {T}, {T}], got {tree_mask.dtype}{tree_mask.shape}")
+    if not 0 < value_dim < D:
+        raise ValueError(f"value_dim must be in (0, {D}) (the latent part of the {D}-wide rows), got {value_dim}")
+    if q.dtype != cache.dtype or q.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"q and cache must share a float dtype (bf16/f16/f32), got {q.dtype} and {cache.dtype}")
+    if T > cache.shape[1]:
+        raise ValueError(f"T = {T} tree tokens cannot fit in S_max = {cache.shape[1]} cache rows")
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def tree_mla_attention(q, cache, start, tree_mask, *, scale: float, value_dim: int,
+                       impl: str = "auto", interpret: bool = False,
+                       config: BlockConfig | None = None):
+    """Tree-masked absorbed MLA attention.
+
+    q [B, T, H, c+r] (latent part then RoPE part per head); cache [B, S_max, c+r] (this layer's
+    latent cache, rows [start, start + T) already hold the new tokens); start [B] int32;
+    tree_mask [B, T, T] bool (diagonal True). Returns [B, T, H, c] in q.dtype: softmax over the
+    visible rows of (q . row) * scale, times row[:value_dim]; softmax statistics in float32.
+
+    impl: "pallas" - the Pallas-Triton kernel (GPU, or CPU with interpret=True);
+          "xla"    - `tree_mla_attention_reference` (plain jnp; NOT the kernel);
+          "auto"   - "pallas" when interpret=True or the default backend is a GPU, else "xla".
+    config: tiling override; default from block_table.pick_config.
+    Value checks (start + T <= S_max, ...) run when the inputs are concrete; inside jit call
+    `check_tree_attention_values` yourself.
+    """
+    q, cache, start, tree_mask = map(jnp.asarray, (q, cache, start, tree_mask))
+    _check_shapes(q, cache, start, tree_mask, value_dim)
+    if not any(isinstance(x, jax.core.Tracer) for x in (start, tree_mask)):
+        check_tree_attention_values(start, tree_mask, cache_rows=cache.shape[1])
+    if impl == "auto":
+        impl = "pallas" if (interpret or jax.default_backend() == "gpu") else "xla"
+    if impl == "xla":
+        if interpret:
+            raise ValueError("interpret=True only applies to impl='pallas' (the XLA path has no kernel)")
+        return tree_mla_attention_reference(q, cache, start, tree_mask, scale=scale, value_dim=value_dim)
+    if impl != "pallas":
+        raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
+
+    B, T, H, D = q.shape
+    c, r = value_dim, D - value_dim
+    if not (_is_pow2(c) and _is_pow2(r)):
+        # The Triton backend only handles power-of-two tensors; padding the cache would copy it.
+        raise ValueError(f"the Pallas kernel needs power-of-two latent/rope widths >= 16, got c = {c}, r = {r}")
+    if config is None:
+        config = pick_config(batch=B, num_tree=T, num_heads=H, latent_dim=c, rope_dim=r,
+                             cache_rows=cache.shape[1])
+    return tree_attention_pallas(q, cache, start.astype(jnp.int32), tree_mask, scale=scale,
+                                 value_dim=value_dim, config=config, interpret=interpret)
