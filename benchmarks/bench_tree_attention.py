@@ -1,0 +1,239 @@
+"""Benchmark: tree-masked MLA attention kernel vs XLA vs the physical floor (H200).
+
+Shapes (kernels.md): K2 attention, H = 64, c = 512, r = 64, B = 1, S in {4096, 32768} committed
+rows, T in {1, 33, 129} tree tokens (random trees). For every shape:
+  1. correctness of the kernel vs `tree_mla_attention_reference` (float32, HIGHEST) on fresh inputs;
+  2. device time (CUPTI, `jax.experimental.mosaic.gpu.profiler.measure`, all kernels of the call:
+     row-mask build + Triton kernel + LSE combine) of the kernel under several tilings, and of a
+     plain-jnp XLA implementation (bf16 einsums, f32 softmax) - an XLA path is never reported as
+     the kernel;
+  3. the floor: max(bytes / 3.4 TB/s, FLOPs / 800 TFLOP/s).
+Each timed program runs the op on n_buf independent input sets in sequence (>= ~160 MB of caches
+where that is <= 8 sets) so the cache is not simply L2 resident; time per op = program / n_buf;
+median of 5 runs after a warm-up.
+
+Usage (GPU): python benchmarks/bench_tree_attention.py --out DIR [--budget-s 200]
+       (CPU):  python benchmarks/bench_tree_attention.py --smoke   # tiny shapes, interpret mode,
+               checks the script only; its timings mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pallas_kernels.tree_attention import BlockConfig, pick_config, tree_mla_attention_reference  # noqa: E402
+from pallas_kernels.tree_attention.kernel import tree_attention_pallas  # noqa: E402
+
+COPY_BW = 3.4e12  # bytes/s, measured device copy on the H200 (kernels.md)
+PEAK_FLOPS = 800e12  # bf16 dense, measured 8192^3 matmul is 823 TFLOP/s
+TARGET_US = {(32768, 1): 13, (4096, 33): 50, (4096, 129): 190, (32768, 33): 370}
+
+
+def xla_attention(q, cache, start, tree_mask, *, scale, value_dim):
+    """Plain jnp as XLA would be fed in production: bf16 einsums with f32 accumulation, f32
+    softmax, bf16 probabilities into the value einsum. Builds a [B, T, S] mask (XLA fuses it)."""
+    B, T, H, D = q.shape
+    S_max = cache.shape[1]
+    offset = jnp.arange(S_max)[None, :] - start[:, None]  # [B, S]
+    tree_vis = jnp.take_along_axis(
+        tree_mask, jnp.broadcast_to(jnp.clip(offset, 0, T - 1)[:, None, :], (B, T, S_max)), axis=2)
+    visible = (offset < 0)[:, None, :] | (((offset >= 0) & (offset < T))[:, None, :] & tree_vis)
+    kv = jnp.where((offset < T)[:, :, None], cache, jnp.zeros((), cache.dtype))
+    s = jnp.einsum("bthd,bsd->bths", q, kv, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(visible[:, :, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+    return jnp.einsum("bths,bsc->bthc", p, kv[..., :value_dim], preferred_element_type=jnp.float32).astype(q.dtype)
+
+
+def random_tree(rng, T):
+    tree = np.zeros((T, T), bool)
+    for t in range(T):
+        tree[t, t] = True
+        if t:
+            tree[t] |= tree[rng.integers(0, t)]
+    return tree
+
+
+def make_set(rng, B, T, H, c, r, S, dtype):
+    """One fresh input set: start = S committed rows, the T tree rows right after, no spare rows."""
+    q = jnp.asarray(rng.standard_normal((B, T, H, c + r), np.float32), dtype)
+    cache = jnp.asarray(rng.standard_normal((B, S + T, c + r), np.float32), dtype)
+    start = jnp.full((B,), S, jnp.int32)
+    tree = jnp.asarray(np.stack([random_tree(rng, T) for _ in range(B)]))
+    return q, cache, start, tree
+
+
+def floor_us(S, T, H, c, r):
+    bytes_ = (S + T) * (c + r) * 2 + T * H * (c + r) * 2 + T * H * c * 2
+    flops = 2 * H * T * (S + T) * (c + r + c)
+    return max(bytes_ / COPY_BW, flops / PEAK_FLOPS) * 1e6, bytes_, flops
+
+
+def rel_err(x, ref):
+    x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
+    return float(np.max(np.abs(x - ref)) / np.max(np.abs(ref)))
+
+
+class Timer:
+    """CUPTI device time on a GPU; wall clock in --smoke mode (meaningless, script check only)."""
+
+    def __init__(self, smoke: bool):
+        self.smoke = smoke
+
+    def __call__(self, fn, sets, n_runs=5):
+        jfn = jax.jit(lambda sets: [fn(*s) for s in sets])
+        if self.smoke:
+            out = jax.block_until_ready(jfn(sets))
+            t0 = time.perf_counter()
+            jax.block_until_ready(jfn(sets))
+            return out, (time.perf_counter() - t0) * 1e6 / len(sets), None
+        from jax.experimental.mosaic.gpu import profiler
+
+        out, runs = profiler.measure(jfn, aggregate=False, iterations=n_runs)(sets)
+        totals = [sum(ms for _, ms in run) for run in runs]
+        kern = [sum(ms for name, ms in run if "tree_mla_attention" in name) for run in runs]
+        per_op = 1e3 / len(sets)
+        return out, float(np.median(totals)) * per_op, float(np.median(kern)) * per_op
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--budget-s", type=float, default=200.0, help="stop sweeping after this many seconds")
+    ap.add_argument("--smoke", action="store_true", help="CPU script check: tiny shapes, interpret mode")
+    args = ap.parse_args()
+    t_begin = time.time()
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and not args.smoke:
+        sys.exit("no GPU: this benchmark only measures on the device (use --smoke to check the script)")
+    interpret = args.smoke
+    timer = Timer(args.smoke)
+    if args.smoke:
+        H, c, r, shapes, dtype = 6, 64, 16, [(100, 1), (100, 5)], jnp.float32
+    else:
+        H, c, r, shapes, dtype = 64, 512, 64, [(S, T) for S in (4096, 32768) for T in (1, 33, 129)], jnp.bfloat16
+    scale = 1.0 / math.sqrt(192)  # K2: 1/sqrt(qk_nope + rope) (yarn mscale aside)
+
+    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                jaxlib=__import__("jaxlib").__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                H=H, c=c, r=r, B=1, dtype=str(jnp.dtype(dtype)), smoke=args.smoke,
+                method="CUPTI profiler.measure, median of 5, n_buf input sets per program")
+    results = dict(meta=meta, shapes=[])
+    os.makedirs(args.out, exist_ok=True)
+
+    def dump():
+        with open(os.path.join(args.out, "tree_attention_h200.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+    rng = np.random.default_rng(1234)
+    entries = {}
+    for S, T in shapes:
+        cache_bytes = (S + T) * (c + r) * 2
+        n_buf = int(min(8, max(2, math.ceil(160e6 / cache_bytes)))) if not args.smoke else 2
+        sets = [make_set(rng, 1, T, H, c, r, S, dtype) for _ in range(n_buf)]
+        fl_us, bytes_, flops = floor_us(S, T, H, c, r)
+        ref0 = jax.jit(lambda *a: tree_mla_attention_reference(*a, scale=scale, value_dim=c))(*sets[0])
+        e = dict(S=S, T=T, n_buf=n_buf, floor_us=fl_us, bytes=bytes_, flops=flops,
+                 target_us=TARGET_US.get((S, T)), variants=[])
+        try:
+            out, t, _ = timer(lambda *a: xla_attention(*a, scale=scale, value_dim=c), sets)
+            e["xla_us"], e["xla_rel_err"] = t, rel_err(out[0], ref0)
+        except Exception as ex:  # noqa: BLE001 - record and go on: one failure must not lose the run
+            e["xla_error"] = repr(ex)[:300]
+        results["shapes"].append(e)
+        entries[(S, T)] = (e, sets, ref0)
+        dump()
+
+    def run_variant(S, T, cfg):
+        e, sets, ref0 = entries[(S, T)]
+        rec = dict(config=dict(block_rows=cfg.block_rows, block_kv=cfg.block_kv, num_splits=cfg.num_splits,
+                               num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                               partial_dtype=cfg.partial_dtype))
+        try:
+            fn = lambda *a: tree_attention_pallas(*a, scale=scale, value_dim=c, config=cfg, interpret=interpret)
+            out, t, t_kernel = timer(fn, sets)
+            rec.update(us=t, kernel_only_us=t_kernel, rel_err=rel_err(out[0], ref0))
+        except Exception as ex:  # noqa: BLE001
+            rec["error"] = repr(ex)[:400]
+        e["variants"].append(rec)
+        dump()
+        return rec
+
+    def ok(rec):
+        return "us" in rec and rec["rel_err"] < 2e-2
+
+    # Phase A: the heuristic/table config everywhere (correctness + a first time).
+    for S, T in shapes:
+        run_variant(S, T, pick_config(batch=1, num_tree=T, num_heads=H, latent_dim=c, rope_dim=r, cache_rows=S + T))
+    # Phase B: tile shapes at the heuristic split count; Phase C: split counts with the best tiles.
+    bases = [(64, 8, 2), (32, 8, 2), (32, 8, 3), (64, 8, 1)] if not args.smoke else [(16, 8, 2)]
+    for S, T in shapes:
+        heur = pick_config(batch=1, num_tree=T, num_heads=H, latent_dim=c, rope_dim=r, cache_rows=S + T)
+        for bk, w, st in bases[1:] if not args.smoke else bases:
+            if time.time() - t_begin > args.budget_s:
+                break
+            run_variant(S, T, BlockConfig(block_kv=bk, num_warps=w, num_stages=st, num_splits=heur.num_splits))
+    for S, T in shapes:
+        e = entries[(S, T)][0]
+        good = [v for v in e["variants"] if ok(v)]
+        if not good:
+            continue
+        best = min(good, key=lambda v: v["us"])["config"]
+        kv_tiles = S // best["block_kv"]
+        cands = {1: [8, 16, 32, 64, 128], 33: [1, 2, 4, 8], 129: [1, 2, 4]}.get(T, [1, 2])
+        tried = {v["config"]["num_splits"] for v in e["variants"] if v["config"]["block_kv"] == best["block_kv"]
+                 and v["config"]["num_stages"] == best["num_stages"]}
+        for ns in cands:
+            if ns in tried or ns > max(1, kv_tiles // 2) or time.time() - t_begin > args.budget_s:
+                continue
+            run_variant(S, T, BlockConfig(**{**best, "num_splits": ns}))
+        if T == 1 and time.time() - t_begin < args.budget_s:
+            good = [v for v in e["variants"] if ok(v)]
+            best = min(good, key=lambda v: v["us"])["config"]
+            if best["num_splits"] > 1:
+                run_variant(S, T, BlockConfig(**{**best, "partial_dtype": "bfloat16"}))
+
+    # Summary table.
+    lines = [f"# Tree-masked MLA attention, {meta['device']}, jax {meta['jax']}, {meta['date']}",
+             "", f"H={H}, c={c}, r={r}, B=1, {meta['dtype']}; {meta['method']}.", "",
+             "| S | T | floor us | target us | XLA us | kernel us (best) | kernel-only us | x vs XLA | of floor | best config | rel err |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for e in results["shapes"]:
+        good = [v for v in e["variants"] if ok(v)]
+        if good:
+            b = min(good, key=lambda v: v["us"])
+            cfg = b["config"]
+            cs = f"bk{cfg['block_kv']} w{cfg['num_warps']} st{cfg['num_stages']} split{cfg['num_splits']} {cfg['partial_dtype']}"
+            xla = e.get("xla_us")
+            lines.append(
+                f"| {e['S']} | {e['T']} | {e['floor_us']:.1f} | {e['target_us'] or '-'} | "
+                f"{xla:.1f} | {b['us']:.1f} | {b['kernel_only_us'] or 0:.1f} | {xla / b['us']:.2f} | "
+                f"{e['floor_us'] / b['us']:.0%} | {cs} | {b['rel_err']:.1e} |" if xla else
+                f"| {e['S']} | {e['T']} | {e['floor_us']:.1f} | {e['target_us'] or '-'} | - | {b['us']:.1f} | - | - | - | {cs} | {b['rel_err']:.1e} |")
+        else:
+            errs = [v.get("error", f"rel_err {v.get('rel_err')}") for v in e["variants"]]
+            lines.append(f"| {e['S']} | {e['T']} | {e['floor_us']:.1f} | - | {e.get('xla_us', '-')} | FAILED | | | | {errs[:1]} | |")
+    table = "\n".join(lines)
+    with open(os.path.join(args.out, "tree_attention_h200.md"), "w") as f:
+        f.write(table + "\n")
+    results["elapsed_s"] = time.time() - t_begin
+    dump()
+    print(table)
+    print(f"elapsed {time.time() - t_begin:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
