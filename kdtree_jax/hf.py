@@ -1,0 +1,500 @@
+"""Import Hugging Face DeepSeek-V3 / Kimi K2 / K2-Thinking / K2.5 / K2.6 safetensors checkpoints.
+
+`load_hf(path, dtype)` reads `config.json` and the safetensors shards (through
+`model.safetensors.index.json`, or a single `model.safetensors`) with the `safetensors` library and
+returns `(ModelConfig, params)` in the tree of docs/params.md. File names and layouts follow
+docs/k2-architecture.md §2-§3:
+
+- HF Linear weights are [out, in]; ours are [in, out], so every linear weight is transposed. The
+  params tree keeps `kv_a` whole (columns [0, c) = latent, [c, c+r) = k_pe) and `kv_b` with HF's
+  per-head column order (head h: W_UK then W_UV), so no column shuffling is needed.
+- Routed experts are stacked into [E, in, out] leaves. compressed-tensors `pack-quantized` experts
+  (`weight_packed` / `weight_scale` / `weight_shape`) go straight to INT4 params leaves
+  (`quant.int4_leaf_from_compressed`); dense expert weights are never materialised for them.
+- FP8 block-128 checkpoints (`weight` F8_E4M3 + `weight_scale_inv`, DeepSeek-V3 / K2-Instruct) are
+  dequantized at load, block by block, into `dtype`.
+- Kimi K2.5 / K2.6 (`kimi_k25`) keep the text model under `language_model.`; `vision_tower.*` and
+  `mm_projector.*` are skipped, and so is every layer at or past `num_hidden_layers` (MTP modules).
+
+Anything missing, unexpected, mis-shaped, of the wrong dtype, or unreadable (a truncated shard)
+raises HFCheckpointError naming the tensor and the file. Checks run on the headers before any
+tensor data is read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import SafetensorError, deserialize, safe_open
+from tqdm.auto import tqdm
+
+from kdtree_jax.config import ConfigError, ModelConfig
+from kdtree_jax.quant import GROUP_SIZE, PACK_FACTOR, int4_leaf_from_compressed
+
+Params = dict[str, Any]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+TEXT_PREFIX_K25 = "language_model."  # Kimi K2.5 / K2.6 text-model prefix in the files
+NON_TEXT_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.", "vision_model.")
+FP8_BLOCK = 128
+
+_FLOAT_DTYPES = ("BF16", "F16", "F32")
+_NUMPY_DTYPES = {  # safetensors dtype string -> numpy dtype (bf16 / fp8 through ml_dtypes)
+    "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16), "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64), "I32": np.dtype(np.int32), "I64": np.dtype(np.int64),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+}
+
+
+class HFCheckpointError(ValueError):
+    """A Hugging Face checkpoint directory is missing files or tensors, or holds bad ones."""
+
+
+# ------------------------------------------------------------------------------------------- config
+def read_hf_config(path: str | Path) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, raw config.json dict) of a checkpoint directory."""
+    path = Path(path)
+    if not path.is_dir():
+        raise HFCheckpointError(f"checkpoint path {str(path)!r} is not a directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise HFCheckpointError(f"no config.json in {str(path)!r}: not a Hugging Face checkpoint directory")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise HFCheckpointError(f"{config_file} is not valid JSON: {e}") from None
+    try:
+        cfg = ModelConfig.from_hf_config(raw)
+    except ConfigError as e:
+        raise HFCheckpointError(f"{config_file}: {e}") from None
+    return cfg, raw
+
+
+def _is_kimi_k25(raw: Mapping) -> bool:
+    return raw.get("model_type") == "kimi_k25" or ("text_config" in raw and "hidden_size" not in raw)
+
+
+def _quantization(raw: Mapping) -> dict | None:
+    """The quantization_config (top level, or inside text_config for K2.5), validated."""
+    quant = raw.get("quantization_config")
+    if quant is None and isinstance(raw.get("text_config"), Mapping):
+        quant = raw["text_config"].get("quantization_config")
+    if quant is None:
+        return None
+    method = quant.get("quant_method")
+    if method == "fp8":
+        block = quant.get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])
+        if list(block) != [FP8_BLOCK, FP8_BLOCK]:
+            raise HFCheckpointError(f"FP8 weight_block_size {block} is not supported (only [128, 128])")
+        return dict(quant)
+    if method == "compressed-tensors":
+        if quant.get("format") != "pack-quantized":
+            raise HFCheckpointError(f"compressed-tensors format {quant.get('format')!r} is not supported "
+                                    "(only 'pack-quantized', Kimi's INT4 format)")
+        for name, group in quant.get("config_groups", {}).items():
+            w = group.get("weights") or {}
+            want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                    "group_size": GROUP_SIZE}
+            bad = {k: w.get(k) for k, v in want.items() if w.get(k) != v}
+            if bad or w.get("actorder") or group.get("input_activations"):
+                raise HFCheckpointError(
+                    f"compressed-tensors config group {name!r} is not symmetric INT4 group-32 weight-only "
+                    f"(W4A16): unexpected {bad or {'actorder/input_activations': 'set'}}")
+        return dict(quant)
+    raise HFCheckpointError(f"unsupported quantization_config quant_method {method!r} "
+                            "(supported: none, 'fp8' block-128, 'compressed-tensors' pack-quantized INT4)")
+
+
+# ------------------------------------------------------------------------------------ file listing
+@dataclass(frozen=True)
+class _TensorInfo:
+    file: str  # shard file name
+    dtype: str  # safetensors dtype string ("BF16", "I32", ...)
+    shape: tuple[int, ...]
+
+
+def _list_tensors(path: Path) -> dict[str, _TensorInfo]:
+    """Every tensor name -> (shard, dtype, shape), read from the shard headers only."""
+    index_file = path / INDEX_FILE
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise HFCheckpointError(f"{index_file} is malformed (want a 'weight_map' dict): {e!r}") from None
+        files = sorted(set(weight_map.values()))
+    elif (path / SINGLE_FILE).is_file():
+        weight_map, files = None, [SINGLE_FILE]
+    else:
+        raise HFCheckpointError(f"no {INDEX_FILE} or {SINGLE_FILE} in {str(path)!r}")
+    infos: dict[str, _TensorInfo] = {}
+    for file in files:
+        shard = path / file
+        if not shard.is_file():
+            missing = sorted(k for k, v in weight_map.items() if v == file)
+            raise HFCheckpointError(f"shard {file!r} named in {INDEX_FILE} (for {len(missing)} tensors, "
+                                    f"e.g. {missing[0]!r}) does not exist in {str(path)!r}")
+        try:
+            with safe_open(shard, framework="flax") as f:
+                keys = set(f.keys())
+                wanted = keys if weight_map is None else {k for k, v in weight_map.items() if v == file}
+                for name in sorted(wanted):
+                    if name not in keys:
+                        raise HFCheckpointError(
+                            f"tensor {name!r} is mapped to shard {file!r} by {INDEX_FILE} but is not in it")
+                    sl = f.get_slice(name)
+                    infos[name] = _TensorInfo(file, sl.get_dtype(), tuple(sl.get_shape()))
+        except SafetensorError as e:
+            raise HFCheckpointError(f"cannot read shard {str(shard)!r} (truncated or corrupt?): {e}") from None
+    return infos
+
+
+# ---------------------------------------------------------------------------------- the name plan
+@dataclass(frozen=True)
+class _Linear:
+    """One HF Linear `{stem}.weight` [out, in] -> params leaf at `path` ([in, out])."""
+
+    stem: str
+    path: tuple[str, ...]
+    out_features: int
+    in_features: int
+    expert: int | None = None  # routed expert index: stacked into [E, in, out] at `path`
+    num_experts: int = 0
+    float32: bool = False  # the router: kept in float32
+
+
+@dataclass(frozen=True)
+class _Vector:
+    """A 1-D / 2-D tensor copied as is (norm weights, score bias, embeddings)."""
+
+    name: str
+    path: tuple[str, ...]
+    shape: tuple[int, ...]
+    float32: bool = False
+
+
+def _plan(cfg: ModelConfig) -> tuple[list[_Linear], list[_Vector]]:
+    """Every tensor the text model needs, under canonical (un-prefixed) HF names."""
+    D, H = cfg.hidden_size, cfg.num_attention_heads
+    n, r, v, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    linears: list[_Linear] = []
+    vectors: list[_Vector] = [_Vector("model.embed_tokens.weight", ("embed_tokens",), (cfg.vocab_size, D)),
+                              _Vector("model.norm.weight", ("final_norm",), (D,))]
+    if not cfg.tie_word_embeddings:
+        linears.append(_Linear("lm_head", ("lm_head",), cfg.vocab_size, D))
+    for i in range(cfg.num_hidden_layers):
+        pre, key = f"model.layers.{i}.", f"layers_{i}"
+        vectors += [_Vector(pre + "input_layernorm.weight", (key, "input_norm"), (D,)),
+                    _Vector(pre + "post_attention_layernorm.weight", (key, "post_attn_norm"), (D,)),
+                    _Vector(pre + "self_attn.kv_a_layernorm.weight", (key, "attn", "kv_a_norm"), (c,))]
+        attn = pre + "self_attn."
+        if cfg.q_lora_rank is None:
+            linears.append(_Linear(attn + "q_proj", (key, "attn", "q"), H * (n + r), D))
+        else:
+            q = cfg.q_lora_rank
+            linears += [_Linear(attn + "q_a_proj", (key, "attn", "q_a"), q, D),
+                        _Linear(attn + "q_b_proj", (key, "attn", "q_b"), H * (n + r), q)]
+            vectors.append(_Vector(attn + "q_a_layernorm.weight", (key, "attn", "q_a_norm"), (q,)))
+        linears += [_Linear(attn + "kv_a_proj_with_mqa", (key, "attn", "kv_a"), c + r, D),
+                    _Linear(attn + "kv_b_proj", (key, "attn", "kv_b"), H * (n + v), c),
+                    _Linear(attn + "o_proj", (key, "attn", "o"), D, H * v)]
+        if not cfg.is_moe_layer(i):
+            F = cfg.intermediate_size
+            linears += [_Linear(pre + "mlp.gate_proj", (key, "mlp", "gate"), F, D),
+                        _Linear(pre + "mlp.up_proj", (key, "mlp", "up"), F, D),
+                        _Linear(pre + "mlp.down_proj", (key, "mlp", "down"), D, F)]
+            continue
+        E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+        linears.append(_Linear(pre + "mlp.gate", (key, "moe", "router"), E, D, float32=True))
+        vectors.append(_Vector(pre + "mlp.gate.e_score_correction_bias", (key, "moe", "router_bias"), (E,),
+                               float32=True))
+        for e in range(E):
+            stem = f"{pre}mlp.experts.{e}."
+            linears += [_Linear(stem + "gate_proj", (key, "moe", "experts", "gate"), I, D, e, E),
+                        _Linear(stem + "up_proj", (key, "moe", "experts", "up"), I, D, e, E),
+                        _Linear(stem + "down_proj", (key, "moe", "experts", "down"), D, I, e, E)]
+        if cfg.n_shared_experts:
+            Is = cfg.shared_intermediate_size
+            linears += [_Linear(pre + "mlp.shared_experts.gate_proj", (key, "moe", "shared", "gate"), Is, D),
+                        _Linear(pre + "mlp.shared_experts.up_proj", (key, "moe", "shared", "up"), Is, D),
+                        _Linear(pre + "mlp.shared_experts.down_proj", (key, "moe", "shared", "down"), D, Is)]
+    return linears, vectors
+
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _canonical_names(infos: dict[str, _TensorInfo], cfg: ModelConfig, kimi_k25: bool
+                     ) -> tuple[dict[str, str], list[str]]:
+    """(canonical name -> file name, skipped file names). Drops vision tensors and MTP layers."""
+    canonical, skipped = {}, []
+    for name in infos:
+        if kimi_k25:
+            if name.startswith(NON_TEXT_PREFIXES):
+                skipped.append(name)
+                continue
+            if not name.startswith(TEXT_PREFIX_K25):
+                raise HFCheckpointError(
+                    f"unexpected tensor {name!r} in a kimi_k25 checkpoint: text weights live under "
+                    f"{TEXT_PREFIX_K25!r}, vision weights under {NON_TEXT_PREFIXES}")
+            short = name[len(TEXT_PREFIX_K25):]
+        else:
+            short = name
+        layer = _LAYER_RE.match(short)
+        if layer and int(layer.group(1)) >= cfg.num_hidden_layers:  # MTP / next-n prediction layers
+            skipped.append(name)
+            continue
+        canonical[short] = name
+    return canonical, skipped
+
+
+# ------------------------------------------------------------------------------------ validation
+@dataclass
+class _Source:
+    """How one _Linear is stored: 'dense', 'fp8' or 'int4', with its file tensor names."""
+
+    kind: str
+    names: dict[str, str]  # role ('weight', 'scale_inv', 'packed', 'scale', 'shape') -> file name
+
+
+def _check(cfg: ModelConfig, quant: dict | None, infos: dict[str, _TensorInfo],
+           canonical: dict[str, str], prefix: str) -> tuple[dict[_Linear, _Source], list[_Vector]]:
+    """Match the files against the plan; raise on missing / extra / mis-shaped / wrong-dtype tensors."""
+    linears, vectors = _plan(cfg)
+    method = None if quant is None else quant["quant_method"]
+    used: set[str] = set()
+    missing: list[str] = []
+
+    def info(short: str) -> _TensorInfo | None:
+        return infos[canonical[short]] if short in canonical else None
+
+    def expect(short: str, shape: tuple[int, ...], dtypes: tuple[str, ...]) -> str:
+        file_name = canonical[short]
+        got = infos[file_name]
+        if got.shape != shape:
+            raise HFCheckpointError(f"tensor {file_name!r} (in {got.file}) has shape {list(got.shape)}, "
+                                    f"expected {list(shape)} from config.json")
+        if got.dtype not in dtypes:
+            raise HFCheckpointError(f"tensor {file_name!r} (in {got.file}) has dtype {got.dtype}, "
+                                    f"expected one of {list(dtypes)}")
+        used.add(short)
+        return file_name
+
+    def original(short: str) -> str:  # the name as it would appear in the files (for messages)
+        return prefix + short
+
+    sources: dict[_Linear, _Source] = {}
+    for lin in linears:
+        shape = (lin.out_features, lin.in_features)
+        weight, packed = info(lin.stem + ".weight"), info(lin.stem + ".weight_packed")
+        if packed is not None and weight is None:
+            if lin.expert is None:
+                raise HFCheckpointError(f"tensor {canonical[lin.stem + '.weight_packed']!r} is INT4-packed, but "
+                                        "only routed experts may be INT4 (the model keeps this weight dense)")
+            if method != "compressed-tensors":
+                raise HFCheckpointError(f"tensor {canonical[lin.stem + '.weight_packed']!r} is INT4-packed but "
+                                        "config.json has no compressed-tensors quantization_config")
+            out, k = shape
+            if k % GROUP_SIZE:
+                raise HFCheckpointError(f"INT4 expert {lin.stem!r}: input dim {k} is not a multiple of {GROUP_SIZE}")
+            names = {}
+            for role, suffix, want, dtypes in (
+                    ("packed", ".weight_packed", (out, k // PACK_FACTOR), ("I32",)),
+                    ("scale", ".weight_scale", (out, k // GROUP_SIZE), _FLOAT_DTYPES),
+                    ("shape", ".weight_shape", (2,), ("I32", "I64"))):
+                if info(lin.stem + suffix) is None:
+                    missing.append(original(lin.stem + suffix))
+                    continue
+                names[role] = expect(lin.stem + suffix, want, dtypes)
+            sources[lin] = _Source("int4", names)
+        elif weight is not None:
+            if weight.dtype == "F8_E4M3":
+                scale_short = lin.stem + ".weight_scale_inv"
+                if info(scale_short) is None:
+                    missing.append(original(scale_short))
+                    continue
+                blocks = (-(-shape[0] // FP8_BLOCK), -(-shape[1] // FP8_BLOCK))
+                names = {"weight": expect(lin.stem + ".weight", shape, ("F8_E4M3",)),
+                         "scale_inv": expect(scale_short, blocks, ("F32", "BF16"))}
+                sources[lin] = _Source("fp8", names)
+            else:
+                sources[lin] = _Source("dense", {"weight": expect(lin.stem + ".weight", shape, _FLOAT_DTYPES)})
+        else:
+            missing.append(original(lin.stem + ".weight"))
+    for vec in vectors:
+        if info(vec.name) is None:
+            missing.append(original(vec.name))
+        else:
+            expect(vec.name, vec.shape, _FLOAT_DTYPES)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise HFCheckpointError(f"checkpoint is missing {len(missing)} tensor(s) the config needs: "
+                                f"{missing[:5]}{more}")
+    extra = sorted(canonical[s] for s in set(canonical) - used)
+    if extra:
+        more = f" (and {len(extra) - 5} more)" if len(extra) > 5 else ""
+        raise HFCheckpointError(f"checkpoint has {len(extra)} unexpected tensor(s) for this config: "
+                                f"{extra[:5]}{more}")
+    if any(s.kind == "fp8" for s in sources.values()) and method != "fp8":
+        raise HFCheckpointError("checkpoint holds F8_E4M3 weights but config.json has no fp8 quantization_config")
+    # A stacked expert leaf is all-INT4 or all-dense.
+    kinds: dict[tuple[str, ...], set[str]] = {}
+    for lin, src in sources.items():
+        if lin.expert is not None:
+            kinds.setdefault(lin.path, set()).add("int4" if src.kind == "int4" else "dense")
+    for path, k in kinds.items():
+        if len(k) > 1:
+            raise HFCheckpointError(f"experts of {'/'.join(path)} mix INT4-packed and dense weights")
+    return sources, vectors
+
+
+# ---------------------------------------------------------------------------------------- loading
+class _ShardReader:
+    """Reads tensors of one shard as numpy arrays on the host (bf16 / fp8 through ml_dtypes)."""
+
+    def __init__(self, path: Path, infos: dict[str, _TensorInfo]):
+        self.path, self.infos = path, infos
+        self._raw: dict[str, dict] | None = None
+        self._file = None
+
+    def __enter__(self):
+        self._file = safe_open(self.path, framework="flax").__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._file.__exit__(*exc)
+        self._raw = None
+
+    def get(self, name: str) -> np.ndarray:
+        info = self.infos[name]
+        if info.dtype == "F8_E4M3":
+            # safetensors' numpy/flax bindings cannot materialise F8 here; take the raw bytes through
+            # safetensors.deserialize (whole shard, once) and view them with ml_dtypes.
+            if self._raw is None:
+                self._raw = {k: v for k, v in deserialize(self.path.read_bytes())}
+            data = self._raw[name]["data"]
+            return np.frombuffer(bytes(data), _NUMPY_DTYPES["F8_E4M3"]).reshape(info.shape)
+        try:
+            with jax.default_device(jax.devices("cpu")[0]):
+                return np.asarray(self._file.get_tensor(name))
+        except SafetensorError as e:
+            raise HFCheckpointError(f"cannot read tensor {name!r} from {str(self.path)!r}: {e}") from None
+
+
+def _dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
+    """DeepSeek FP8: W = weight * scale_inv per 128x128 block (edge blocks cut). -> float32 [out, in]."""
+    out, inp = weight.shape
+    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), FP8_BLOCK, 0), FP8_BLOCK, 1)[:out, :inp]
+    return weight.astype(np.float32) * scale
+
+
+def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def load_hf(path: str | Path, dtype=jnp.bfloat16, *, progress: bool = True) -> tuple[ModelConfig, Params]:
+    """Load a Hugging Face DeepSeek-V3 / Kimi K2.x checkpoint directory.
+
+    Returns (cfg, params): params as in docs/params.md, weights in `dtype` (router and its bias in
+    float32; INT4 experts as INT4 leaves with the file's scale dtype). FP8 weights are dequantized.
+    Raises HFCheckpointError for a bad directory, config or tensor.
+    """
+    path = Path(path)
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise HFCheckpointError(f"dtype must be a floating dtype, got {dtype}")
+    cfg, raw = read_hf_config(path)
+    quant = _quantization(raw)
+    infos = _list_tensors(path)
+    kimi_k25 = _is_kimi_k25(raw)
+    canonical, _skipped = _canonical_names(infos, cfg, kimi_k25)
+    sources, vectors = _check(cfg, quant, infos, canonical, TEXT_PREFIX_K25 if kimi_k25 else "")
+
+    # Destination buffers on the host; stacked experts are filled expert by expert.
+    np_dtype = np.dtype(dtype)
+    stacks: dict[tuple[str, ...], dict[str, np.ndarray]] = {}
+    for lin, src in sources.items():
+        if lin.expert is None or lin.path in stacks:
+            continue
+        E, out, k = lin.num_experts, lin.out_features, lin.in_features
+        if src.kind == "int4":
+            scale_dtype = _NUMPY_DTYPES[infos[src.names["scale"]].dtype]
+            if scale_dtype == np.float16:  # the INT4 leaf takes bf16 or f32 scales; f16 -> f32 is exact
+                scale_dtype = np.dtype(np.float32)
+            stacks[lin.path] = {"packed": np.empty((E, out, k // PACK_FACTOR), np.int32),
+                                "scale": np.empty((E, out, k // GROUP_SIZE), scale_dtype)}
+        else:
+            stacks[lin.path] = {"dense": np.empty((E, k, out), np_dtype)}
+
+    # What to read from each shard: (file tensor name, handler)
+    by_file: dict[str, list[tuple[str, Any]]] = {}
+    for lin, src in sources.items():
+        by_file.setdefault(infos[next(iter(src.names.values()))].file, []).append(("linear", lin, src))
+    for vec in vectors:
+        by_file.setdefault(infos[canonical[vec.name]].file, []).append(("vector", vec, None))
+    params: Params = {}
+    total = sum(len(items) for items in by_file.values())
+    with tqdm(total=total, desc=f"loading {path.name}", unit="tensor", disable=not progress) as bar:
+        for file in sorted(by_file):
+            bar.set_postfix_str(file)
+            with _ShardReader(path / file, infos) as reader:
+                for kind, item, src in by_file[file]:
+                    if kind == "vector":
+                        value = reader.get(canonical[item.name])
+                        value = value.astype(np.float32 if item.float32 else np_dtype)
+                        _set(params, item.path, value)
+                    else:
+                        _load_linear(path, infos, reader, item, src, np_dtype, stacks, params)
+                    bar.update(1)
+
+    for stack_path, buffers in stacks.items():
+        if "dense" in buffers:
+            _set(params, stack_path, buffers["dense"])
+        else:
+            _set(params, stack_path, int4_leaf_from_compressed(jnp.asarray(buffers["packed"]),
+                                                               jnp.asarray(buffers["scale"])))
+    params = jax.tree.map(jnp.asarray, params)
+    return cfg, params
+
+
+def _read(path: Path, infos: dict[str, _TensorInfo], reader: _ShardReader, name: str) -> np.ndarray:
+    """A tensor of this linear that may live in another shard than its first tensor."""
+    if infos[name].file == reader.path.name:
+        return reader.get(name)
+    with _ShardReader(path / infos[name].file, infos) as other:
+        return other.get(name)
+
+
+def _load_linear(path: Path, infos: dict[str, _TensorInfo], reader: _ShardReader, lin: _Linear,
+                 src: _Source, np_dtype: np.dtype, stacks: dict, params: Params) -> None:
+    if src.kind == "int4":
+        packed = _read(path, infos, reader, src.names["packed"])  # int32 [N, K/8]
+        scale = _read(path, infos, reader, src.names["scale"])  # [N, K/32]
+        shape = _read(path, infos, reader, src.names["shape"])
+        want = (lin.out_features, lin.in_features)
+        if tuple(int(s) for s in shape) != want:
+            raise HFCheckpointError(f"tensor {src.names['shape']!r} says the weight is {shape.tolist()}, "
+                                    f"expected {list(want)} from config.json")
+        buffers = stacks[lin.path]
+        buffers["packed"][lin.expert] = packed
+        buffers["scale"][lin.expert] = scale.astype(buffers["scale"].dtype)
+        return
+    if src.kind == "fp8":
+        weight = _dequantize_fp8(_read(path, infos, reader, src.names["weight"]),
+                                 _read(path, infos, reader, src.names["scale_inv"]))
+    else:
+        weight = _read(path, infos, reader, src.names["weight"])  # [out, in]
+    if lin.expert is not None:
+        stacks[lin.path]["dense"][lin.expert] = weight.T
+    else:
+        _set(params, lin.path, weight.T.astype(np.float32 if lin.float32 else np_dtype))
