@@ -15,6 +15,7 @@ Everything is plain functions over a plain nested params dict (the tree Orbax sa
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping, NamedTuple
 
 import flax.linen as nn
@@ -236,6 +237,11 @@ def init_drafter_params(dcfg: DrafterConfig, key: jax.Array, dtype=jnp.float32) 
     """Random drafter params (weights ~ N(0, 1/fan_in), norms 1) as a plain nested dict; layout in
     docs/drafter.md. Linear weights are [in, out] (y = x @ W)."""
     dcfg.validate()
+    return _init_drafter_params(dcfg, key, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))  # one compile instead of one per random op
+def _init_drafter_params(dcfg: DrafterConfig, key: jax.Array, dtype) -> dict:
     names = drafter_param_names(dcfg)
     keys = jax.random.split(key, len(names))
     return {name: _init_component(dcfg, name, k, dtype) for name, k in zip(names, keys)}
@@ -406,6 +412,9 @@ def drafter_forward(dparams: dict, dcfg: DrafterConfig, cache: DrafterCache, emb
     if D != dcfg.hidden_size:
         raise ValueError(f"drafter_forward: embed_tokens must be [V, D={dcfg.hidden_size}], "
                          f"got {tuple(embed_tokens.shape)}")
+    if not hasattr(lm_head, "shape"):
+        raise ValueError(f"drafter_forward: lm_head must be a dense [D, V] array (lm_head is never INT4), "
+                         f"got {type(lm_head).__name__}")
     if lm_head.shape != (D, V):
         raise ValueError(f"drafter_forward: lm_head must be [D, V] = [{D}, {V}], got {tuple(lm_head.shape)}")
     if dcfg.mask_token_id >= V:
