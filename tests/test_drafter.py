@@ -149,6 +149,45 @@ def test_chunked_extend_equals_at_once():
     assert rel_err(got, want) < 1e-6
 
 
+def test_runs_inside_while_loop():
+    """Shape stability: extend + draft as the carried state of a lax.while_loop, as the DDTree loop does.
+    Each round appends a ragged number of context rows; the final draft equals the reference on the
+    whole context."""
+    dcfg = small_config()
+    params = random_params(dcfg)
+    embed, lm_head = target_weights(dcfg)
+    per_round = np.array([[1, 3, 2], [2, 0, 4]], np.int32)  # [B, rounds]
+    B, T = 2, 4
+    totals = per_round.sum(1)
+    hidden, _ = ragged_context(dcfg, totals, T=int(totals.max()))
+    rounds_hidden = np.zeros((3, B, T) + hidden.shape[2:], np.float32)  # [rounds, B, T, n, D]
+    done = np.zeros(B, np.int32)
+    for r in range(3):
+        for b in range(B):
+            rounds_hidden[r, b, :per_round[b, r]] = hidden[b, done[b]:done[b] + per_round[b, r]]
+        done += per_round[:, r]
+
+    @jax.jit
+    def run(params, embed, lm_head, rounds_hidden, per_round):
+        def body(state):
+            r, cache, _ = state
+            pos = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+            cache = drafter_extend_context(params, dcfg, cache, rounds_hidden[r], pos, per_round[:, r])
+            bonus = jnp.full((B,), 7, jnp.int32)
+            return r + 1, cache, drafter_forward(params, dcfg, cache, embed, lm_head, bonus, cache.lengths)
+
+        init = (0, init_drafter_cache(dcfg, B, 12), jnp.zeros((B, dcfg.block_size - 1, VOCAB), jnp.float32))
+        return jax.lax.while_loop(lambda s: s[0] < 3, body, init)
+
+    _, cache, logits = run(params, embed, lm_head, jnp.asarray(rounds_hidden), jnp.asarray(per_round))
+    np.testing.assert_array_equal(cache.lengths, totals)
+    p64 = ref.to_float64(params)
+    for b in range(B):
+        n = int(totals[b])
+        want = ref.drafter_logits(p64, dcfg, hidden[b, :n], np.arange(n), embed, lm_head, 7, n)
+        assert rel_err(logits[b], want) < TOL
+
+
 def test_linen_wrapper_agrees_with_plain_functions():
     dcfg = small_config()
     params = random_params(dcfg)
