@@ -24,6 +24,7 @@ tensor data is read.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ from kdtree_jax.config import ConfigError, ModelConfig
 from kdtree_jax.quant import GROUP_SIZE, PACK_FACTOR, int4_leaf_from_compressed
 
 Params = dict[str, Any]
+logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -417,7 +419,9 @@ def load_hf(path: str | Path, dtype=jnp.bfloat16, *, progress: bool = True) -> t
     quant = _quantization(raw)
     infos = _list_tensors(path)
     kimi_k25 = _is_kimi_k25(raw)
-    canonical, _skipped = _canonical_names(infos, cfg, kimi_k25)
+    canonical, skipped = _canonical_names(infos, cfg, kimi_k25)
+    if skipped:
+        logger.info("%s: skipping %d vision / MTP tensors (e.g. %s)", path, len(skipped), skipped[0])
     sources, vectors = _check(cfg, quant, infos, canonical, TEXT_PREFIX_K25 if kimi_k25 else "")
 
     # Destination buffers on the host; stacked experts are filled expert by expert.

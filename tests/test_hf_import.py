@@ -93,7 +93,7 @@ def test_configs_and_dtypes():
     assert params["layers_1"]["moe"]["experts"]["gate"].shape == (8, 64, 32)
     assert params["layers_1"]["moe"]["router"].dtype == jnp.float32
     assert params["layers_1"]["moe"]["router_bias"].dtype == jnp.float32
-    cfg25, _ = load_hf(FIXTURES / "hf_k25_dense", progress=False)
+    cfg25, _ = load_hf(FIXTURES / "hf_k25_dense")  # with the tqdm bar
     assert (cfg25.rope_scaling.beta_fast, cfg25.rope_scaling.factor) == (32.0, 64.0)
     assert (cfg25.n_group, cfg25.topk_group, cfg25.rms_norm_eps) == (2, 1, 1e-5)
 
