@@ -1,0 +1,33 @@
+"""Test helpers: random models with every path exercised, and the relative-error metric."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kdtree_jax as kj
+
+
+def rel_err(actual, expected) -> float:
+    """||actual - expected|| / ||expected|| in float64."""
+    a = np.asarray(actual, np.float64)
+    e = np.asarray(expected, np.float64)
+    return float(np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-300))
+
+
+def random_params(cfg: kj.ModelConfig, seed: int = 0, dtype=jnp.float32) -> dict:
+    """init_params plus random norm weights and router biases (they init to 1 / 0, which would leave
+    those code paths untested)."""
+    params = kj.init_params(cfg, jax.random.key(seed), dtype=dtype)
+    rng = np.random.default_rng(seed + 1000)
+
+    def perturb(path, leaf):
+        name = jax.tree_util.keystr(path)
+        if name.endswith("norm']"):
+            return jnp.asarray(1.0 + 0.2 * rng.standard_normal(leaf.shape), leaf.dtype)
+        if name.endswith("router_bias']"):
+            return jnp.asarray(0.5 * rng.standard_normal(leaf.shape), leaf.dtype)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(perturb, params)

@@ -1,0 +1,96 @@
+"""Autoregressive generation against the reference's greedy decoding, batching, stops and errors."""
+
+import jax
+import numpy as np
+import pytest
+
+import kdtree_jax as kj
+from helpers import random_params
+from reference import model as ref
+
+TINY = kj.ModelConfig.tiny()
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(TINY, seed=7)
+
+
+@pytest.mark.parametrize("seed,prompt_len", [(0, 1), (1, 5), (2, 13)])
+def test_greedy_matches_reference(seed, prompt_len):
+    params = random_params(TINY, seed=seed)
+    prompt = list(np.random.default_rng(seed).integers(3, TINY.vocab_size, prompt_len))
+    out = kj.generate(TINY, params, [prompt], max_new_tokens=8, stop_tokens=())
+    expected = ref.greedy_generate(params, TINY, prompt, 8)
+    assert list(np.asarray(out.tokens[0])) == expected
+    assert int(out.lengths[0]) == 8 and int(out.num_target_forwards) == 8
+
+
+def test_batch_rows_equal_single_runs(params):
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(3, TINY.vocab_size, n)) for n in (4, 1, 9)]
+    batch = kj.generate(TINY, params, prompts, max_new_tokens=6, stop_tokens=())
+    for i, prompt in enumerate(prompts):
+        single = kj.generate(TINY, params, [prompt], max_new_tokens=6, stop_tokens=())
+        np.testing.assert_array_equal(np.asarray(batch.tokens[i]), np.asarray(single.tokens[0]))
+
+
+def test_stop_tokens_end_rows_cleanly(params):
+    prompts = [[5, 6, 7], [9, 10]]
+    free = kj.generate(TINY, params, prompts, max_new_tokens=8, stop_tokens=())
+    stop = int(free.tokens[0, 2])  # row 0 hits it at its third token
+    out = kj.generate(TINY, params, prompts, max_new_tokens=8, stop_tokens=[stop])
+    first_hit = [list(np.asarray(free.tokens[i])).index(stop) + 1 if stop in np.asarray(free.tokens[i])
+                 else 8 for i in range(2)]
+    assert list(np.asarray(out.lengths)) == first_hit
+    for i in range(2):
+        n = first_hit[i]
+        np.testing.assert_array_equal(np.asarray(out.tokens[i, :n]), np.asarray(free.tokens[i, :n]))
+        assert np.all(np.asarray(out.tokens[i, n:]) == 0)
+    assert int(out.num_target_forwards) == max(first_hit)
+
+
+def test_sampling_is_deterministic_per_key_and_respects_top_k(params):
+    kwargs = dict(max_new_tokens=10, temperature=1.0, top_k=3, stop_tokens=())
+    a = kj.generate(TINY, params, [[4, 5]], key=jax.random.key(11), **kwargs)
+    b = kj.generate(TINY, params, [[4, 5]], key=jax.random.key(11), **kwargs)
+    c = kj.generate(TINY, params, [[4, 5]], key=jax.random.key(12), **kwargs)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
+    # every sampled token is among the top-3 of the reference logits at its step
+    seq = [4, 5]
+    for token in np.asarray(a.tokens[0]):
+        logits = ref.forward(params, TINY, np.array([seq]))[0, -1]
+        assert token in np.argsort(logits)[-3:]
+        seq.append(int(token))
+
+
+def test_top_p_tiny_keeps_only_the_argmax(params):
+    greedy = kj.generate(TINY, params, [[8, 9, 10]], max_new_tokens=5, stop_tokens=())
+    nucleus = kj.generate(TINY, params, [[8, 9, 10]], max_new_tokens=5, temperature=0.7, top_p=1e-6,
+                          key=jax.random.key(0), stop_tokens=())
+    np.testing.assert_array_equal(np.asarray(greedy.tokens), np.asarray(nucleus.tokens))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(prompts=[[1, 400]]), "outside the vocabulary"),
+    (dict(prompts=[[1, -3]]), "outside the vocabulary"),
+    (dict(prompts=[[]]), "non-empty"),
+    (dict(prompts=[]), "empty"),
+    (dict(prompts="hello"), "list of token-id lists"),
+    (dict(prompts=[[1.5, 2.0]]), "non-integer"),
+    (dict(prompts=[[1, 2]], max_new_tokens=0), "max_new_tokens"),
+    (dict(prompts=[[1, 2]], max_new_tokens=300), "max_position_embeddings"),
+    (dict(prompts=[[1, 2, 3]], max_new_tokens=10, max_len=8), "cannot hold"),
+    (dict(prompts=[[1, 2]], temperature=-1.0), "temperature"),
+    (dict(prompts=[[1, 2]], temperature=1.0), "PRNG key"),
+    (dict(prompts=[[1, 2]], top_k=0, temperature=1.0, key=jax.random.key(0)), "top_k"),
+    (dict(prompts=[[1, 2]], top_p=1.5, temperature=1.0, key=jax.random.key(0)), "top_p"),
+    (dict(prompts=[[1, 2]], method="beam"), "method"),
+    (dict(prompts=[[1, 2]], stop_tokens=[999]), "stop token"),
+    (dict(prompts=[[1, 2]], tree_budget=4), "takes no drafter"),
+])
+def test_bad_inputs_get_clear_errors(params, kwargs, match):
+    kwargs.setdefault("max_new_tokens", 4)
+    with pytest.raises(ValueError, match=match):
+        kj.generate(TINY, params, **kwargs)

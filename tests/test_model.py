@@ -1,0 +1,133 @@
+"""The target model against the NumPy float64 reference (reference/model.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdtree_jax as kj
+from helpers import random_params, rel_err
+from kdtree_jax import layers, model
+from reference import model as ref
+
+TINY = kj.ModelConfig.tiny()
+VARIANTS = {
+    "tiny": TINY,
+    "no_q_lora_no_yarn": TINY.replace(q_lora_rank=None, rope_scaling=None, num_hidden_layers=3),
+    "group_routing": TINY.replace(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3,
+                                  num_hidden_layers=3, first_k_dense_replace=2),
+    "no_shared_tied": TINY.replace(n_shared_experts=0, tie_word_embeddings=True, num_hidden_layers=3,
+                                   norm_topk_prob=False),
+    "kimi_k2_yarn": TINY.replace(rope_scaling=kj.YarnScaling(32.0, 64, beta_fast=1.0, beta_slow=1.0,
+                                                             mscale=1.0, mscale_all_dim=1.0),
+                                 num_hidden_layers=2),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+    return random_params(TINY, seed=0)
+
+
+def test_rms_norm_and_rope_match_reference():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 5, 16)).astype(np.float32)
+    w = rng.standard_normal(16).astype(np.float32)
+    assert rel_err(layers.rms_norm(jnp.asarray(x), jnp.asarray(w), 1e-5),
+                   ref.rms_norm(x.astype(np.float64), w.astype(np.float64), 1e-5)) < 1e-6
+    inv_freq, factor = layers.yarn_inv_freq(TINY)
+    np.testing.assert_allclose(inv_freq, ref.yarn_inv_freq(TINY), rtol=1e-12)
+    assert factor == pytest.approx(ref.yarn_attention_factor(TINY))
+    positions = np.array([[0, 3, 7, 100, 250]] * 2)
+    y = layers.apply_rope(jnp.asarray(x), jnp.asarray(positions), inv_freq, factor)
+    assert rel_err(y, ref.apply_rope_interleaved(x.astype(np.float64), positions[0], TINY)) < 1e-5
+    assert TINY.softmax_scale == pytest.approx(ref.softmax_scale(TINY), rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["tiny", "group_routing", "no_shared_tied"])
+def test_routing_matches_reference(name):
+    cfg = VARIANTS[name]
+    params = random_params(cfg, seed=3)
+    layer = params[f"layers_{cfg.first_k_dense_replace}"]["moe"]
+    x = np.random.default_rng(1).standard_normal((9, cfg.hidden_size)).astype(np.float32)
+    idx, weights = model.route(cfg, jnp.asarray(x), layer["router"], layer["router_bias"])
+    ref_idx, ref_w = ref.moe_route(ref.to_float64(layer), cfg, x.astype(np.float64))
+    order, ref_order = np.argsort(np.asarray(idx), -1), np.argsort(ref_idx, -1)
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(idx), order, -1),
+                                  np.take_along_axis(ref_idx, ref_order, -1))
+    assert rel_err(np.take_along_axis(np.asarray(weights), order, -1),
+                   np.take_along_axis(ref_w, ref_order, -1)) < 1e-6
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_forward_matches_reference(name):
+    cfg = VARIANTS[name]
+    params = random_params(cfg, seed=1)
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 11))
+    logits = kj.forward(params, cfg, tokens)
+    assert logits.shape == (2, 11, cfg.vocab_size) and logits.dtype == jnp.float32
+    assert rel_err(logits, ref.forward(params, cfg, tokens)) <= 1e-5
+
+
+def test_absorbed_cache_forward_equals_naive_forward_and_hidden_states(tiny_params):
+    tokens = np.random.default_rng(4).integers(0, TINY.vocab_size, (2, 9))
+    positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
+    cache = kj.init_cache(TINY, 2, 16)
+    logits, hidden, new_cache = jax.jit(
+        lambda p, t, c: kj.forward_with_cache(p, TINY, t, positions, c, hidden_layers=(0, 4)))(
+            tiny_params, jnp.asarray(tokens), cache)
+    naive = kj.forward(tiny_params, TINY, tokens)
+    assert rel_err(logits, naive) <= 1e-5
+    ref_logits, ref_hidden = ref.forward(tiny_params, TINY, tokens, return_hidden=(0, 4))
+    assert rel_err(hidden[:, :, 0], ref_hidden[0]) <= 1e-5
+    assert rel_err(hidden[:, :, 1], ref_hidden[4]) <= 1e-5
+    assert np.all(np.asarray(new_cache.latent[:, :, 9:]) == 0)  # nothing written past the new rows
+    assert np.any(np.asarray(new_cache.latent[:, :, :9]) != 0)
+
+
+def test_prefill_then_token_by_token_decode_equals_full_forward(tiny_params):
+    seq = np.random.default_rng(5).integers(0, TINY.vocab_size, (1, 12))
+    full = np.asarray(kj.forward(tiny_params, TINY, seq))
+    step = jax.jit(lambda p, t, pos, c: kj.forward_with_cache(p, TINY, t, pos, c))
+    cache = kj.init_cache(TINY, 1, 20)
+    logits, _, cache = step(tiny_params, jnp.asarray(seq[:, :5]), jnp.arange(5)[None], cache)
+    cache = cache._replace(lengths=jnp.array([5], jnp.int32))
+    got = [np.asarray(logits[0])]
+    for t in range(5, 12):
+        logits, _, cache = step(tiny_params, jnp.asarray(seq[:, t:t + 1]), jnp.array([[t]]), cache)
+        cache = cache._replace(lengths=cache.lengths + 1)
+        got.append(np.asarray(logits[0]))
+    assert rel_err(np.concatenate(got), full[0]) <= 1e-5
+
+
+def test_bf16_forward_runs_and_tracks_float32(tiny_params):
+    tokens = np.random.default_rng(6).integers(0, TINY.vocab_size, (1, 8))
+    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 and a.ndim and
+                        a.shape != (TINY.hidden_size, TINY.n_routed_experts) and
+                        a.shape != (TINY.n_routed_experts,) else a, tiny_params)
+    logits = kj.forward(bf16, TINY, tokens)
+    assert logits.dtype == jnp.float32 and np.all(np.isfinite(np.asarray(logits)))
+    assert rel_err(logits, kj.forward(tiny_params, TINY, tokens)) < 0.1
+
+
+def test_forward_rejects_bad_tokens(tiny_params):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        kj.forward(tiny_params, TINY, np.array([[1, TINY.vocab_size]]))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        kj.forward(tiny_params, TINY, np.array([[-1, 2]]))
+    with pytest.raises(ValueError, match="integer array"):
+        kj.forward(tiny_params, TINY, np.array([1, 2, 3]))
+    with pytest.raises(ValueError, match="integer array"):
+        kj.forward(tiny_params, TINY, np.array([[1.0, 2.0]]))
+
+
+def test_kimi_k26_preset_abstract_shapes():
+    cfg = kj.ModelConfig.kimi_k26()
+    abstract = jax.eval_shape(lambda: kj.init_params(cfg.replace(num_hidden_layers=2), jax.random.key(0),
+                                                     jnp.bfloat16))
+    attn = abstract["layers_1"]["attn"]
+    assert attn["q_b"].shape == (1536, 64 * 192) and attn["kv_b"].shape == (512, 64 * 256)
+    assert attn["kv_a"].shape == (7168, 576) and cfg.latent_dim == 576
+    assert abstract["layers_1"]["moe"]["experts"]["gate"].shape == (384, 7168, 2048)
+    assert abstract["layers_0"]["mlp"]["gate"].shape == (7168, 18432)
+    assert cfg.softmax_scale == pytest.approx(0.144680, abs=1e-6)
