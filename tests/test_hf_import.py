@@ -98,6 +98,23 @@ def test_configs_and_dtypes():
     assert (cfg25.n_group, cfg25.topk_group, cfg25.rms_norm_eps) == (2, 1, 1e-5)
 
 
+def test_kimi_k25_config_in_kimis_original_form(tmp_path):
+    """Kimi's own K2.5 config.json: text_config model_type kimi_k2 with legacy rope keys."""
+    path = copy_fixture("hf_k25_dense", tmp_path)
+    raw = json.loads((path / "config.json").read_text())
+    text = raw["text_config"]
+    rope = text.pop("rope_parameters")
+    text["rope_theta"] = rope.pop("rope_theta")
+    text["rope_scaling"] = dict(rope, type=rope.pop("rope_type"))
+    text["model_type"] = "kimi_k2"
+    (path / "config.json").write_text(json.dumps(raw))
+    cfg, params = load_hf(path, dtype=jnp.float32, progress=False)
+    reference_cfg, _ = load_hf(FIXTURES / "hf_k25_dense", dtype=jnp.float32, progress=False)
+    assert cfg == reference_cfg
+    tokens, want = oracle("hf_k25_dense")
+    assert rel_err(kj.forward(params, cfg, tokens), want) <= RTOL
+
+
 def test_mtp_layers_past_num_hidden_layers_are_skipped(tmp_path):
     path = copy_fixture("hf_k2_dense", tmp_path)
     extra = {"model.layers.3.eh_proj.weight": np.ones((64, 128), np.float32),
@@ -247,6 +264,15 @@ def test_unsupported_compressed_tensors_scheme(tmp_path):
     cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 128
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(HFCheckpointError, match="group_size"):
+        load_hf(path, progress=False)
+
+
+def test_unsupported_quant_method(tmp_path):
+    path = copy_fixture("hf_dsv3_f32", tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HFCheckpointError, match="unsupported quantization_config quant_method 'gptq'"):
         load_hf(path, progress=False)
 
 
