@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import jax
 
+from kdtree_jax.quant import int4_linear, is_int4_leaf
 
-def is_int4_leaf(w) -> bool:
-    return isinstance(w, dict)
+__all__ = ["is_int4_leaf", "linear"]
 
 
 def linear(x: jax.Array, w) -> jax.Array:
     """x [..., K] -> [..., N]. Dense weights are [K, N]; INT4 leaves go to the W4A16 kernel path."""
     if is_int4_leaf(w):
-        from kdtree_jax.quant import int4_linear  # noqa: PLC0415 (INT4 support is optional here)
-
         return int4_linear(x, w)
     return x @ w.astype(x.dtype)

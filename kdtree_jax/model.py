@@ -22,7 +22,7 @@ import numpy as np
 from kdtree_jax import attention
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.layers import apply_rope, rms_norm, swiglu, yarn_inv_freq
-from kdtree_jax.linear import linear
+from kdtree_jax.linear import is_int4_leaf, linear
 
 Params = dict[str, Any]
 
@@ -211,11 +211,10 @@ def routed_experts(x: jax.Array, experts: dict, idx: jax.Array, weights: jax.Arr
     larger ones run every expert on every token with a dense combine matrix. INT4 experts run one
     W4A16 matmul per expert (the grouped INT4 MoE kernel is future work)."""
     num_tokens, top_k = idx.shape
-    num_experts = experts["gate"]["packed"].shape[0] if isinstance(experts["gate"], dict) \
-        else experts["gate"].shape[0]
+    num_experts = jax.tree.leaves(experts["gate"])[0].shape[0]  # dense [E, D, I] or INT4 leaf [E, ...]
     combine = jnp.zeros((num_tokens, num_experts), jnp.float32).at[
         jnp.arange(num_tokens)[:, None], idx].add(weights)  # [N, E]
-    if isinstance(experts["gate"], dict):  # INT4 leaves: a static loop of per-expert W4A16 matmuls
+    if is_int4_leaf(experts["gate"]):  # INT4 leaves: a static loop of per-expert W4A16 matmuls
         out = jnp.zeros(x.shape, jnp.float32)
         for expert in range(num_experts):
             leaf = {k: jax.tree.map(lambda a: a[expert], v) for k, v in experts.items()}
