@@ -193,8 +193,8 @@ def test_traces_inside_jit_scan_and_while_loop():
         (dict(draft_logits=np.zeros((2, 3), np.float32), budget=2), r"\[B, L, V\]"),
         (dict(draft_logits=np.zeros((1, 0, 3), np.float32), budget=2), r"\[B, L, V\]"),
         (dict(draft_logits=np.zeros((1, 2, 3), np.int32), budget=2), "floating point"),
-        (dict(draft_logits=np.zeros((2, 2, 3), np.float32), budget=2, root_tokens=np.zeros(3, np.int32)), "root_tokens"),
-        (dict(draft_logits=np.zeros((2, 2, 3), np.float32), budget=2, root_tokens=np.zeros(2, np.float32)), "root_tokens"),
+        (dict(draft_logits=np.zeros((2, 2, 3), np.float32), budget=2, root_tokens=np.zeros(3, int)), "root_tokens"),
+        (dict(draft_logits=np.zeros((2, 2, 3), np.float32), budget=2, root_tokens=np.zeros(2, float)), "root_tokens"),
     ],
 )
 def test_bad_arguments_raise(args, match):
