@@ -20,6 +20,7 @@ Usage (GPU): python benchmarks/bench_tree_attention.py --out DIR [--budget-s 200
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -38,6 +39,19 @@ from pallas_kernels.tree_attention.kernel import tree_attention_pallas  # noqa: 
 
 COPY_BW = 3.4e12  # bytes/s, measured device copy on the H200 (kernels.md)
 PEAK_FLOPS = 800e12  # bf16 dense, measured 8192^3 matmul is 823 TFLOP/s
+# --plan tune: candidates per (S, T), from the first sweep (docs/tree_attention.md).
+_L = dict(rescale_threshold=8.0)
+TUNE_PLAN = {
+    (4096, 1): [dict(num_splits=16, **_L), dict(num_splits=8), dict(num_splits=16, partial_dtype="bfloat16")],
+    (4096, 33): [dict(num_splits=8, **_L), dict(num_splits=4), dict(block_kv=128, num_stages=1, num_splits=4),
+                 dict(num_splits=2)],
+    (4096, 129): [dict(num_splits=2, **_L), dict(num_splits=1), dict(block_kv=128, num_stages=1, num_splits=2)],
+    (32768, 1): [dict(block_kv=32, num_stages=3, num_splits=128, **_L), dict(num_splits=64),
+                 dict(block_kv=32, num_stages=3, num_splits=128, partial_dtype="bfloat16"),
+                 dict(block_kv=32, num_stages=3, num_splits=64)],
+    (32768, 33): [dict(num_splits=8, **_L), dict(num_splits=4), dict(block_kv=128, num_stages=1, num_splits=8)],
+    (32768, 129): [dict(num_splits=2, **_L), dict(num_splits=1), dict(block_kv=128, num_stages=1, num_splits=2)],
+}
 TARGET_US = {(32768, 1): 13, (4096, 33): 50, (4096, 129): 190, (32768, 33): 370}
 
 
@@ -113,6 +127,9 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--budget-s", type=float, default=200.0, help="stop sweeping after this many seconds")
     ap.add_argument("--smoke", action="store_true", help="CPU script check: tiny shapes, interpret mode")
+    ap.add_argument("--plan", choices=["sweep", "tune"], default="sweep",
+                    help="sweep: heuristic + tile shapes + split counts; tune: the TUNE_PLAN candidates")
+    ap.add_argument("--skip-xla", action="store_true", help="do not time the XLA baseline (already measured)")
     args = ap.parse_args()
     t_begin = time.time()
     on_gpu = jax.default_backend() == "gpu"
@@ -142,13 +159,16 @@ def main():
     entries = {}
     for S, T in shapes:
         cache_bytes = (S + T) * (c + r) * 2
-        n_buf = int(min(8, max(2, math.ceil(160e6 / cache_bytes)))) if not args.smoke else 2
+        # Only T = 1 is memory bound: there L2 residency matters, elsewhere 2 sets save compile time.
+        n_buf = int(min(8, max(2, math.ceil(160e6 / cache_bytes)))) if (T == 1 and not args.smoke) else 2
         sets = [make_set(rng, 1, T, H, c, r, S, dtype) for _ in range(n_buf)]
         fl_us, bytes_, flops = floor_us(S, T, H, c, r)
         ref0 = jax.jit(lambda *a: tree_mla_attention_reference(*a, scale=scale, value_dim=c))(*sets[0])
         e = dict(S=S, T=T, n_buf=n_buf, floor_us=fl_us, bytes=bytes_, flops=flops,
                  target_us=TARGET_US.get((S, T)), variants=[])
         try:
+            if args.skip_xla:
+                raise RuntimeError("skipped (--skip-xla)")
             out, t, _ = timer(lambda *a: xla_attention(*a, scale=scale, value_dim=c), sets)
             e["xla_us"], e["xla_rel_err"] = t, rel_err(out[0], ref0)
         except Exception as ex:  # noqa: BLE001 - record and go on: one failure must not lose the run
@@ -159,9 +179,7 @@ def main():
 
     def run_variant(S, T, cfg):
         e, sets, ref0 = entries[(S, T)]
-        rec = dict(config=dict(block_rows=cfg.block_rows, block_kv=cfg.block_kv, num_splits=cfg.num_splits,
-                               num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                               partial_dtype=cfg.partial_dtype))
+        rec = dict(config=dataclasses.asdict(cfg))
         try:
             fn = lambda *a: tree_attention_pallas(*a, scale=scale, value_dim=c, config=cfg, interpret=interpret)
             out, t, t_kernel = timer(fn, sets)
@@ -175,18 +193,30 @@ def main():
     def ok(rec):
         return "us" in rec and rec["rel_err"] < 2e-2
 
+    if args.plan == "tune":
+        # Round robin over the per-shape candidate lists so a budget cut loses the least.
+        plans = {st: [BlockConfig(**kw) for kw in TUNE_PLAN.get(st, [])] for st in shapes}
+        if args.smoke:
+            plans = {st: [BlockConfig(block_kv=16, num_splits=2, rescale_threshold=8.0)] for st in shapes}
+        for k in range(max(len(v) for v in plans.values())):
+            for st in shapes:
+                if k < len(plans[st]) and time.time() - t_begin < args.budget_s:
+                    run_variant(*st, plans[st][k])
+        shapes_to_sweep = []
+    else:
+        shapes_to_sweep = shapes
     # Phase A: the heuristic/table config everywhere (correctness + a first time).
-    for S, T in shapes:
+    for S, T in shapes_to_sweep:
         run_variant(S, T, pick_config(batch=1, num_tree=T, num_heads=H, latent_dim=c, rope_dim=r, cache_rows=S + T))
     # Phase B: tile shapes at the heuristic split count; Phase C: split counts with the best tiles.
     bases = [(64, 8, 2), (32, 8, 2), (32, 8, 3), (64, 8, 1)] if not args.smoke else [(16, 8, 2)]
-    for S, T in shapes:
+    for S, T in shapes_to_sweep:
         heur = pick_config(batch=1, num_tree=T, num_heads=H, latent_dim=c, rope_dim=r, cache_rows=S + T)
         for bk, w, st in bases[1:] if not args.smoke else bases:
             if time.time() - t_begin > args.budget_s:
                 break
             run_variant(S, T, BlockConfig(block_kv=bk, num_warps=w, num_stages=st, num_splits=heur.num_splits))
-    for S, T in shapes:
+    for S, T in shapes_to_sweep:
         e = entries[(S, T)][0]
         good = [v for v in e["variants"] if ok(v)]
         if not good:
@@ -216,7 +246,8 @@ def main():
         if good:
             b = min(good, key=lambda v: v["us"])
             cfg = b["config"]
-            cs = f"bk{cfg['block_kv']} w{cfg['num_warps']} st{cfg['num_stages']} split{cfg['num_splits']} {cfg['partial_dtype']}"
+            cs = (f"bk{cfg['block_kv']} w{cfg['num_warps']} st{cfg['num_stages']} split{cfg['num_splits']} "
+                  f"{cfg['partial_dtype']} tau{cfg.get('rescale_threshold', 0)}")
             xla = e.get("xla_us")
             lines.append(
                 f"| {e['S']} | {e['T']} | {e['floor_us']:.1f} | {e['target_us'] or '-'} | "

@@ -84,6 +84,9 @@ KERNEL_CASES = [
     (1, 1, 80, [70], BlockConfig(block_kv=16, num_splits=4), True),
     (1, 17, 70, [20], BlockConfig(block_kv=16, num_splits=2), False),
     (2, 11, 64, [3, 40], BlockConfig(block_kv=16, block_rows=32), True),
+    # lazy rescale: a small threshold takes both branches of the rescale cond
+    (2, 9, 120, [100, 33], BlockConfig(block_kv=16, num_splits=2, rescale_threshold=0.25), False),
+    (1, 6, 90, [70], BlockConfig(block_kv=32, rescale_threshold=8.0), False),
 ]
 
 
@@ -123,11 +126,11 @@ def test_kernel_lowers_for_cuda_at_k2_shapes():
 
     mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
                                                                num_cores=132))
-    for T, S_max, splits in [(1, 32768, 64), (33, 4096, 2), (129, 4096, 1)]:
+    for T, S_max, splits, tau in [(1, 32768, 64, 0.0), (33, 4096, 2, 8.0), (129, 4096, 1, 0.0)]:
         args = (jax.ShapeDtypeStruct((1, T, 64, 576), jnp.bfloat16), jax.ShapeDtypeStruct((1, S_max, 576), jnp.bfloat16),
                 jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, T, T), jnp.bool_))
         fn = lambda q, c, s, m: tree_attention_pallas(q, c, s, m, scale=0.04, value_dim=512,
-                                                      config=BlockConfig(num_splits=splits))
+                                                      config=BlockConfig(num_splits=splits, rescale_threshold=tau))
         with jax.sharding.use_abstract_mesh(mesh):
             text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "xla.gpu.triton" in text

@@ -42,6 +42,10 @@ class BlockConfig:
     num_warps / num_stages: Triton launch parameters (8 warps = 2 warpgroups share the
       [64, 512] f32 accumulator, as in FlashMLA).
     partial_dtype: dtype of the per-split normalized outputs when num_splits > 1.
+    rescale_threshold: 0 = classic online softmax (rescale the accumulator every KV tile);
+      tau > 0 = lazy rescale: keep the running max (log2 units) until some row's tile max exceeds
+      it by more than tau, so most tiles skip the [block_rows, c] rescale; probabilities then
+      reach at most 2**tau before normalization (exact in f32; tau <= 8 keeps bf16 p safe).
     """
 
     block_rows: int = 64
@@ -50,6 +54,7 @@ class BlockConfig:
     num_warps: int = 8
     num_stages: int = 2
     partial_dtype: str = "float32"
+    rescale_threshold: float = 0.0
 
     def __post_init__(self):
         for name in ("block_rows", "block_kv"):
@@ -60,6 +65,8 @@ class BlockConfig:
             raise ValueError(f"BlockConfig.num_splits must be >= 1, got {self.num_splits}")
         if self.partial_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"BlockConfig.partial_dtype must be float32 or bfloat16, got {self.partial_dtype!r}")
+        if not 0.0 <= self.rescale_threshold <= 8.0:
+            raise ValueError(f"BlockConfig.rescale_threshold must be in [0, 8], got {self.rescale_threshold}")
 
 
 def _tree_attention_kernel(
@@ -74,6 +81,7 @@ def _tree_attention_kernel(
     scale_log2: float,
     block_kv: int,
     num_splits: int,
+    rescale_threshold: float,
 ):
     b = pl.program_id(0)
     split = pl.program_id(2)
@@ -105,15 +113,26 @@ def _tree_attention_kernel(
         s = s * scale_log2  # [BR, BK] logits in log2 units
         if masked:
             s = jnp.where(visible, s, NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))  # [BR]
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])  # [BR, BK]
+        m_tile = jnp.max(s, axis=1)  # [BR]
+        if rescale_threshold > 0:
+            def rescale(acc, m, l):
+                m_new = jnp.maximum(m, m_tile)
+                alpha = jnp.exp2(m - m_new)
+                return acc * alpha[:, None], m_new, l * alpha
+
+            grow = jnp.max(m_tile - m) > rescale_threshold  # one branch for the whole tile
+            acc, m, l = jax.lax.cond(grow, rescale, lambda acc, m, l: (acc, m, l), acc, m, l)
+        else:
+            m_new = jnp.maximum(m, m_tile)
+            alpha = jnp.exp2(m - m_new)
+            acc, m, l = acc * alpha[:, None], m_new, l * alpha
+        p = jnp.exp2(s - m[:, None])  # [BR, BK], <= 2**rescale_threshold
         if masked:
-            # A row with nothing visible yet has m_new == NEG and would get p == 1 here.
+            # A row with nothing visible yet has m == NEG and would get p == 1 here.
             p = jnp.where(visible, p, 0.0)
-        l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(k_c.dtype), k_c, preferred_element_type=jnp.float32)
-        return acc, m_new, l
+        l = l + jnp.sum(p, axis=1)
+        acc = acc + jnp.dot(p.astype(k_c.dtype), k_c, preferred_element_type=jnp.float32)
+        return acc, m, l
 
     carry = (
         jnp.zeros((block_rows, c), jnp.float32),
@@ -176,7 +195,7 @@ def tree_attention_pallas(q, cache, start, tree_mask, *, scale: float, value_dim
 
     kernel = functools.partial(
         _tree_attention_kernel, c=c, r=r, num_tree=T, scale_log2=float(scale) * LOG2E,
-        block_kv=BK, num_splits=NS)
+        block_kv=BK, num_splits=NS, rescale_threshold=config.rescale_threshold)
     in_specs = [
         pl.BlockSpec((B,), lambda b, i, s: (0,)),
         pl.BlockSpec((None, BR, D), lambda b, i, s: (b, i, 0)),
