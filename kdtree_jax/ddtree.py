@@ -1,0 +1,229 @@
+"""DDTree (and DFlash) speculative decoding: the whole decode loop in one `jax.jit` (docs: ddtree.md).
+
+One round, all shapes static (T = 1 + tree budget):
+  draft    the drafter reads the context features of the committed tokens and proposes L = block-1
+           positions of logits from the bonus token;
+  build    best-first tree of `budget` drafts (or DFlash's argmax chain);
+  verify   ONE target forward over the T tree tokens at positions start + depth, each seeing the
+           committed prefix and its own ancestors; their latent rows land in cache slots start..start+T;
+  accept   posterior = argmax (or an independent target sample) at every node; walk from the root
+           while a child carries the posterior token of its parent: m nodes, next bonus = posterior[last];
+  compact  cache rows start + a_k -> start + k; the accepted nodes' hidden states become drafter context.
+Rows of a batch advance independently (own start, own acceptance); finished rows idle.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from kdtree_jax.config import ModelConfig
+from kdtree_jax.drafter import (DrafterCache, DrafterConfig, drafter_extend_context, drafter_forward,
+                                init_drafter_cache)
+from kdtree_jax.generate import (GenerateOutput, SamplingParams, cache_length, emit, prefill, sample)
+from kdtree_jax.linear import is_int4_leaf
+from kdtree_jax.model import KVCache, Params, forward_with_cache, init_cache
+from kdtree_jax.tree import Tree, build_chain, build_tree
+
+MAX_TREE_BUDGET = 1024
+
+
+# ------------------------------------------------------------------------------------- draft models
+@flax.struct.dataclass
+class DFlashDraft:
+    """The block-diffusion drafter conditioned on target hidden states (kdtree_jax.drafter)."""
+
+    dcfg: DrafterConfig = flax.struct.field(pytree_node=False)
+    dparams: Any
+
+    @property
+    def block_size(self) -> int:
+        return self.dcfg.block_size
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return tuple(self.dcfg.target_layer_ids)
+
+    def init_state(self, batch: int, max_len: int, dtype) -> DrafterCache:
+        return init_drafter_cache(self.dcfg, batch, max_len, dtype)
+
+    def extend(self, state, hidden, positions, num_valid):
+        return drafter_extend_context(self.dparams, self.dcfg, state, hidden, positions, num_valid)
+
+    def draft(self, state, cfg: ModelConfig, params: Params, bonus, block_start):
+        embed = params["embed_tokens"]
+        lm_head = embed.T if cfg.tie_word_embeddings else params["lm_head"]
+        return drafter_forward(self.dparams, self.dcfg, state, embed, lm_head, bonus, block_start)
+
+
+@flax.struct.dataclass
+class OracleDraft:
+    """A drafter that knows the answer: at block start s it puts all mass on `sequence[b, s+1 ..]`.
+
+    For tests and upper-bound benchmarks: with the true greedy continuation every round accepts the
+    whole block. `sequence` [B, S] int32 holds prompt + continuation (positions past S draft token 0)."""
+
+    sequence: jax.Array
+    block: int = flax.struct.field(pytree_node=False)
+    vocab_size: int = flax.struct.field(pytree_node=False)
+
+    @property
+    def block_size(self) -> int:
+        return self.block
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return ()
+
+    def init_state(self, batch: int, max_len: int, dtype):
+        return jnp.zeros((batch,), jnp.int32)
+
+    def extend(self, state, hidden, positions, num_valid):
+        return state + num_valid
+
+    def draft(self, state, cfg: ModelConfig, params: Params, bonus, block_start):
+        steps = block_start[:, None] + jnp.arange(1, self.block, dtype=jnp.int32)[None, :]  # [B, L]
+        tokens = jnp.take_along_axis(self.sequence, jnp.minimum(steps, self.sequence.shape[1] - 1), axis=1)
+        tokens = jnp.where(steps < self.sequence.shape[1], tokens, 0)
+        return jnp.where(jax.nn.one_hot(tokens, self.vocab_size, dtype=bool), 0.0, -1e9)  # [B, L, V]
+
+
+def as_draft_model(cfg: ModelConfig, drafter):
+    if isinstance(drafter, (DFlashDraft, OracleDraft)):
+        return drafter
+    if isinstance(drafter, tuple) and len(drafter) == 2 and isinstance(drafter[0], DrafterConfig):
+        dcfg, dparams = drafter
+        dcfg.validate()
+        dcfg.check_target(cfg)
+        return DFlashDraft(dcfg, dparams)
+    raise ValueError("drafter must be (DrafterConfig, drafter params), a DFlashDraft or an OracleDraft, "
+                     f"got {type(drafter).__name__}")
+
+
+# ------------------------------------------------------------------------------------ one round
+def accept_path(tree: Tree, posterior: jax.Array, max_depth: int):
+    """Greedy walk: from the root, move to the child whose token equals posterior[current].
+
+    tree: T slots; posterior [B, T]. Returns (path [B, max_depth + 1] node ids, padded with the last
+    node; m [B] nodes on the path, >= 1; next bonus token [B])."""
+    batch = posterior.shape[0]
+    rows = jnp.arange(batch)
+    current = jnp.zeros((batch,), jnp.int32)
+    walking = jnp.ones((batch,), bool)
+    path = [current]
+    length = jnp.ones((batch,), jnp.int32)
+    for _ in range(max_depth):
+        wanted = posterior[rows, current]  # [B]
+        match = tree.valid & (tree.parents == current[:, None]) & (tree.tokens == wanted[:, None])
+        found = jnp.any(match, axis=1) & walking
+        current = jnp.where(found, jnp.argmax(match, axis=1).astype(jnp.int32), current)
+        walking = found
+        length = length + found.astype(jnp.int32)
+        path.append(current)
+    return jnp.stack(path, axis=1), length, posterior[rows, current]
+
+
+def compact_cache(latent: jax.Array, start: jax.Array, path: jax.Array) -> jax.Array:
+    """Move cache rows start + path[b, k] to start + k (all layers). latent [L, B, S, C]; the rows
+    past start + m are garbage afterwards, beyond the new committed length."""
+    def one_row(rows_cache, s, nodes):  # rows_cache [L, S, C]
+        moved = jnp.take(rows_cache, s + nodes, axis=1)  # [L, K, C]
+        return jax.lax.dynamic_update_slice(rows_cache, moved, (0, s, 0))
+
+    return jax.vmap(one_row, in_axes=(1, 0, 0), out_axes=1)(latent, start, path)
+
+
+class _State(NamedTuple):
+    out: jax.Array  # [B, N]
+    count: jax.Array  # [B]
+    done: jax.Array  # [B]
+    bonus: jax.Array  # [B] last emitted token: not yet in the target cache
+    cache: KVCache
+    draft_state: Any
+    key: jax.Array
+    rounds: jax.Array  # []
+    accepted: jax.Array  # [B, N] tokens committed per round
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "budget", "max_new_tokens", "max_len",
+                                             "sampling", "stop_tokens"))
+def _generate(params, draft_model, prompt_tokens, prompt_lengths, key, *, cfg, method, budget,
+              max_new_tokens, max_len, sampling, stop_tokens):
+    batch = prompt_tokens.shape[0]
+    dtype = params["embed_tokens"].dtype
+    depth = draft_model.block_size - 1
+    hidden_layers = draft_model.hidden_layers
+
+    cache = init_cache(cfg, batch, max_len, dtype)
+    last_logits, hidden, cache = prefill(params, cfg, prompt_tokens, prompt_lengths, cache, hidden_layers)
+    draft_state = draft_model.init_state(batch, max_len, dtype)
+    positions = jnp.broadcast_to(jnp.arange(prompt_tokens.shape[1], dtype=jnp.int32), prompt_tokens.shape)
+    draft_state = draft_model.extend(draft_state, hidden, positions, prompt_lengths)
+    key, sub = jax.random.split(key)
+    bonus = sample(last_logits, sub, sampling)
+    out = jnp.zeros((batch, max_new_tokens), jnp.int32)
+    out, count, done, _ = emit(out, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool),
+                               bonus[:, None], jnp.ones((batch,), jnp.int32), stop_tokens)
+    state = _State(out, count, done, bonus, cache, draft_state, key, jnp.int32(0),
+                   jnp.zeros((batch, max_new_tokens), jnp.int32))
+
+    def body(s: _State) -> _State:
+        start = s.cache.lengths  # [B]
+        draft_logits = draft_model.draft(s.draft_state, cfg, params, s.bonus, start)  # [B, L, V]
+        if method == "dflash":
+            tree = build_chain(draft_logits, root_tokens=s.bonus)
+        else:
+            tree = build_tree(draft_logits, budget, root_tokens=s.bonus)
+        positions = start[:, None] + tree.depths  # [B, T]
+        logits, hidden, cache = forward_with_cache(params, cfg, tree.tokens, positions, s.cache,
+                                                   visibility=tree.visible, hidden_layers=hidden_layers)
+        key, sub = jax.random.split(s.key)
+        posterior = sample(logits, sub, sampling)  # [B, T]: independent per node when sampling
+        path, length, next_bonus = accept_path(tree, posterior, depth)
+        # emitted this round: the accepted drafts then the new bonus = posterior along the path
+        new_tokens = jnp.take_along_axis(posterior, path, axis=1)  # [B, L + 1]
+        out, count, done, took = emit(s.out, s.count, s.done, new_tokens, length, stop_tokens)
+        advance = jnp.where(s.done, 0, length)  # finished rows stay put
+        latent = compact_cache(cache.latent, start, path)
+        cache = KVCache(latent=latent, lengths=start + advance)
+        path_hidden = jnp.take_along_axis(hidden, path[:, :, None, None], axis=1)  # [B, L+1, n, D]
+        path_positions = start[:, None] + jnp.arange(depth + 1, dtype=jnp.int32)[None, :]
+        draft_state = draft_model.extend(s.draft_state, path_hidden, path_positions, advance)
+        accepted = s.accepted.at[:, s.rounds].set(took)
+        return _State(out, count, done, next_bonus, cache, draft_state, key, s.rounds + 1, accepted)
+
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+    return GenerateOutput(tokens=state.out, lengths=state.count, num_target_forwards=state.rounds + 1,
+                          rounds=state.rounds, acceptance_lengths=state.accepted)
+
+
+def generate_speculative(cfg: ModelConfig, params: Params, tokens, lengths, key, *, drafter, method: str,
+                         tree_budget: int | None, max_new_tokens: int, sampling: SamplingParams,
+                         stop_tokens: tuple[int, ...], max_len: int | None) -> GenerateOutput:
+    """DDTree / DFlash generation (called by `kdtree_jax.generate`, which checks the prompts)."""
+    if drafter is None:
+        raise ValueError(f"method={method!r} needs a drafter: drafter=(DrafterConfig, drafter params)")
+    draft_model = as_draft_model(cfg, drafter)
+    depth = draft_model.block_size - 1
+    if method == "dflash":
+        if tree_budget is not None:
+            raise ValueError("method='dflash' drafts a single chain of block_size - 1 tokens; "
+                             "tree_budget applies to method='ddtree' only")
+        tree_slots = 1 + depth
+    else:
+        if (not isinstance(tree_budget, int) or isinstance(tree_budget, bool)
+                or not 1 <= tree_budget <= MAX_TREE_BUDGET):
+            raise ValueError(f"method='ddtree' needs tree_budget, an integer in [1, {MAX_TREE_BUDGET}], "
+                             f"got {tree_budget!r}")
+        tree_slots = 1 + tree_budget
+    if not cfg.tie_word_embeddings and is_int4_leaf(params.get("lm_head")):
+        raise ValueError("the drafter shares the target's lm_head, which must be dense (never INT4)")
+    # verify writes T rows past the committed length; compaction rewrites depth + 1 rows there
+    cache_rows = cache_length(cfg, tokens.shape[1], max_new_tokens, max(tree_slots, depth + 1), max_len)
+    return _generate(params, draft_model, jnp.asarray(tokens), jnp.asarray(lengths), key, cfg=cfg,
+                     method=method, budget=tree_budget, max_new_tokens=max_new_tokens, max_len=cache_rows,
+                     sampling=sampling, stop_tokens=stop_tokens)
