@@ -12,7 +12,9 @@ Each timed program runs the op on n_buf independent input sets in sequence (>= ~
 where that is <= 8 sets) so the cache is not simply L2 resident; time per op = program / n_buf;
 median of 5 runs after a warm-up.
 
-Usage (GPU): python benchmarks/bench_tree_attention.py --out DIR [--budget-s 200]
+Usage (GPU): python benchmarks/bench_tree_attention.py --out DIR [--budget-s 200] [--plan tune --skip-xla]
+       merge:  python benchmarks/bench_tree_attention.py --summarize RUN1.json RUN2.json
+               (writes benchmarks/results/tree_attention_h200.{md,png})
        (CPU):  python benchmarks/bench_tree_attention.py --smoke   # tiny shapes, interpret mode,
                checks the script only; its timings mean nothing.
 """
@@ -266,5 +268,61 @@ def main():
     print(f"elapsed {time.time() - t_begin:.0f}s")
 
 
+def summarize(paths, out_dir):
+    """Merge device runs (JSON files of this script) into tree_attention_h200.{md,png}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [json.load(open(p)) for p in paths]
+    merged = {}
+    for run in runs:
+        for e in run["shapes"]:
+            m = merged.setdefault((e["S"], e["T"]), dict(e, variants=[]))
+            if "xla_us" in e:
+                m["xla_us"] = e["xla_us"]
+            m["variants"] += [dict(v, date=run["meta"]["date"]) for v in e["variants"] if "us" in v]
+    meta = runs[0]["meta"]
+    lines = [f"# Tree-masked MLA attention on the {meta['device']} (jax {meta['jax']})", "",
+             f"Runs: {', '.join(r['meta']['date'] for r in runs)} (UTC). H={meta['H']}, c={meta['c']}, "
+             f"r={meta['r']}, B=1, {meta['dtype']}, random trees, start = S. Device time by CUPTI "
+             "(median of 5; all kernels of one call: row-mask build + Triton kernel + LSE combine). "
+             "Floor = max(bytes / 3.4 TB/s, FLOPs / 800 TFLOP/s). XLA = plain jnp (bf16 einsums, f32 softmax).",
+             "", "| S | T | floor us | target us | XLA us | kernel us | kernel TFLOP/s | vs XLA | floor/kernel | config | max rel err |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    labels, rows = [], []
+    for (S, T), e in sorted(merged.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        b = min(e["variants"], key=lambda v: v["us"])
+        c = b["config"]
+        cs = (f"bk{c['block_kv']} st{c['num_stages']} split{c['num_splits']}"
+              f"{' lazy' if c.get('rescale_threshold') else ''}"
+              f"{' bf16-partials' if c['partial_dtype'] == 'bfloat16' else ''}")
+        xla = e.get("xla_us")
+        lines.append(f"| {S} | {T} | {e['floor_us']:.1f} | {e['target_us'] or '-'} | {xla:.1f} | {b['us']:.1f} | "
+                     f"{e['flops'] / b['us'] / 1e6:.0f} | {xla / b['us']:.2f}x | {e['floor_us'] / b['us']:.0%} | "
+                     f"{cs} | {b['rel_err']:.1e} |")
+        labels.append(f"S={S}\nT={T}")
+        rows.append((e["floor_us"], e["target_us"] or np.nan, xla, b["us"]))
+    with open(os.path.join(out_dir, "tree_attention_h200.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    rows = np.array(rows, float)
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    x = np.arange(len(labels))
+    for k, name in enumerate(["floor", "target", "XLA (jnp)", "Pallas kernel"]):
+        ax.bar(x + (k - 1.5) * 0.2, rows[:, k], 0.2, label=name)
+    ax.set_yscale("log")
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("device time per call (us)")
+    ax.set_title(f"Tree MLA attention, H=64, c=512, r=64, B=1 - {meta['device']}, jax {meta['jax']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "tree_attention_h200.png"), dpi=110)
+    print("\n".join(lines))
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1 and sys.argv[1] == "--summarize":
+        summarize(sys.argv[2:], os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    else:
+        main()
