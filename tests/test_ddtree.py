@@ -1,0 +1,189 @@
+"""The central invariant - greedy DDTree == greedy autoregressive, token for token - plus deep
+acceptance with a drafter that knows the answer, and lossless sampling (chi-square)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdtree_jax as kj
+from helpers import random_params
+from kdtree_jax.ddtree import OracleDraft, accept_path
+from kdtree_jax.drafter import DrafterConfig, init_drafter_params
+from kdtree_jax.tree import build_tree
+from reference import model as ref
+
+TINY = kj.ModelConfig.tiny()
+SMALL_VOCAB = TINY.replace(vocab_size=24, mask_token_id=23, num_hidden_layers=2)
+
+
+def make_drafter(cfg, seed, block_size=4, layers=1):
+    dcfg = DrafterConfig.for_target(cfg, num_layers=layers, block_size=block_size)
+    return dcfg, init_drafter_params(dcfg, jax.random.key(seed))
+
+
+def ragged_prompts(cfg, seed, lengths):
+    rng = np.random.default_rng(seed)
+    return [list(rng.integers(3, cfg.vocab_size, n)) for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    params = random_params(TINY, seed=0)
+    prompts = ragged_prompts(TINY, 0, (5, 1, 9))
+    ar = kj.generate(TINY, params, prompts, max_new_tokens=14, stop_tokens=())
+    return params, prompts, ar
+
+
+@pytest.mark.parametrize("budget", [1, 2, 7, 32, 100])
+def test_greedy_ddtree_equals_autoregressive(tiny, budget):
+    params, prompts, ar = tiny
+    out = kj.generate(TINY, params, prompts, max_new_tokens=14, method="ddtree",
+                      drafter=make_drafter(TINY, seed=budget), tree_budget=budget, stop_tokens=())
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens))
+    np.testing.assert_array_equal(np.asarray(out.lengths), [14, 14, 14])
+    assert int(out.num_target_forwards) == int(out.rounds) + 1
+    assert np.asarray(out.acceptance_lengths).sum(axis=1).tolist() == [13, 13, 13]  # + 1 from prefill
+
+
+def test_greedy_dflash_equals_autoregressive(tiny):
+    params, prompts, ar = tiny
+    out = kj.generate(TINY, params, prompts, max_new_tokens=14, method="dflash",
+                      drafter=make_drafter(TINY, seed=5, block_size=6))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_invariant_on_more_random_models_and_the_reference(seed):
+    cfg = TINY.replace(num_hidden_layers=3)
+    params = random_params(cfg, seed=seed)
+    prompts = ragged_prompts(cfg, seed, (3, 7))
+    out = kj.generate(cfg, params, prompts, max_new_tokens=10, method="ddtree",
+                      drafter=make_drafter(cfg, seed, block_size=5, layers=2), tree_budget=12, stop_tokens=())
+    for i, prompt in enumerate(prompts):
+        assert list(np.asarray(out.tokens[i])) == ref.greedy_generate(params, cfg, prompt, 10)
+
+
+def test_vocabulary_smaller_than_budget():
+    params = random_params(SMALL_VOCAB, seed=4)
+    prompts = ragged_prompts(SMALL_VOCAB, 4, (4, 2))
+    ar = kj.generate(SMALL_VOCAB, params, prompts, max_new_tokens=12, stop_tokens=())
+    out = kj.generate(SMALL_VOCAB, params, prompts, max_new_tokens=12, method="ddtree",
+                      drafter=make_drafter(SMALL_VOCAB, 4), tree_budget=100, stop_tokens=())
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens))
+
+
+def oracle_for(prompts, continuation, block_size, vocab):
+    width = max(len(p) for p in prompts) + continuation.shape[1]
+    seq = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        seq[i, : len(p)] = p
+        seq[i, len(p): len(p) + continuation.shape[1]] = continuation[i]
+    return OracleDraft(jnp.asarray(seq), block_size, vocab)
+
+
+@pytest.mark.parametrize("method,budget", [("ddtree", 4), ("ddtree", 9), ("dflash", None)])
+def test_drafter_that_knows_the_answer_accepts_full_blocks(tiny, method, budget):
+    params, prompts, ar = tiny
+    block = 5
+    oracle = oracle_for(prompts, np.asarray(ar.tokens), block, TINY.vocab_size)
+    out = kj.generate(TINY, params, prompts, max_new_tokens=14, method=method, drafter=oracle,
+                      tree_budget=budget, stop_tokens=())
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens))
+    # the prefill gives 1 token, each round `block` tokens (the last round what is left)
+    assert int(out.rounds) == math.ceil((14 - 1) / block)
+    acc = np.asarray(out.acceptance_lengths)[:, : int(out.rounds)]
+    assert np.all(acc[:, :-1] == block) and np.all(acc[:, -1] == (14 - 1) - block * (int(out.rounds) - 1))
+
+
+def test_stop_tokens_and_ragged_finish_with_oracle(tiny):
+    params, prompts, ar = tiny
+    stop = int(ar.tokens[1, 6])  # row 1 stops at its 7th token, inside a block
+    expected = kj.generate(TINY, params, prompts, max_new_tokens=14, stop_tokens=[stop])
+    oracle = oracle_for(prompts, np.asarray(ar.tokens), 4, TINY.vocab_size)
+    out = kj.generate(TINY, params, prompts, max_new_tokens=14, method="ddtree", drafter=oracle,
+                      tree_budget=6, stop_tokens=[stop])
+    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(expected.lengths))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(expected.tokens))
+
+
+def test_accept_path_walks_the_matching_children():
+    # scores: [0] -0.51, [0, 0] -0.62, [1] -0.92 -> node 1 = token 0 (depth 1), node 2 = token 2 (child
+    # of node 1), node 3 = token 1 (depth 1)
+    logits = jnp.log(jnp.array([[[0.6, 0.4, 0.0, 0.0], [0.0, 0.0, 0.9, 0.1]]]) + 1e-9)
+    tree = build_tree(logits, 3, root_tokens=jnp.array([3]))
+    assert np.asarray(tree.tokens).tolist() == [[3, 0, 2, 1]]
+    assert np.asarray(tree.parents).tolist() == [[-1, 0, 1, 0]]
+    posterior = jnp.array([[0, 2, 1, 3]])  # root wants 0 (node 1), node 1 wants 2 (node 2), node 2 wants 1
+    path, length, bonus = accept_path(tree, posterior, max_depth=2)
+    assert np.asarray(path).tolist() == [[0, 1, 2]] and int(length[0]) == 3 and int(bonus[0]) == 1
+    path, length, bonus = accept_path(tree, jnp.array([[1, 2, 0, 0]]), max_depth=2)  # node 3, a leaf
+    assert np.asarray(path).tolist() == [[0, 3, 3]] and int(length[0]) == 2 and int(bonus[0]) == 0
+    path, length, bonus = accept_path(tree, jnp.array([[2, 2, 0, 1]]), max_depth=2)  # no child has 2
+    assert int(length[0]) == 1 and int(bonus[0]) == 2
+
+
+def _chi_square_critical(dof: int, z: float = 3.09) -> float:
+    """Upper 0.1% point of chi-square (Wilson-Hilferty)."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def _chi_square(samples: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
+    n = len(samples)
+    observed = np.bincount(samples, minlength=len(probs)).astype(float)
+    expected = probs * n
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    return stat, int(keep.sum()) - 1
+
+
+def test_sampling_is_lossless_chi_square():
+    cfg = SMALL_VOCAB
+    params = random_params(cfg, seed=9)
+    prompt = [5, 9, 2, 7]
+    # exact distribution of the 2nd generated token: sum_t1 p(t1 | prompt) p(t2 | prompt, t1)
+    p1 = _softmax(ref.forward(params, cfg, np.array([prompt]))[0, -1])
+    batch = np.array([prompt + [t] for t in range(cfg.vocab_size)])
+    p2 = (p1[:, None] * _softmax(ref.forward(params, cfg, batch)[:, -1])).sum(0)
+    # a uniform drafter (zero final norm) with a tree holding every depth-1 token: the 2nd token is
+    # always sampled at a verified tree node, so the tree path is what is tested
+    dcfg, dparams = make_drafter(cfg, 0, block_size=3)
+    dparams = {**dparams, "final_norm": jnp.zeros_like(dparams["final_norm"])}
+    n = 3000
+    kwargs = dict(max_new_tokens=2, temperature=1.0, stop_tokens=(), key=jax.random.key(123))
+    out = kj.generate(cfg, params, [prompt] * n, method="ddtree", drafter=(dcfg, dparams),
+                      tree_budget=30, **kwargs)
+    assert np.all(np.asarray(out.acceptance_lengths)[:, 0] >= 1)
+    stat, dof = _chi_square(np.asarray(out.tokens[:, 1]), p2)
+    assert stat < _chi_square_critical(dof), (stat, dof)
+    # the same test must reject a biased sampler (temperature 0.7 instead of 1)
+    biased = kj.generate(cfg, params, [prompt] * n, method="ddtree", drafter=(dcfg, dparams),
+                         tree_budget=30, **{**kwargs, "temperature": 0.7})
+    stat, dof = _chi_square(np.asarray(biased.tokens[:, 1]), p2)
+    assert stat > _chi_square_critical(dof), (stat, dof)
+
+
+def _softmax(logits):
+    z = np.exp(logits - logits.max(-1, keepdims=True))
+    return z / z.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(method="ddtree", tree_budget=4), "needs a drafter"),
+    (dict(method="ddtree", tree_budget=0, drafter="d"), "tree_budget"),
+    (dict(method="ddtree", tree_budget=5000, drafter="d"), "tree_budget"),
+    (dict(method="ddtree", drafter="d"), "tree_budget"),
+    (dict(method="dflash", tree_budget=3, drafter="d"), "tree_budget applies"),
+    (dict(method="ddtree", tree_budget=3, drafter=("x", "y")), "drafter must be"),
+])
+def test_bad_speculative_arguments(tiny, kwargs, match):
+    params, prompts, _ = tiny
+    if kwargs.get("drafter") == "d":
+        kwargs["drafter"] = make_drafter(TINY, 0)
+    with pytest.raises(ValueError, match=match):
+        kj.generate(TINY, params, prompts, max_new_tokens=4, **kwargs)
