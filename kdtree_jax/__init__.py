@@ -4,17 +4,26 @@ Public API (see README.md):
     cfg = kj.ModelConfig.tiny()                       # or kj.ModelConfig.from_hf_config(dict)
     params = kj.init_params(cfg, jax.random.key(0))
     logits = kj.forward(params, cfg, tokens)          # [B, S] -> [B, S, V]
-    out = kj.generate(cfg, params, prompts, max_new_tokens=64, method="ar")
+    out = kj.generate(cfg, params, prompts, max_new_tokens=64, method="ddtree",
+                      drafter=(dcfg, dparams), tree_budget=32)
     kj.save_checkpoint(path, cfg, params); cfg, params = kj.load_checkpoint(path)
+    cfg, params = kj.load_hf(hf_dir)
 """
 
 from kdtree_jax.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from kdtree_jax.config import ConfigError, ModelConfig, YarnScaling
+from kdtree_jax.ddtree import DFlashDraft, OracleDraft
+from kdtree_jax.drafter import (DrafterCache, DrafterConfig, drafter_extend_context, drafter_forward,
+                                init_drafter_cache, init_drafter_params)
 from kdtree_jax.generate import GenerateOutput, generate
+from kdtree_jax.hf import HFCheckpointError, load_hf
 from kdtree_jax.model import KVCache, forward, forward_with_cache, init_cache, init_params
+from kdtree_jax.tree import Tree, build_chain, build_tree
 
 __all__ = [
-    "CheckpointError", "ConfigError", "GenerateOutput", "KVCache", "ModelConfig", "YarnScaling",
-    "forward", "forward_with_cache", "generate", "init_cache", "init_params", "load_checkpoint",
+    "CheckpointError", "ConfigError", "DFlashDraft", "DrafterCache", "DrafterConfig", "GenerateOutput",
+    "HFCheckpointError", "KVCache", "ModelConfig", "OracleDraft", "Tree", "YarnScaling", "build_chain",
+    "build_tree", "drafter_extend_context", "drafter_forward", "forward", "forward_with_cache", "generate",
+    "init_cache", "init_drafter_cache", "init_drafter_params", "init_params", "load_checkpoint", "load_hf",
     "save_checkpoint",
 ]
