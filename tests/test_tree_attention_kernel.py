@@ -111,6 +111,13 @@ def test_kernel_interpret_bf16(partial_dtype):
     assert rel_err(out, truth) < 2e-2
 
 
+def test_kernel_interpret_cache_shorter_than_a_tile():
+    q, cache, start, tree, truth = make_inputs(6, B=2, T=3, S_max=10, starts=[7, 2], dtype=jnp.float32, **TINY)
+    fn = jax.jit(lambda *a: tree_mla_attention(*a, scale=0.3 / np.sqrt(80), value_dim=64, impl="pallas",
+                                               interpret=True))  # default tiling: block_kv 64 > S_max
+    assert rel_err(fn(q, cache, start, tree), truth) < 1e-5
+
+
 def test_auto_on_cpu_is_the_reference_path():
     if HAS_GPU:
         pytest.skip("on a GPU, impl='auto' picks the kernel; covered by test_kernel_native_gpu")

@@ -188,6 +188,12 @@ def tree_attention_pallas(q, cache, start, tree_mask, *, scale: float, value_dim
     R_pad = n_row_tiles * BR
     W = 2 * BK + T
 
+    if S_max < BK:
+        # Tiny caches (test models): a [BK, c + r] tile must exist for the (never executed)
+        # unmasked-load path to trace. The extra rows lie past start + T: never visible, and the
+        # tail loads mask them. Copies fewer than BK rows.
+        cache = jnp.pad(cache, ((0, 0), (0, BK - S_max), (0, 0)))
+        S_max = BK
     q_rows = q.reshape(B, R, D)  # [B, R, c + r], row = t * H + h
     if R_pad != R:  # only when T * H is not a multiple of block_rows (never for H = 64)
         q_rows = jnp.pad(q_rows, ((0, 0), (0, R_pad - R), (0, 0)))
