@@ -404,15 +404,112 @@ def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
     tree[path[-1]] = value
 
 
-def load_hf(path: str | Path, dtype=jnp.bfloat16, *, progress: bool = True) -> tuple[ModelConfig, Params]:
-    """Load a Hugging Face DeepSeek-V3 / Kimi K2.x checkpoint directory.
+class HFImport:
+    """A checked Hugging Face checkpoint, loaded one top-level params entry at a time.
 
-    Returns (cfg, params): params as in docs/params.md, weights in `dtype` (router and its bias in
-    float32; INT4 experts as INT4 leaves with the file's scale dtype). FP8 weights are dequantized.
-    Raises HFCheckpointError for a bad directory, config or tensor.
+    `open_hf` runs every header check; then `load(key)` or iteration yields `(key, subtree)` for
+    `entries` = embed_tokens, layers_0 .. layers_{L-1}, final_norm[, lm_head], so a converter holds about
+    one layer in host memory, never the whole model. Shards stay open only while a later entry still
+    needs them.
     """
+
+    progress_bar = None  # a tqdm bar that counts tensors as they are read (load_hf sets one)
+
+    def __init__(self, path: Path, cfg: ModelConfig, raw: dict, dtype, infos: dict[str, _TensorInfo],
+                 canonical: dict[str, str], sources: dict, vectors: list):
+        self.path, self.cfg, self.raw, self.dtype = path, cfg, raw, jnp.dtype(dtype)
+        self._infos, self._canonical = infos, canonical
+        self.entries: tuple[str, ...] = ("embed_tokens", *(f"layers_{i}" for i in range(cfg.num_hidden_layers)),
+                                      "final_norm", *(() if cfg.tie_word_embeddings else ("lm_head",)))
+        # key -> [(kind, item, source)]: what to read for that entry
+        self._items: dict[str, list[tuple[str, Any, Any]]] = {k: [] for k in self.entries}
+        for lin, src in sources.items():
+            self._items[lin.path[0]].append(("linear", lin, src))
+        for vec in vectors:
+            self._items[vec.path[0]].append(("vector", vec, None))
+        # INT4 stacked experts: "layers_1/moe/experts/gate" -> scale dtype name of the params leaf
+        self.int4_leaves: dict[str, str] = {}
+        for lin, src in sources.items():
+            if src.kind == "int4":
+                self.int4_leaves["/".join(lin.path)] = self._int4_scale_dtype(src).name
+        self.num_tensors = sum(len(v) for v in self._items.values())
+
+    def _files(self, key: str) -> set[str]:
+        files = set()
+        for kind, item, src in self._items[key]:
+            names = [self._canonical[item.name]] if kind == "vector" else list(src.names.values())
+            files.update(self._infos[n].file for n in names)
+        return files
+
+    def _int4_scale_dtype(self, src) -> np.dtype:
+        scale_dtype = _NUMPY_DTYPES[self._infos[src.names["scale"]].dtype]
+        # the INT4 leaf takes bf16 or f32 scales; f16 -> f32 is exact
+        return np.dtype(np.float32) if scale_dtype == np.float16 else scale_dtype
+
+    def __iter__(self):
+        """Yield (key, subtree) in `entries` order; subtrees are jax arrays like load_hf's."""
+        last_use = {}
+        for i, key in enumerate(self.entries):
+            for file in self._files(key):
+                last_use[file] = i
+        readers: dict[str, _ShardReader] = {}
+        try:
+            for i, key in enumerate(self.entries):
+                yield key, self._load(key, readers)
+                for file in [f for f, last in last_use.items() if last == i and f in readers]:
+                    readers.pop(file).__exit__(None, None, None)
+        finally:
+            for reader in readers.values():
+                reader.__exit__(None, None, None)
+
+    def load(self, key: str):
+        """The params subtree `key` (one of `entries`)."""
+        if key not in self._items:
+            raise KeyError(f"{key!r} is not a top-level params entry of this model (entries: {self.entries[0]} .. "
+                           f"{self.entries[-1]})")
+        readers: dict[str, _ShardReader] = {}
+        try:
+            return self._load(key, readers)
+        finally:
+            for reader in readers.values():
+                reader.__exit__(None, None, None)
+
+    def _load(self, key: str, readers: dict[str, "_ShardReader"]):
+        def get(name: str) -> np.ndarray:
+            file = self._infos[name].file
+            if file not in readers:
+                readers[file] = _ShardReader(self.path / file, self._infos).__enter__()
+            return readers[file].get(name)
+
+        np_dtype = np.dtype(self.dtype)
+        params: Params = {}
+        stacks: dict[tuple[str, ...], dict[str, np.ndarray]] = {}
+        for kind, item, src in self._items[key]:
+            if kind == "vector":
+                value = get(self._canonical[item.name]).astype(np.float32 if item.float32 else np_dtype)
+                _set(params, item.path, value)
+            else:
+                _load_linear(get, item, src, np_dtype, stacks, params, self)
+            if self.progress_bar is not None:
+                self.progress_bar.update(1)
+        for stack_path, buffers in stacks.items():
+            if "dense" in buffers:
+                _set(params, stack_path, buffers["dense"])
+            else:
+                _set(params, stack_path, int4_leaf_from_compressed(jnp.asarray(buffers["packed"]),
+                                                                   jnp.asarray(buffers["scale"])))
+        return jax.tree.map(jnp.asarray, params[key])
+
+
+def open_hf(path: str | Path, dtype=jnp.bfloat16) -> HFImport:
+    """Check a Hugging Face DeepSeek-V3 / Kimi K2.x checkpoint directory (config and every shard
+    header; no tensor data is read) and return an HFImport that loads it entry by entry.
+    Raises HFCheckpointError for a bad directory, config or tensor."""
     path = Path(path)
-    dtype = jnp.dtype(dtype)
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise HFCheckpointError(f"dtype must be a floating dtype, got {dtype!r}") from None
     if not jnp.issubdtype(dtype, jnp.floating):
         raise HFCheckpointError(f"dtype must be a floating dtype, got {dtype}")
     cfg, raw = read_hf_config(path)
@@ -423,68 +520,40 @@ def load_hf(path: str | Path, dtype=jnp.bfloat16, *, progress: bool = True) -> t
     if skipped:
         logger.info("%s: skipping %d vision / MTP tensors (e.g. %s)", path, len(skipped), skipped[0])
     sources, vectors = _check(cfg, quant, infos, canonical, TEXT_PREFIX_K25 if kimi_k25 else "")
+    return HFImport(path, cfg, raw, dtype, infos, canonical, sources, vectors)
 
-    # Destination buffers on the host; stacked experts are filled expert by expert.
-    np_dtype = np.dtype(dtype)
-    stacks: dict[tuple[str, ...], dict[str, np.ndarray]] = {}
-    for lin, src in sources.items():
-        if lin.expert is None or lin.path in stacks:
-            continue
+
+def load_hf(path: str | Path, dtype=jnp.bfloat16, *, progress: bool = True) -> tuple[ModelConfig, Params]:
+    """Load a Hugging Face DeepSeek-V3 / Kimi K2.x checkpoint directory.
+
+    Returns (cfg, params): params as in docs/params.md, weights in `dtype` (router and its bias in
+    float32; INT4 experts as INT4 leaves with the file's scale dtype). FP8 weights are dequantized.
+    Raises HFCheckpointError for a bad directory, config or tensor.
+    """
+    hf = open_hf(path, dtype)
+    with tqdm(total=hf.num_tensors, desc=f"loading {hf.path.name}", unit="tensor", disable=not progress) as bar:
+        hf.progress_bar = bar
+        try:
+            params = dict(hf)
+        finally:
+            hf.progress_bar = None
+    return hf.cfg, params
+
+
+def _load_linear(get, lin: _Linear, src: _Source, np_dtype: np.dtype, stacks: dict, params: Params,
+                 hf: HFImport) -> None:
+    """Read one HF linear through `get(file tensor name)` into params (or into its expert stack)."""
+    if lin.expert is not None and lin.path not in stacks:  # first expert of a stack: allocate it
         E, out, k = lin.num_experts, lin.out_features, lin.in_features
         if src.kind == "int4":
-            scale_dtype = _NUMPY_DTYPES[infos[src.names["scale"]].dtype]
-            if scale_dtype == np.float16:  # the INT4 leaf takes bf16 or f32 scales; f16 -> f32 is exact
-                scale_dtype = np.dtype(np.float32)
             stacks[lin.path] = {"packed": np.empty((E, out, k // PACK_FACTOR), np.int32),
-                                "scale": np.empty((E, out, k // GROUP_SIZE), scale_dtype)}
+                                "scale": np.empty((E, out, k // GROUP_SIZE), hf._int4_scale_dtype(src))}
         else:
             stacks[lin.path] = {"dense": np.empty((E, k, out), np_dtype)}
-
-    # What to read from each shard: (file tensor name, handler)
-    by_file: dict[str, list[tuple[str, Any]]] = {}
-    for lin, src in sources.items():
-        by_file.setdefault(infos[next(iter(src.names.values()))].file, []).append(("linear", lin, src))
-    for vec in vectors:
-        by_file.setdefault(infos[canonical[vec.name]].file, []).append(("vector", vec, None))
-    params: Params = {}
-    total = sum(len(items) for items in by_file.values())
-    with tqdm(total=total, desc=f"loading {path.name}", unit="tensor", disable=not progress) as bar:
-        for file in sorted(by_file):
-            bar.set_postfix_str(file)
-            with _ShardReader(path / file, infos) as reader:
-                for kind, item, src in by_file[file]:
-                    if kind == "vector":
-                        value = reader.get(canonical[item.name])
-                        value = value.astype(np.float32 if item.float32 else np_dtype)
-                        _set(params, item.path, value)
-                    else:
-                        _load_linear(path, infos, reader, item, src, np_dtype, stacks, params)
-                    bar.update(1)
-
-    for stack_path, buffers in stacks.items():
-        if "dense" in buffers:
-            _set(params, stack_path, buffers["dense"])
-        else:
-            _set(params, stack_path, int4_leaf_from_compressed(jnp.asarray(buffers["packed"]),
-                                                               jnp.asarray(buffers["scale"])))
-    params = jax.tree.map(jnp.asarray, params)
-    return cfg, params
-
-
-def _read(path: Path, infos: dict[str, _TensorInfo], reader: _ShardReader, name: str) -> np.ndarray:
-    """A tensor of this linear that may live in another shard than its first tensor."""
-    if infos[name].file == reader.path.name:
-        return reader.get(name)
-    with _ShardReader(path / infos[name].file, infos) as other:
-        return other.get(name)
-
-
-def _load_linear(path: Path, infos: dict[str, _TensorInfo], reader: _ShardReader, lin: _Linear,
-                 src: _Source, np_dtype: np.dtype, stacks: dict, params: Params) -> None:
     if src.kind == "int4":
-        packed = _read(path, infos, reader, src.names["packed"])  # int32 [N, K/8]
-        scale = _read(path, infos, reader, src.names["scale"])  # [N, K/32]
-        shape = _read(path, infos, reader, src.names["shape"])
+        packed = get(src.names["packed"])  # int32 [N, K/8]
+        scale = get(src.names["scale"])  # [N, K/32]
+        shape = get(src.names["shape"])
         want = (lin.out_features, lin.in_features)
         if tuple(int(s) for s in shape) != want:
             raise HFCheckpointError(f"tensor {src.names['shape']!r} says the weight is {shape.tolist()}, "
@@ -494,10 +563,9 @@ def _load_linear(path: Path, infos: dict[str, _TensorInfo], reader: _ShardReader
         buffers["scale"][lin.expert] = scale.astype(buffers["scale"].dtype)
         return
     if src.kind == "fp8":
-        weight = _dequantize_fp8(_read(path, infos, reader, src.names["weight"]),
-                                 _read(path, infos, reader, src.names["scale_inv"]))
+        weight = _dequantize_fp8(get(src.names["weight"]), get(src.names["scale_inv"]))
     else:
-        weight = _read(path, infos, reader, src.names["weight"])  # [out, in]
+        weight = get(src.names["weight"])  # [out, in]
     if lin.expert is not None:
         stacks[lin.path]["dense"][lin.expert] = weight.T
     else:
