@@ -1,10 +1,18 @@
 """Orbax checkpoints of a config + params tree, written atomically and restored against the
 abstract tree the config implies (Orbax alone would restore a partial tree silently).
 
-Layout of a checkpoint directory:
+Layout of a checkpoint directory (format 2):
     config.json      {"kind": "target" | "drafter", "config": {...}, "param_dtype": "...",
-                      "quantization": null | {...}, "format": 1}
-    params/          the Orbax (OCDBT) tree
+                      "quantization": null | {...}, "format": 2, "entries": [...]}
+    params/<entry>/  one Orbax (OCDBT) item per top-level params entry (embed_tokens, layers_0, ...,
+                     final_norm, lm_head), holding the tree {entry: subtree}
+One item per entry lets `CheckpointWriter` write a model layer by layer (peak host memory about one
+layer; `kdtree_jax.convert`) and a reader restore it entry by entry. Format 1 (params/ one Orbax tree)
+is still read.
+
+`quantization` names the INT4 leaves. Either {"int4_leaves": {"layers_1/moe/experts/gate": "bfloat16",
+...}} (path -> scale dtype; what an HF INT4 import writes), or any other dict, which is handed to
+`kdtree_jax.quant.abstract_quantized(abstract, cfg, quantization)` (the `kj.quantize` policy form).
 """
 
 from __future__ import annotations
@@ -22,8 +30,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from kdtree_jax.config import ModelConfig
+from kdtree_jax.drafter import DrafterConfig, init_drafter_params
+from kdtree_jax.quant import GROUP_SIZE, is_int4_leaf
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 
 
 class CheckpointError(RuntimeError):
@@ -36,8 +47,36 @@ _KINDS: dict[str, tuple[type, Callable[[dict], Any], Callable[[Any, Any, dict], 
 
 def register_kind(kind: str, config_type: type, config_from_dict: Callable[[dict], Any],
                   abstract_params: Callable[[Any, Any, dict], Any]) -> None:
-    """Teach save/load a new kind of config (the drafter registers itself)."""
+    """Teach save/load a new kind of config."""
     _KINDS[kind] = (config_type, config_from_dict, abstract_params)
+
+
+def abstract_int4_leaves(abstract, int4_leaves: dict[str, str]):
+    """Replace the dense abstract leaves named in `int4_leaves` ("a/b/c" -> scale dtype name) by the
+    abstract INT4 leaf: dense [..., K, N] -> {"qweight": int16 [..., N, K/4], "scale": [..., N, K/32]}."""
+    if not isinstance(int4_leaves, dict):
+        raise CheckpointError(f"quantization['int4_leaves'] must be a dict path -> scale dtype, got {int4_leaves!r}")
+    abstract = jax.tree.map(lambda x: x, abstract)  # a copy we may edit
+    for name, scale_dtype in int4_leaves.items():
+        *parents, last = name.split("/")
+        node = abstract
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+            if node is None:
+                break
+        if not isinstance(node, dict) or last not in node or not hasattr(node[last], "shape"):
+            raise CheckpointError(f"quantization names INT4 leaf {name!r}, which is not a dense weight of this "
+                                  "config")
+        try:
+            scale_dtype = jnp.dtype(scale_dtype)
+        except TypeError:
+            raise CheckpointError(f"INT4 leaf {name!r}: bad scale dtype {scale_dtype!r}") from None
+        *lead, k, n = node[last].shape
+        if k % GROUP_SIZE:
+            raise CheckpointError(f"INT4 leaf {name!r}: input dim {k} is not a multiple of {GROUP_SIZE}")
+        node[last] = {"qweight": jax.ShapeDtypeStruct((*lead, n, k // 4), jnp.int16),
+                      "scale": jax.ShapeDtypeStruct((*lead, n, k // GROUP_SIZE), scale_dtype)}
+    return abstract
 
 
 def _abstract_target(cfg: ModelConfig, dtype, meta: dict):
@@ -45,14 +84,23 @@ def _abstract_target(cfg: ModelConfig, dtype, meta: dict):
 
     abstract = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype))
     quantization = meta.get("quantization")
-    if quantization:
+    if quantization and "int4_leaves" in quantization:
+        abstract = abstract_int4_leaves(abstract, quantization["int4_leaves"])
+    elif quantization:
         from kdtree_jax.quant import abstract_quantized  # noqa: PLC0415
 
         abstract = abstract_quantized(abstract, cfg, quantization)
     return abstract
 
 
+def _abstract_drafter(dcfg: DrafterConfig, dtype, meta: dict):
+    if meta.get("quantization"):
+        raise CheckpointError("drafter checkpoints are never quantized")
+    return jax.eval_shape(lambda: init_drafter_params(dcfg, jax.random.key(0), dtype))
+
+
 register_kind("target", ModelConfig, ModelConfig.from_dict, _abstract_target)
+register_kind("drafter", DrafterConfig, DrafterConfig.from_dict, _abstract_drafter)
 
 
 def _kind_of(cfg) -> str:
@@ -63,49 +111,127 @@ def _kind_of(cfg) -> str:
 
 
 def _param_dtype(params) -> str:
-    floats = {np.dtype(leaf.dtype).name for leaf in jax.tree.leaves(params)
-              if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim >= 2
+    leaves = jax.tree.leaves(params, is_leaf=is_int4_leaf)
+    floats = {np.dtype(leaf.dtype).name for leaf in leaves
+              if not is_int4_leaf(leaf) and jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim >= 2
               and np.dtype(leaf.dtype) != np.float32}
-    # Router weights are always float32; the remaining matrices define the model's dtype.
+    # Router weights are always float32 and INT4 scales have their own dtype; the remaining
+    # matrices define the model's dtype.
     return floats.pop() if len(floats) == 1 else "float32"
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+class CheckpointWriter:
+    """Writes a checkpoint entry by entry into a temporary sibling directory; `commit()` checks the
+    written tensor index against the config's abstract tree, then renames it into place. Any failure
+    or interrupt before that (use it as a context manager) removes the temporary directory, so a
+    half-written checkpoint never appears at `path`.
+
+        with CheckpointWriter(path, cfg, param_dtype="bfloat16") as w:
+            for entry, subtree in ...:    # in any order; every entry of w.entries exactly once
+                w.write(entry, subtree)
+    """
+
+    def __init__(self, path: str | os.PathLike, cfg, *, param_dtype, quantization: dict | None = None,
+                 overwrite: bool = False):
+        self.path = Path(path).absolute()
+        if self.path.exists() and not overwrite:
+            raise CheckpointError(f"{self.path} already exists (pass overwrite=True to replace it)")
+        cfg.validate()
+        kind = _kind_of(cfg)
+        try:
+            param_dtype = jnp.dtype(param_dtype).name
+        except TypeError:
+            raise CheckpointError(f"bad param_dtype {param_dtype!r}") from None
+        self.cfg = cfg
+        self.meta = {"format": FORMAT_VERSION, "kind": kind, "config": cfg.to_dict(), "param_dtype": param_dtype,
+                     "quantization": quantization}
+        self.expected = _KINDS[kind][2](cfg, jnp.dtype(param_dtype), self.meta)
+        self.entries: tuple[str, ...] = tuple(self.expected)
+        self.meta["entries"] = list(self.entries)
+        self.written: list[str] = []
+        self._tmp = self.path.parent / f".{self.path.name}.tmp-{uuid.uuid4().hex[:8]}"
+        self._checkpointer = ocp.StandardCheckpointer()
+        self._state = "open"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        (self._tmp / "params").mkdir(parents=True)
+
+    def write(self, entry: str, subtree) -> None:
+        """Check `subtree` against the config and write it as params/<entry>; blocks until on disk, so
+        the caller may drop it right after."""
+        if self._state != "open":
+            raise CheckpointError(f"checkpoint writer for {self.path} is {self._state}")
+        if entry not in self.expected:
+            raise CheckpointError(f"{entry!r} is not a params entry of this config (entries: {list(self.entries)})")
+        if entry in self.written:
+            raise CheckpointError(f"params entry {entry!r} was already written")
+        _check_tree({entry: self.expected[entry]}, {entry: _abstract(subtree)}, f"params to save at {self.path}")
+        self._checkpointer.save(self._tmp / "params" / entry, {entry: subtree})
+        self._checkpointer.wait_until_finished()
+        self.written.append(entry)
+
+    def commit(self) -> Path:
+        """Verify what is on disk against the abstract tree and move it into place."""
+        if self._state != "open":
+            raise CheckpointError(f"checkpoint writer for {self.path} is {self._state}")
+        missing = [e for e in self.entries if e not in self.written]
+        if missing:
+            raise CheckpointError(f"checkpoint {self.path} is incomplete: entries {missing} were never written")
+        _check_tree(self.expected, _saved_index(self._tmp, self.meta, self.expected),
+                    f"checkpoint written at {self.path}")
+        (self._tmp / "config.json").write_text(json.dumps(self.meta, indent=2))
+        if self.path.exists():  # overwrite: swap in the new one, then drop the old
+            trash = self.path.parent / f".{self.path.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(self.path, trash)
+            os.rename(self._tmp, self.path)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(self._tmp, self.path)
+        self._state = "committed"
+        return self.path
+
+    def abort(self) -> None:
+        """Drop everything written so far (idempotent)."""
+        if self._state == "open":
+            self._state = "aborted"
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None and self._state == "open":
+            try:
+                self.commit()
+            except BaseException:
+                self.abort()
+                raise
+        elif self._state != "committed":
+            self.abort()
 
 
 def save_checkpoint(path: str | os.PathLike, cfg, params, *, quantization: dict | None = None,
                     overwrite: bool = False) -> Path:
-    """Write cfg + params to `path` atomically: everything goes to a temporary sibling directory
-    that is renamed into place only once complete, so an interrupted save leaves no checkpoint."""
+    """Write cfg + params to `path` atomically (see CheckpointWriter): an interrupted or failed save
+    leaves no checkpoint and no temporary directory."""
     path = Path(path).absolute()
     if path.exists() and not overwrite:
         raise CheckpointError(f"{path} already exists (pass overwrite=True to replace it)")
-    cfg.validate()
-    kind = _kind_of(cfg)
-    meta = {"format": FORMAT_VERSION, "kind": kind, "config": cfg.to_dict(),
-            "param_dtype": _param_dtype(params), "quantization": quantization}
-    expected = _KINDS[kind][2](cfg, jnp.dtype(meta["param_dtype"]), meta)
-    _check_tree(expected, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params),
-                f"params to save at {path}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.mkdir()
-        checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save(tmp / "params", params)
-        checkpointer.wait_until_finished()
-        (tmp / "config.json").write_text(json.dumps(meta, indent=2))
-        if path.exists():  # overwrite: swap in the new one, then drop the old
-            trash = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(path, trash)
-            os.rename(tmp, path)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    writer = CheckpointWriter(path, cfg, param_dtype=_param_dtype(params), quantization=quantization,
+                              overwrite=overwrite)
+    with writer:
+        # Check the whole tree first, so a bad save fails before any tensor is written.
+        _check_tree(writer.expected, _abstract(params), f"params to save at {path}")
+        for entry in writer.entries:
+            writer.write(entry, params[entry])
     return path
 
 
 def read_checkpoint_meta(path: str | os.PathLike) -> dict:
+    """The config.json of a checkpoint directory (kind, config, param_dtype, quantization, format)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint directory at {path}")
@@ -116,34 +242,69 @@ def read_checkpoint_meta(path: str | os.PathLike) -> dict:
         meta = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_file} is not valid JSON: {e}") from None
-    if meta.get("format") != FORMAT_VERSION or meta.get("kind") not in _KINDS:
-        raise CheckpointError(f"{config_file}: unsupported checkpoint format {meta.get('format')!r} / "
-                              f"kind {meta.get('kind')!r}")
+    if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS or meta.get("kind") not in _KINDS:
+        got = meta if not isinstance(meta, dict) else (meta.get("format"), meta.get("kind"))
+        raise CheckpointError(f"{config_file}: unsupported checkpoint format / kind {got!r} "
+                              f"(readable formats {READABLE_FORMATS}, kinds {sorted(_KINDS)})")
     return meta
+
+
+def _item_metadata(directory: Path):
+    try:
+        return ocp.StandardCheckpointer().metadata(directory).item_metadata.tree
+    except Exception as e:  # orbax raises many types for damaged directories
+        raise CheckpointError(f"cannot read the tensor index of {directory}: {e}") from None
+
+
+def _saved_index(path: Path, meta: dict, expected) -> dict:
+    """The tensor index (shapes/dtypes) of the params on disk, as one tree."""
+    if meta["format"] == 1:
+        return _item_metadata(path / "params")
+    params_dir = path / "params"
+    if not params_dir.is_dir():
+        raise CheckpointError(f"{path} has no params/ directory")
+    saved: dict[str, Any] = {}
+    for entry in sorted(os.listdir(params_dir)):
+        if entry.startswith("."):
+            continue
+        item = _item_metadata(params_dir / entry)
+        if not hasattr(item, "keys") or set(item.keys()) != {entry}:
+            raise CheckpointError(f"{params_dir / entry} does not hold the params entry {entry!r}")
+        saved[entry] = item[entry]
+    return saved
+
+
+def checkpoint_config(path: str | os.PathLike, *, expect_kind: str | None = None):
+    """(cfg, meta) of a checkpoint without reading any tensor."""
+    path = Path(path)
+    meta = read_checkpoint_meta(path)
+    kind = meta["kind"]
+    if expect_kind is not None and kind != expect_kind:
+        raise CheckpointError(f"{path} holds a {kind} checkpoint, expected a {expect_kind}")
+    try:
+        cfg = _KINDS[kind][1](meta["config"])
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"{path / 'config.json'}: bad {kind} config: {e}") from None
+    return cfg, meta
 
 
 def load_checkpoint(path: str | os.PathLike, *, expect_kind: str | None = None):
     """Restore (cfg, params). Every tensor the config implies must be present with the right shape
     and dtype, and nothing else may be there; otherwise CheckpointError names the tensors."""
     path = Path(path)
-    meta = read_checkpoint_meta(path)
-    kind = meta["kind"]
-    if expect_kind is not None and kind != expect_kind:
-        raise CheckpointError(f"{path} holds a {kind} checkpoint, expected a {expect_kind}")
-    _, from_dict, abstract_fn = _KINDS[kind]
-    cfg = from_dict(meta["config"])
-    expected = abstract_fn(cfg, jnp.dtype(meta["param_dtype"]), meta)
+    cfg, meta = checkpoint_config(path, expect_kind=expect_kind)
+    expected = _KINDS[meta["kind"]][2](cfg, jnp.dtype(meta["param_dtype"]), meta)
+    _check_tree(expected, _saved_index(path, meta, expected), f"checkpoint {path}")
     checkpointer = ocp.StandardCheckpointer()
-    try:
-        saved = checkpointer.metadata(path / "params").item_metadata.tree
-    except Exception as e:  # orbax raises many types for damaged directories
-        raise CheckpointError(f"cannot read the tensor index of {path / 'params'}: {e}") from None
-    _check_tree(expected, saved, f"checkpoint {path}")
-    try:
-        params = checkpointer.restore(path / "params", expected)
-    except Exception as e:
-        raise CheckpointError(f"cannot read the tensors of {path / 'params'} (truncated or damaged?): "
-                              f"{type(e).__name__}: {e}") from None
+    items = ([(path / "params", expected)] if meta["format"] == 1 else
+             [(path / "params" / entry, {entry: expected[entry]}) for entry in expected])
+    params: dict[str, Any] = {}
+    for directory, target in items:
+        try:
+            params.update(checkpointer.restore(directory, target))
+        except Exception as e:
+            raise CheckpointError(f"cannot read the tensors of {directory} (truncated or damaged?): "
+                                  f"{type(e).__name__}: {e}") from None
     return cfg, _plain(params)
 
 
