@@ -1,0 +1,485 @@
+"""The `kdtree-jax` command line: generate, convert, init, info.
+
+    kdtree-jax generate --preset tiny --prompt "1 2 3" --method all
+    kdtree-jax convert /models/Kimi-K2.6 /ckpt/k26 --dtype bfloat16
+    kdtree-jax init /ckpt/tiny --preset tiny; kdtree-jax init /ckpt/tiny-drafter --drafter --target /ckpt/tiny
+    kdtree-jax info /ckpt/k26
+
+`main(argv)` returns the exit status (0 ok, 2 error, 130 interrupted). Every error is one line on
+stderr, `kdtree-jax: error: ...`, without a traceback (`--traceback` shows one, for bug reports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Sequence
+
+PROG = "kdtree-jax"
+PRESETS = ("tiny",)  # models small enough to build from random weights on any machine
+DTYPES = ("bfloat16", "float32", "float16")
+METHODS = ("ar", "dflash", "ddtree", "all")
+DEFAULT_BUDGET = 32
+
+
+class CLIError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints usage + message and exits; we want one line
+        raise CLIError(f"{message} (see '{self.prog} --help')")
+
+
+# ------------------------------------------------------------------------------------------ parser
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="DeepSeek-V3 / Kimi K2.x inference in JAX with DDTree speculative "
+                     "decoding and INT4 weights.")
+    parser.add_argument("--traceback", action="store_true",
+                        help="on an error, show the Python traceback instead of the one-line message")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate tokens from a checkpoint, an HF directory or a preset",
+                       description="Generate continuations of one or more prompts and print the tokens (text "
+                       "with --tokenizer) and the acceptance statistics. Give exactly one model source.")
+    src = g.add_argument_group("model (exactly one)")
+    src.add_argument("--checkpoint", metavar="DIR", help="a kdtree-jax Orbax checkpoint written by "
+                     "'convert' or 'init'")
+    src.add_argument("--hf", metavar="DIR", help="a Hugging Face DeepSeek-V3 / Kimi K2.x checkpoint directory "
+                     "(loaded whole into memory: convert big models once instead)")
+    src.add_argument("--preset", choices=PRESETS, help="random weights (from --seed) of a built-in config; "
+                     "without --drafter a random drafter is made too")
+    src.add_argument("--layers", type=int, metavar="N", help="with --preset: number of decoder layers "
+                     "(default: the preset's)")
+    g.add_argument("--drafter", metavar="DIR", help="a drafter checkpoint (needed by dflash / ddtree unless "
+                   "--preset; 'init --drafter' writes a random one)")
+    g.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt: space-separated token ids, "
+                   "or text when --tokenizer is given. Repeat for a batch (default: the BOS token)")
+    g.add_argument("--tokenizer", metavar="FILE", help="a tokenizer.json (Hugging Face 'tokenizers' format): "
+                   "prompts are text and the output is decoded")
+    g.add_argument("--method", choices=METHODS, default="ar", help="ar: autoregressive; dflash: single-path "
+                   "speculative; ddtree: tree speculative; all: run each and compare (default: %(default)s)")
+    g.add_argument("--budget", type=int, metavar="N", help="DDTree tree budget: draft nodes verified per "
+                   f"round (default: {DEFAULT_BUDGET})")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    g.add_argument("--top-k", type=int, metavar="K", help="sample only from the K most likely tokens")
+    g.add_argument("--top-p", type=float, metavar="P", help="sample only from the smallest set of tokens "
+                   "with probability mass >= P")
+    g.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling and for --preset weights "
+                   "(default: %(default)s)")
+    g.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="tokens to generate per "
+                   "prompt (default: %(default)s)")
+    g.add_argument("--dtype", choices=DTYPES, help="weight dtype for --hf / --preset (default: bfloat16 for "
+                   "--hf, float32 for --preset); a checkpoint keeps its own")
+    g.add_argument("--stop", type=int, action="append", metavar="ID", help="a stop token id (repeatable; "
+                   "default: the config's eos_token_id)")
+    g.add_argument("--no-warmup", action="store_true", help="time the first call (compile time included) "
+                   "instead of a second, compiled one")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("convert", help="convert a Hugging Face checkpoint to an Orbax checkpoint",
+                       description="Convert HF_DIR (safetensors; dense, FP8 block-128 or INT4 pack-quantized) "
+                       "to a kdtree-jax Orbax checkpoint at OUT_DIR, one layer at a time (peak host memory "
+                       "about one layer). OUT_DIR appears only once complete and verified; a failure or "
+                       "Ctrl-C leaves nothing behind.")
+    c.add_argument("hf_dir", metavar="HF_DIR", help="the Hugging Face checkpoint directory")
+    c.add_argument("out_dir", metavar="OUT_DIR", help="where to write the checkpoint (must not exist)")
+    c.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype of the dense weights "
+                   "(router stays float32, INT4 experts stay INT4; default: %(default)s)")
+    c.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists (only once the new "
+                   "checkpoint is complete)")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.set_defaults(func=cmd_convert)
+
+    i = sub.add_parser("init", help="write a random-weight checkpoint (for tests and benchmarks)",
+                       description="Write a random-weight target checkpoint of a preset, or with --drafter a "
+                       "random drafter checkpoint for a target.")
+    i.add_argument("out_dir", metavar="OUT_DIR", help="where to write the checkpoint (must not exist)")
+    i.add_argument("--preset", choices=PRESETS, help="the target config (default: tiny unless --target)")
+    i.add_argument("--layers", type=int, metavar="N", help="number of target decoder layers (default: the "
+                   "preset's)")
+    i.add_argument("--drafter", action="store_true", help="write a drafter for the target instead of the "
+                   "target itself")
+    i.add_argument("--target", metavar="DIR", help="with --drafter: the target checkpoint the drafter is for "
+                   "(instead of --preset)")
+    i.add_argument("--drafter-layers", type=int, default=1, metavar="N", help="drafter decoder layers "
+                   "(default: %(default)s)")
+    i.add_argument("--block-size", type=int, default=16, metavar="N", help="drafter block size: drafts "
+                   "block_size - 1 tokens per round (default: %(default)s)")
+    i.add_argument("--mask-token-id", type=int, metavar="ID", help="drafter mask token (default: the "
+                   "target config's mask_token_id)")
+    i.add_argument("--seed", type=int, default=0, help="PRNG seed of the weights (default: %(default)s)")
+    i.add_argument("--dtype", choices=DTYPES, default="float32", help="weight dtype (default: %(default)s)")
+    i.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    i.set_defaults(func=cmd_init)
+
+    n = sub.add_parser("info", help="describe a checkpoint without loading its tensors",
+                       description="Print a checkpoint's kind, config, parameter count, bytes by dtype and "
+                       "its INT4 tensors (read from the tensor index; no tensor data is loaded).")
+    n.add_argument("checkpoint", metavar="CHECKPOINT", help="a kdtree-jax checkpoint directory")
+    n.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    n.set_defaults(func=cmd_info)
+    return parser
+
+
+# ----------------------------------------------------------------------------------------- helpers
+def _dtype(name: str):
+    import jax.numpy as jnp  # noqa: PLC0415 (keeps --help fast)
+
+    return jnp.dtype(name)
+
+
+def _preset_config(name: str, layers: int | None):
+    from kdtree_jax.config import ModelConfig  # noqa: PLC0415
+
+    cfg = {"tiny": ModelConfig.tiny}[name]()
+    if layers is not None:
+        if layers < 1:
+            raise CLIError(f"--layers must be >= 1, got {layers}")
+        cfg = cfg.replace(num_hidden_layers=layers, first_k_dense_replace=min(cfg.first_k_dense_replace, layers))
+    return cfg
+
+
+def _random_target(cfg, seed: int, dtype):
+    import jax  # noqa: PLC0415
+
+    from kdtree_jax.model import init_params  # noqa: PLC0415
+
+    return init_params(cfg, jax.random.key(seed), dtype)
+
+
+def _random_drafter(cfg, seed: int, dtype, *, layers: int = 1, block_size: int = 16, mask_token_id=None):
+    import jax  # noqa: PLC0415
+
+    from kdtree_jax.config import ConfigError  # noqa: PLC0415
+    from kdtree_jax.drafter import DrafterConfig, init_drafter_params  # noqa: PLC0415
+
+    if cfg.mask_token_id is None and mask_token_id is None:
+        raise CLIError("the target config has no mask_token_id: pass --mask-token-id for the drafter")
+    try:
+        dcfg = DrafterConfig.for_target(cfg, num_layers=layers, block_size=block_size, mask_token_id=mask_token_id)
+    except ConfigError as e:
+        raise CLIError(f"cannot build a drafter for this target: {e}") from None
+    # a key of its own, so the drafter does not reuse the target's random streams
+    return dcfg, init_drafter_params(dcfg, jax.random.fold_in(jax.random.key(seed), 1), dtype)
+
+
+def _check_dir(path: str, what: str) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise CLIError(f"{what} {path!r} does not exist")
+    if not p.is_dir():
+        raise CLIError(f"{what} {path!r} is not a directory")
+    return p
+
+
+def _load_tokenizer(path: str):
+    if not Path(path).is_file():
+        raise CLIError(f"tokenizer file {path!r} does not exist")
+    try:
+        from tokenizers import Tokenizer  # noqa: PLC0415 (optional dependency: the "train" extra)
+    except ImportError:
+        raise CLIError("--tokenizer needs the 'tokenizers' package, which is not installed "
+                       "(pip install tokenizers, or pass token ids without --tokenizer)") from None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust binding raises a bare Exception for malformed files
+        raise CLIError(f"cannot read tokenizer {path!r}: {e}") from None
+
+
+def _parse_prompts(prompts: list[str] | None, tokenizer, cfg) -> list[list[int]]:
+    if not prompts:
+        if cfg.bos_token_id is None:
+            raise CLIError("give a --prompt (the config has no bos_token_id to start from)")
+        return [[cfg.bos_token_id]]
+    out = []
+    for text in prompts:
+        if tokenizer is not None:
+            ids = list(tokenizer.encode(text).ids)
+            if not ids:
+                raise CLIError(f"prompt {text!r} encodes to no tokens")
+        else:
+            words = text.replace(",", " ").split()
+            if not words:
+                raise CLIError("--prompt is empty: give space-separated token ids")
+            bad = [w for w in words if not re.fullmatch(r"[+-]?\d+", w)]
+            if bad:
+                raise CLIError(f"--prompt must be space-separated token ids, got {bad[0]!r} in {text!r} "
+                               "(pass --tokenizer tokenizer.json for text prompts)")
+            ids = [int(w) for w in words]
+        out.append(ids)
+    return out
+
+
+def _load_model(args):
+    """(cfg, params, description) from exactly one of --checkpoint / --hf / --preset."""
+    sources = [name for name in ("checkpoint", "hf", "preset") if getattr(args, name)]
+    if len(sources) != 1:
+        raise CLIError("give exactly one model source: --checkpoint DIR, --hf DIR or --preset NAME"
+                       + (f" (got {', '.join('--' + s for s in sources)})" if sources else ""))
+    if args.layers is not None and not args.preset:
+        raise CLIError("--layers applies to --preset only")
+    if args.checkpoint:
+        if args.dtype:
+            raise CLIError("--dtype applies to --hf and --preset; a checkpoint keeps the dtype it was written with")
+        from kdtree_jax.checkpoint import load_checkpoint  # noqa: PLC0415
+
+        cfg, params = load_checkpoint(_check_dir(args.checkpoint, "checkpoint directory"), expect_kind="target")
+        return cfg, params, f"checkpoint {args.checkpoint}"
+    if args.hf:
+        from kdtree_jax.hf import load_hf  # noqa: PLC0415
+
+        dtype = args.dtype or "bfloat16"
+        cfg, params = load_hf(_check_dir(args.hf, "Hugging Face directory"), _dtype(dtype), progress=True)
+        return cfg, params, f"Hugging Face {args.hf} ({dtype})"
+    cfg = _preset_config(args.preset, args.layers)
+    dtype = args.dtype or "float32"
+    return cfg, _random_target(cfg, args.seed, _dtype(dtype)), f"preset {args.preset} (random, seed {args.seed}, {dtype})"
+
+
+def _load_drafter(args, cfg, methods):
+    if not any(m in ("dflash", "ddtree") for m in methods):
+        if args.drafter:
+            raise CLIError(f"--drafter is not used by --method {args.method}")
+        return None, None
+    if args.drafter:
+        from kdtree_jax.checkpoint import load_checkpoint  # noqa: PLC0415
+        from kdtree_jax.config import ConfigError  # noqa: PLC0415
+
+        dcfg, dparams = load_checkpoint(_check_dir(args.drafter, "drafter directory"), expect_kind="drafter")
+        try:
+            dcfg.check_target(cfg)
+        except ConfigError as e:
+            raise CLIError(f"drafter {args.drafter} does not fit the target: {e}") from None
+        return (dcfg, dparams), f"drafter {args.drafter}"
+    if args.preset:
+        dtype = args.dtype or "float32"
+        return _random_drafter(cfg, args.seed, _dtype(dtype)), "random drafter (untrained: low acceptance)"
+    raise CLIError(f"--method {args.method} needs a drafter: --drafter DIR (write a random one with "
+                   f"'{PROG} init DIR --drafter --target CHECKPOINT')")
+
+
+def _mean_acceptance(out) -> float:
+    import numpy as np  # noqa: PLC0415
+
+    acc = np.asarray(out.acceptance_lengths)
+    acc = acc[acc > 0]
+    return float(acc.mean()) if acc.size else 0.0
+
+
+def _run(cfg, params, prompts, method, drafter, args):
+    import jax  # noqa: PLC0415
+
+    from kdtree_jax.generate import generate  # noqa: PLC0415
+
+    kwargs = dict(max_new_tokens=args.max_new_tokens, method=method, temperature=args.temperature,
+                  top_k=args.top_k, top_p=args.top_p, key=jax.random.key(args.seed), stop_tokens=args.stop)
+    if method != "ar":
+        kwargs["drafter"] = drafter
+    if method == "ddtree":
+        kwargs["tree_budget"] = args.budget
+    if not args.no_warmup:  # compile first, so tokens/s measures the compiled program
+        jax.block_until_ready(generate(cfg, params, prompts, **kwargs))
+    start = time.perf_counter()
+    out = jax.block_until_ready(generate(cfg, params, prompts, **kwargs))
+    return out, time.perf_counter() - start
+
+
+def _rows(out) -> list[list[int]]:
+    import numpy as np  # noqa: PLC0415
+
+    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    return [tokens[b, : lengths[b]].tolist() for b in range(tokens.shape[0])]
+
+
+# ---------------------------------------------------------------------------------------- commands
+def cmd_generate(args) -> None:
+    if args.budget is not None and args.method not in ("ddtree", "all"):
+        raise CLIError(f"--budget applies to --method ddtree / all, not {args.method}")
+    args.budget = DEFAULT_BUDGET if args.budget is None else args.budget
+    for name in ("max_new_tokens", "budget"):
+        if getattr(args, name) < 1:
+            raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
+    methods = ["ar", "dflash", "ddtree"] if args.method == "all" else [args.method]
+    cfg, params, model_desc = _load_model(args)
+    prompts = _parse_prompts(args.prompt, tokenizer, cfg)
+    drafter, drafter_desc = _load_drafter(args, cfg, methods)
+    print(f"model: {model_desc}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+          f"vocab {cfg.vocab_size}" + (f"; {drafter_desc}" if drafter_desc else ""))
+    sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, seed {args.seed}"
+    results = []
+    for method in methods:
+        out, seconds = _run(cfg, params, prompts, method, drafter, args)
+        results.append((method, out, seconds))
+    reference_rows = _rows(results[0][1])
+    for method, out, seconds in results:
+        rows = _rows(out)
+        new = sum(len(r) for r in rows)
+        print(f"\n[{method}] {sampling}" + (f", budget {args.budget}" if method == "ddtree" else ""))
+        for b, (prompt, row) in enumerate(zip(prompts, rows)):
+            print(f"prompt {b}: {' '.join(map(str, prompt))}")
+            print(f"  tokens: {' '.join(map(str, row))}")
+            if tokenizer is not None:
+                print(f"  text: {tokenizer.decode(row)!r}")
+        print(f"  new tokens {new}, target forwards {int(out.num_target_forwards)}, rounds {int(out.rounds)}, "
+              f"mean acceptance length {_mean_acceptance(out):.2f}, {new / seconds:.1f} tokens/s")
+    if len(results) > 1:
+        print(f"\n{'method':<8} {'tokens/s':>10} {'target fwd':>11} {'mean accept':>12}  same tokens as ar")
+        for method, out, seconds in results:
+            rows = _rows(out)
+            same = "yes" if rows == reference_rows else "no"
+            if args.temperature > 0 and method != "ar":
+                same += " (sampling: only the distribution must match)"
+            print(f"{method:<8} {sum(len(r) for r in rows) / seconds:>10.1f} {int(out.num_target_forwards):>11} "
+                  f"{_mean_acceptance(out):>12.2f}  {same}")
+
+
+def cmd_convert(args) -> None:
+    from kdtree_jax.convert import convert_hf  # noqa: PLC0415
+
+    _check_dir(args.hf_dir, "Hugging Face directory")
+    start = time.perf_counter()
+    path = convert_hf(args.hf_dir, args.out_dir, _dtype(args.dtype), overwrite=args.overwrite,
+                      progress=not args.no_progress)
+    print(f"wrote {path} ({_dir_bytes(path) / 2**20:.1f} MiB, {time.perf_counter() - start:.1f} s); "
+          f"verified against the config's tensor list")
+
+
+def cmd_init(args) -> None:
+    from kdtree_jax.checkpoint import load_checkpoint, save_checkpoint  # noqa: PLC0415
+
+    dtype = _dtype(args.dtype)
+    if not args.drafter:
+        for flag in ("target", "mask_token_id"):
+            if getattr(args, flag) is not None:
+                raise CLIError(f"--{flag.replace('_', '-')} applies to 'init --drafter' only")
+        cfg = _preset_config(args.preset or "tiny", args.layers)
+        path = save_checkpoint(args.out_dir, cfg, _random_target(cfg, args.seed, dtype), overwrite=args.overwrite)
+        print(f"wrote random {args.preset or 'tiny'} target ({cfg.num_hidden_layers} layers, {args.dtype}) to {path}")
+        return
+    if args.target and (args.preset or args.layers is not None):
+        raise CLIError("give either --target CHECKPOINT or --preset/--layers for the drafter's target, not both")
+    if args.target:
+        cfg, _ = load_checkpoint(_check_dir(args.target, "target checkpoint"), expect_kind="target")
+    else:
+        cfg = _preset_config(args.preset or "tiny", args.layers)
+    for name in ("drafter_layers", "block_size"):
+        if getattr(args, name) < 1:
+            raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    dcfg, dparams = _random_drafter(cfg, args.seed, dtype, layers=args.drafter_layers, block_size=args.block_size,
+                                    mask_token_id=args.mask_token_id)
+    path = save_checkpoint(args.out_dir, dcfg, dparams, overwrite=args.overwrite)
+    print(f"wrote random drafter ({dcfg.num_hidden_layers} layers, block {dcfg.block_size}, reads target layers "
+          f"{list(dcfg.target_layer_ids)}, {args.dtype}) to {path}")
+
+
+def checkpoint_info(path: str | Path) -> dict[str, Any]:
+    """What `info` prints, as a dict: kind, config, param_dtype, parameter count, bytes by dtype, INT4
+    tensors. Read from config.json and the Orbax tensor index only."""
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    from kdtree_jax.checkpoint import _KINDS, _check_tree, _saved_index, checkpoint_config  # noqa: PLC0415
+
+    path = _check_dir(str(path), "checkpoint directory")
+    if not (path / "config.json").exists() and any(path.glob("*.safetensors")):
+        raise CLIError(f"{path} is a Hugging Face checkpoint, not a kdtree-jax one: convert it first "
+                       f"('{PROG} convert {path} OUT_DIR')")
+    cfg, meta = checkpoint_config(path)
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    expected = _KINDS[meta["kind"]][2](cfg, jnp.dtype(meta["param_dtype"]), meta)
+    index = _saved_index(path, meta, expected)
+    _check_tree(expected, index, f"checkpoint {path}")
+    leaves = jax.tree_util.tree_flatten_with_path(index)[0]
+    by_dtype: Counter = Counter()
+    count = 0
+    int4: dict[str, dict] = {}
+    for key_path, leaf in leaves:
+        name = "/".join(str(getattr(k, "key", k)) for k in key_path)
+        dtype = np.dtype(leaf.dtype)
+        size = int(np.prod(leaf.shape, dtype=np.int64))
+        by_dtype[dtype.name] += size * dtype.itemsize
+        if name.endswith("/qweight") and dtype == np.int16:  # INT4 leaf: 4 weights per int16 word
+            count += 4 * size
+            *lead, n, k4 = leaf.shape
+            int4.setdefault(name[: -len("/qweight")], {})["shape [.., N, K]"] = [*lead, n, 4 * k4]
+        elif name.endswith("/scale") and name[: -len("/scale")] in int4:
+            int4[name[: -len("/scale")]]["scale_dtype"] = dtype.name
+        else:
+            count += size
+    return {"path": str(path), "kind": meta["kind"], "format": meta["format"], "param_dtype": meta["param_dtype"],
+            "config": meta["config"], "quantization": meta.get("quantization"), "parameters": count,
+            "bytes_by_dtype": dict(sorted(by_dtype.items())), "total_bytes": sum(by_dtype.values()),
+            "int4_tensors": int4}
+
+
+def cmd_info(args) -> None:
+    info = checkpoint_info(args.checkpoint)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return
+    print(f"{info['path']}: {info['kind']} checkpoint (format {info['format']}), param dtype {info['param_dtype']}")
+    print("config:")
+    for key, value in info["config"].items():
+        print(f"  {key}: {json.dumps(value)}")
+    print(f"parameters: {info['parameters']:,} (an INT4 weight counts as one)")
+    print(f"bytes: {info['total_bytes']:,} ({info['total_bytes'] / 2**30:.3f} GiB)")
+    for dtype, nbytes in info["bytes_by_dtype"].items():
+        print(f"  {dtype}: {nbytes:,}")
+    if info["int4_tensors"]:
+        print(f"INT4 tensors ({len(info['int4_tensors'])}, group 32):")
+        for name, desc in info["int4_tensors"].items():
+            print(f"  {name}: {desc['shape [.., N, K]']} scales {desc.get('scale_dtype')}")
+    else:
+        print("INT4 tensors: none")
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+# -------------------------------------------------------------------------------------------- main
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= 2000 else text[:2000] + " ..."
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (the console script passes it to sys.exit)."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    show_traceback = "--traceback" in argv  # accepted anywhere on the line, not only before COMMAND
+    argv = [a for a in argv if a != "--traceback"]
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        args.func(args)
+        return 0
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 (the CLI's contract: one line, no traceback)
+        if show_traceback:
+            raise
+        from kdtree_jax.checkpoint import CheckpointError  # noqa: PLC0415
+        from kdtree_jax.config import ConfigError  # noqa: PLC0415
+        from kdtree_jax.hf import HFCheckpointError  # noqa: PLC0415
+
+        expected = (CLIError, CheckpointError, HFCheckpointError, ConfigError, ValueError, OSError)
+        # an unexpected exception is a bug: name its type so the report can be found
+        prefix = "" if isinstance(e, expected) else f"internal error ({type(e).__name__}; rerun with --traceback): "
+        print(f"{PROG}: error: {prefix}{_one_line(e)}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
