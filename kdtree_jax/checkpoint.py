@@ -10,9 +10,9 @@ One item per entry lets `CheckpointWriter` write a model layer by layer (peak ho
 layer; `kdtree_jax.convert`) and a reader restore it entry by entry. Format 1 (params/ one Orbax tree)
 is still read.
 
-`quantization` names the INT4 leaves. Either {"int4_leaves": {"layers_1/moe/experts/gate": "bfloat16",
-...}} (path -> scale dtype; what an HF INT4 import writes), or any other dict, which is handed to
-`kdtree_jax.quant.abstract_quantized(abstract, cfg, quantization)` (the `kj.quantize` policy form).
+`quantization` names the INT4 leaves: {"int4_leaves": {"layers_1/moe/experts/gate": "bfloat16", ...}}
+(path -> scale dtype); `save_checkpoint` derives it from the params tree (`kj.quantize` output or an
+HF INT4 import) when not given.
 """
 
 from __future__ import annotations
@@ -84,12 +84,11 @@ def _abstract_target(cfg: ModelConfig, dtype, meta: dict):
 
     abstract = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype))
     quantization = meta.get("quantization")
-    if quantization and "int4_leaves" in quantization:
+    if quantization:
+        if not isinstance(quantization, dict) or set(quantization) != {"int4_leaves"}:
+            raise CheckpointError(f"quantization metadata must be {{'int4_leaves': {{path: scale dtype}}}}, "
+                                  f"got {quantization!r}")
         abstract = abstract_int4_leaves(abstract, quantization["int4_leaves"])
-    elif quantization:
-        from kdtree_jax.quant import abstract_quantized  # noqa: PLC0415
-
-        abstract = abstract_quantized(abstract, cfg, quantization)
     return abstract
 
 
@@ -118,6 +117,14 @@ def _param_dtype(params) -> str:
     # Router weights are always float32 and INT4 scales have their own dtype; the remaining
     # matrices define the model's dtype.
     return floats.pop() if len(floats) == 1 else "float32"
+
+
+def int4_leaves_of(params) -> dict | None:
+    """{"int4_leaves": {"a/b/c": scale dtype}} for the INT4 leaves of a params tree, None if dense."""
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_int4_leaf)[0]
+    found = {"/".join(str(getattr(k, "key", k)) for k in path): np.dtype(leaf["scale"].dtype).name
+             for path, leaf in leaves if is_int4_leaf(leaf)}
+    return {"int4_leaves": found} if found else None
 
 
 def _abstract(tree):
@@ -220,6 +227,8 @@ def save_checkpoint(path: str | os.PathLike, cfg, params, *, quantization: dict 
     path = Path(path).absolute()
     if path.exists() and not overwrite:
         raise CheckpointError(f"{path} already exists (pass overwrite=True to replace it)")
+    if quantization is None:
+        quantization = int4_leaves_of(params)
     writer = CheckpointWriter(path, cfg, param_dtype=_param_dtype(params), quantization=quantization,
                               overwrite=overwrite)
     with writer:

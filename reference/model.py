@@ -16,6 +16,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from kdtree_jax.config import ModelConfig
+from reference import int4
 
 
 # ----------------------------------------------------------------------------------------- params
@@ -37,14 +38,16 @@ def to_float64(params: Any) -> dict:
 
 
 def _linear(x: np.ndarray, w: Any) -> np.ndarray:
-    """y = x @ w for a dense [in, out] weight. x [..., in] -> [..., out].
-
-    The single place where weights are applied, so that an INT4 leaf (a dict, see reference/int4.py)
-    can be dispatched here later.
-    """
+    """y = x @ W. x [..., in] -> [..., out] for a dense [in, out] weight, or for an INT4 leaf
+    {"qweight": int16 [out, in/4], "scale": [out, in/32]} (the engine's leaf: the file's int32 words
+    viewed as little-endian int16 halves), dequantized in float64 by reference/int4.py."""
     if isinstance(w, Mapping):
-        raise TypeError("reference/model.py only applies dense weights; got a dict leaf with keys "
-                        f"{sorted(w)} (INT4 leaves are handled by reference/int4.py)")
+        if set(w) != {"qweight", "scale"}:
+            raise TypeError(f"unknown dict leaf with keys {sorted(w)}: expected an INT4 leaf (qweight, scale)")
+        qweight = np.ascontiguousarray(np.asarray(w["qweight"], np.int16))
+        packed = qweight.view("<i4")  # [out, in/8]: two int16 halves per file word, low half first
+        dense = int4.dequantize(int4.unpack(packed), np.asarray(w["scale"], np.float64))  # [out, in]
+        return x @ dense.T
     return x @ w
 
 

@@ -1,0 +1,62 @@
+"""Turning a dense params tree into the INT4 (W4A16 group-32) one, by an explicit policy.
+
+Policies (which [in, out] weights become INT4 leaves; everything else stays dense):
+  "experts"  - routed experts only: exactly what Kimi K2-Thinking / K2.5 / K2.6 ship;
+  "experts+shared" - routed and shared experts;
+  "all_mlp"  - routed experts, shared experts and the dense first-layer MLPs.
+MLA projections, the router, norms, embeddings and lm_head always stay dense.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kdtree_jax.config import ModelConfig
+from kdtree_jax.quant import GROUP_SIZE, int4_leaf_from_dense, is_int4_leaf
+
+POLICIES = {
+    "experts": ("experts",),
+    "experts+shared": ("experts", "shared"),
+    "all_mlp": ("experts", "shared", "mlp"),
+}
+SCALE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def _targets(params: dict, cfg: ModelConfig, policy: str):
+    """Yield (layer name, container key path, weight dict) for every MLP block the policy covers."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown quantization policy {policy!r}: choose one of {sorted(POLICIES)}")
+    groups = POLICIES[policy]
+    for layer in range(cfg.num_hidden_layers):
+        name = f"layers_{layer}"
+        block = params[name]
+        if cfg.is_moe_layer(layer):
+            if "experts" in groups:
+                yield name, ("moe", "experts")
+            if "shared" in groups and "shared" in block["moe"]:
+                yield name, ("moe", "shared")
+        elif "mlp" in groups:
+            yield name, ("mlp",)
+
+
+def quantize(params: dict, cfg: ModelConfig, policy: str = "experts", scale_dtype=jnp.bfloat16) -> dict:
+    """A copy of `params` whose policy-covered gate/up/down weights are INT4 leaves (one scale per
+    32 input columns, symmetric, scale = max|w| / 7). Input dims must be divisible by 32."""
+    if jnp.dtype(scale_dtype) not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype must be bfloat16 or float32, got {jnp.dtype(scale_dtype).name}")
+    out = jax.tree.map(lambda x: x, params, is_leaf=is_int4_leaf)  # a fresh nested-dict copy
+    for name, keys in _targets(params, cfg, policy):
+        container = out[name]
+        for key in keys:
+            container = container[key]
+        for weight in ("gate", "up", "down"):
+            w = container[weight]
+            where = f"{name}/{'/'.join(keys)}/{weight}"
+            if is_int4_leaf(w):
+                raise ValueError(f"{where} is already INT4: quantize a dense params tree")
+            if w.shape[-2] % GROUP_SIZE:
+                raise ValueError(f"{where}: input dim {w.shape[-2]} is not divisible by the INT4 group "
+                                 f"size {GROUP_SIZE}")
+            container[weight] = int4_leaf_from_dense(w, scale_dtype)
+    return out
