@@ -22,15 +22,14 @@ from tqdm.auto import tqdm
 
 from kdtree_jax.checkpoint import CheckpointError, CheckpointWriter
 from kdtree_jax.hf import open_hf
-from kdtree_jax.quant import GROUP_SIZE
 
 
 def hf_quantization(int4_leaves: dict[str, str]) -> dict | None:
     """The checkpoint `quantization` metadata of an HF import with these INT4 leaves (None if dense)."""
     if not int4_leaves:
         return None
-    return {"int4_leaves": dict(int4_leaves), "group_size": GROUP_SIZE, "symmetric": True,
-            "source": "compressed-tensors pack-quantized"}
+    # group size 32, symmetric: the only INT4 scheme hf.open_hf accepts and the params leaf holds
+    return {"int4_leaves": dict(int4_leaves)}
 
 
 def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype=jnp.bfloat16, *,
