@@ -14,7 +14,8 @@ M_BUCKETS = (16, 32, 64, 128, 256)
 # (K, N, M bucket) -> BlockConfig: best of the sweep in benchmarks/results/w4a16_results.json
 # (H200, JAX 0.11.2, 2026-11-30); the comment is the measured CUPTI time at M = bucket.
 TUNED: dict[tuple[int, int, int], BlockConfig] = {
-    (7168, 18432, 16): BlockConfig(block_m=16, block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4),  # 145.1 us
+    # bn32 from the second sweep (benchmarks/results/w4a16_ablation.json); bn64 was 145.1 us.
+    (7168, 18432, 16): BlockConfig(block_m=16, block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=4),  # 98.3 us
     (7168, 18432, 32): BlockConfig(block_m=32, block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4),  # 185.2 us
     (7168, 18432, 64): BlockConfig(block_m=64, block_n=128, block_k=128, split_k=2, num_warps=8, num_stages=3),  # 184.4 us
     (7168, 18432, 128): BlockConfig(block_m=128, block_n=128, block_k=128, split_k=2, num_warps=8, num_stages=3),  # 236.4 us
