@@ -460,8 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         if args.command is None:
-            parser.print_help()
-            return 2
+            raise CLIError(f"no command given: choose one of generate, convert, init, info (see '{PROG} --help')")
         args.func(args)
         return 0
     except KeyboardInterrupt:

@@ -1,0 +1,308 @@
+"""The kdtree-jax CLI: every command, its --help, and one clear line (exit 2) for each bad input.
+
+Commands run in-process through `cli.main([...])`; two smoke tests run `python -m kdtree_jax.cli` in a
+subprocess to check the real exit status and that no traceback reaches the terminal. Expected values
+come from independent sources: load_hf / init_params trees (parameter and byte counts), kj.generate
+called directly (tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdtree_jax as kj
+from kdtree_jax import cli
+from kdtree_jax.hf import load_hf
+from kdtree_jax.quant import is_int4_leaf
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run(argv, capsys) -> tuple[int, str, str]:
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def token_lines(out: str) -> list[list[int]]:
+    return [[int(t) for t in line.split(":", 1)[1].split()] for line in out.splitlines()
+            if line.strip().startswith("tokens:")]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A random 2-layer tiny target + drafter (block 4), and the INT4 fixture converted to float32."""
+    root = tmp_path_factory.mktemp("cli")
+    assert cli.main(["init", str(root / "target"), "--preset", "tiny", "--layers", "2", "--seed", "3"]) == 0
+    assert cli.main(["init", str(root / "drafter"), "--drafter", "--target", str(root / "target"),
+                     "--block-size", "4"]) == 0
+    assert cli.main(["convert", str(FIXTURES / "hf_k2_int4"), str(root / "int4"), "--dtype", "float32",
+                     "--no-progress"]) == 0
+    return root
+
+
+# ------------------------------------------------------------------------------------------ --help
+def test_every_option_of_every_command_is_explained(capsys):
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if a.dest == "command").choices
+    assert sorted(subparsers) == ["convert", "generate", "info", "init"]
+    for name, sub in subparsers.items():
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main([name, "--help"])
+        assert exit_info.value.code == 0
+        text = " ".join(capsys.readouterr().out.split())
+        for action in sub._actions:
+            assert action.help, f"{name}: {action.option_strings or action.dest} has no help"
+            for option in action.option_strings:
+                assert option in text, f"{name} --help does not mention {option}"
+
+
+# ---------------------------------------------------------------------------------------- commands
+def test_init_and_info_count_parameters_and_bytes(models, capsys):
+    rc, out, _ = run(["info", models / "target", "--json"], capsys)
+    assert rc == 0
+    info = json.loads(out)
+    params = kj.init_params(kj.ModelConfig.tiny().replace(num_hidden_layers=2), jax.random.key(0))
+    leaves = jax.tree.leaves(params)
+    assert info["kind"] == "target" and info["config"]["num_hidden_layers"] == 2
+    assert info["parameters"] == sum(x.size for x in leaves)
+    assert info["bytes_by_dtype"] == {"float32": sum(x.nbytes for x in leaves)}
+    assert info["int4_tensors"] == {}
+    rc, out, _ = run(["info", models / "target"], capsys)
+    assert rc == 0 and "INT4 tensors: none" in out and f"parameters: {info['parameters']:,}" in out
+    rc, out, _ = run(["info", models / "drafter", "--json"], capsys)
+    assert rc == 0 and json.loads(out)["kind"] == "drafter"
+    assert json.loads(out)["config"]["block_size"] == 4
+
+
+def test_info_lists_int4_tensors_of_a_converted_checkpoint(models, capsys):
+    rc, out, _ = run(["info", models / "int4", "--json"], capsys)
+    assert rc == 0
+    info = json.loads(out)
+    _, params = load_hf(FIXTURES / "hf_k2_int4", jnp.float32, progress=False)
+    leaves = jax.tree.leaves(params, is_leaf=is_int4_leaf)
+    want_count = sum(leaf["qweight"].size * 4 if is_int4_leaf(leaf) else leaf.size for leaf in leaves)
+    want_bytes: dict[str, int] = {}
+    for x in jax.tree.leaves(params):
+        want_bytes[jnp.dtype(x.dtype).name] = want_bytes.get(jnp.dtype(x.dtype).name, 0) + x.nbytes
+    assert info["parameters"] == want_count
+    assert info["bytes_by_dtype"] == dict(sorted(want_bytes.items()))
+    assert sorted(info["int4_tensors"]) == sorted(
+        f"layers_{i}/moe/experts/{p}" for i in (1, 2) for p in ("gate", "up", "down"))
+    assert info["int4_tensors"]["layers_1/moe/experts/down"] == {"shape [.., N, K]": [8, 64, 32],
+                                                                  "scale_dtype": "bfloat16"}
+    rc, out, _ = run(["info", models / "int4"], capsys)
+    assert "INT4 tensors (6, group 32):" in out and "layers_2/moe/experts/up: [8, 32, 64]" in out
+
+
+def test_generate_from_converted_checkpoint_equals_hf_and_direct_call(models, capsys):
+    prompt = [3, 17, 42, 5]
+    common = ["--prompt", " ".join(map(str, prompt)), "--max-new-tokens", "5", "--no-warmup"]
+    rc, from_ckpt, _ = run(["generate", "--checkpoint", models / "int4", *common], capsys)
+    assert rc == 0
+    rc, from_hf, _ = run(["generate", "--hf", FIXTURES / "hf_k2_int4", "--dtype", "float32", *common], capsys)
+    assert rc == 0
+    cfg, params = load_hf(FIXTURES / "hf_k2_int4", jnp.float32, progress=False)
+    direct = kj.generate(cfg, params, [prompt], max_new_tokens=5)
+    want = np.asarray(direct.tokens)[0, : int(direct.lengths[0])].tolist()
+    assert token_lines(from_ckpt) == token_lines(from_hf) == [want]
+    assert "mean acceptance length 1.00" in from_ckpt
+
+
+def test_generate_all_methods_compares_them(models, capsys):
+    rc, out, _ = run(["generate", "--checkpoint", models / "target", "--drafter", models / "drafter",
+                      "--method", "all", "--budget", "3", "--prompt", "1 2 3", "--prompt", "7 8",
+                      "--max-new-tokens", "4", "--no-warmup"], capsys)
+    assert rc == 0, out
+    table = out[out.index("same tokens as ar"):].splitlines()[1:]
+    assert [row.split()[0] for row in table] == ["ar", "dflash", "ddtree"]
+    assert all(row.split()[-1] == "yes" for row in table)  # greedy speculative decoding is lossless
+    assert "budget 3" in out
+    ar = token_lines(out)[:2]
+    params = kj.load_checkpoint(models / "target")
+    direct = kj.generate(*params, [[1, 2, 3], [7, 8]], max_new_tokens=4)
+    assert ar == [np.asarray(direct.tokens)[b, : int(direct.lengths[b])].tolist() for b in range(2)]
+
+
+def test_generate_preset_samples_reproducibly_with_a_seed(capsys):
+    argv = ["generate", "--preset", "tiny", "--layers", "1", "--temperature", "0.8", "--top-k", "20",
+            "--top-p", "0.9", "--seed", "4", "--max-new-tokens", "4", "--no-warmup"]
+    rc, first, _ = run(argv, capsys)
+    assert rc == 0 and "temperature 0.8, seed 4" in first
+    rc, second, _ = run(argv, capsys)
+    assert token_lines(first) == token_lines(second) and len(token_lines(first)[0]) >= 1
+
+
+def test_tokenizer_text_prompts(monkeypatch, tmp_path, capsys):
+    """With --tokenizer, prompts are text and outputs are decoded (a stand-in `tokenizers` module)."""
+
+    class FakeTokenizer:
+        @staticmethod
+        def from_file(path):
+            assert Path(path).read_text() == "{}"
+            return FakeTokenizer()
+
+        def encode(self, text):
+            return types.SimpleNamespace(ids=[ord(c) % 300 for c in text])
+
+        def decode(self, ids):
+            return "<" + ",".join(map(str, ids)) + ">"
+
+    monkeypatch.setitem(sys.modules, "tokenizers", types.SimpleNamespace(Tokenizer=FakeTokenizer))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    rc, out, err = run(["generate", "--preset", "tiny", "--layers", "1", "--tokenizer", tmp_path / "tokenizer.json",
+                        "--prompt", "hi there", "--max-new-tokens", "3", "--no-warmup"], capsys)
+    assert rc == 0, err
+    assert f"prompt 0: {' '.join(str(ord(c) % 300) for c in 'hi there')}" in out
+    tokens = token_lines(out)[0]
+    assert f"text: '<{','.join(map(str, tokens))}>'" in out
+
+
+def test_convert_command_writes_a_loadable_checkpoint(models):
+    cfg, params = kj.load_checkpoint(models / "int4")
+    want_cfg, want = load_hf(FIXTURES / "hf_k2_int4", jnp.float32, progress=False)
+    assert cfg == want_cfg
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ------------------------------------------------------------------------------------------ errors
+def _hf_without_config(tmp_path):
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"")
+    return d
+
+
+def _damaged(tmp_path, models):
+    d = tmp_path / "damaged"
+    d.mkdir()
+    (d / "config.json").write_text("{oops")
+    return d
+
+
+BAD = [
+    ([], "no command given"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["generate"], "exactly one model source"),
+    (["generate", "--preset", "tiny", "--checkpoint", "{target}"], "got --checkpoint, --preset"),
+    (["generate", "--checkpoint", "{target}", "--layers", "2"], "--layers applies to --preset only"),
+    (["generate", "--checkpoint", "{tmp}/nope"], "does not exist"),
+    (["generate", "--checkpoint", "{drafter}"], "holds a drafter checkpoint, expected a target"),
+    (["generate", "--checkpoint", "{target}", "--dtype", "bfloat16"], "--dtype applies to --hf and --preset"),
+    (["generate", "--hf", "{hfbad}"], "no config.json"),
+    (["generate", "--checkpoint", "{target}", "--prompt", "hello"], "must be space-separated token ids, got 'hello'"),
+    (["generate", "--checkpoint", "{target}", "--prompt", " "], "--prompt is empty"),
+    (["generate", "--checkpoint", "{target}", "--prompt", "1 400"], "token id 400 is outside the vocabulary"),
+    (["generate", "--checkpoint", "{target}", "--method", "ddtree"], "needs a drafter: --drafter DIR"),
+    (["generate", "--checkpoint", "{target}", "--drafter", "{drafter}"], "--drafter is not used by --method ar"),
+    (["generate", "--checkpoint", "{target}", "--drafter", "{target}", "--method", "dflash"],
+     "holds a target checkpoint, expected a drafter"),
+    (["generate", "--checkpoint", "{int4}", "--drafter", "{drafter}", "--method", "dflash"],
+     "does not fit the target: drafter hidden_size=192 != target hidden_size=64"),
+    (["generate", "--checkpoint", "{target}", "--budget", "4"], "--budget applies to --method ddtree / all"),
+    (["generate", "--checkpoint", "{target}", "--drafter", "{drafter}", "--method", "ddtree", "--budget", "0"],
+     "--budget must be >= 1, got 0"),
+    (["generate", "--checkpoint", "{target}", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["generate", "--checkpoint", "{target}", "--max-new-tokens", "many"], "invalid int value: 'many'"),
+    (["generate", "--checkpoint", "{target}", "--temperature", "-1"], "temperature must be >= 0"),
+    (["generate", "--checkpoint", "{target}", "--temperature", "1", "--top-p", "2"], "top_p must be in (0, 1]"),
+    (["generate", "--checkpoint", "{target}", "--temperature", "1", "--top-k", "0"], "top_k must be an integer"),
+    (["generate", "--checkpoint", "{target}", "--stop", "999"], "stop token 999 is outside the vocabulary"),
+    (["generate", "--checkpoint", "{target}", "--method", "beam"], "invalid choice: 'beam'"),
+    (["generate", "--preset", "tiny", "--max-new-tokens", "300"], "exceeds the model's max_position_embeddings"),
+    (["generate", "--preset", "tiny", "--tokenizer", "{tmp}/tok.json"], "tokenizer file"),
+    (["convert", "{tmp}/nope", "{tmp}/out"], "Hugging Face directory"),
+    (["convert", "{hfbad}", "{tmp}/out"], "no config.json"),
+    (["convert", "{hf}", "{target}"], "already exists"),
+    (["convert", "{hf}"], "the following arguments are required: OUT_DIR"),
+    (["init", "{target}"], "already exists"),
+    (["init", "{tmp}/x", "--target", "{target}"], "--target applies to 'init --drafter' only"),
+    (["init", "{tmp}/x", "--drafter", "--target", "{target}", "--preset", "tiny"], "not both"),
+    (["init", "{tmp}/x", "--drafter", "--target", "{int4}"], "no mask_token_id: pass --mask-token-id"),
+    (["init", "{tmp}/x", "--drafter", "--block-size", "0"], "--block-size must be >= 1"),
+    (["init", "{tmp}/x", "--drafter", "--block-size", "1"], "block_size must be >= 2"),
+    (["init", "{tmp}/x", "--layers", "0"], "--layers must be >= 1"),
+    (["init", "{tmp}/x", "--preset", "kimi"], "invalid choice: 'kimi'"),
+    (["info", "{tmp}/nope"], "does not exist"),
+    (["info", "{hfbad}"], "is a Hugging Face checkpoint, not a kdtree-jax one: convert it first"),
+    (["info", "{damaged}"], "is not valid JSON"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD, ids=[" ".join(a)[:60] or "empty" for a, _ in BAD])
+def test_bad_input_is_one_clear_line(argv, message, models, tmp_path, capsys):
+    places = {"target": models / "target", "drafter": models / "drafter", "int4": models / "int4",
+              "hf": FIXTURES / "hf_k2_int4", "hfbad": _hf_without_config(tmp_path), "tmp": tmp_path,
+              "damaged": _damaged(tmp_path, models)}
+    before = sorted(os.listdir(models))
+    rc, out, err = run([a.format(**places) for a in argv], capsys)
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("kdtree-jax: error: ") and "internal error" not in lines[0]
+    assert message in lines[0], lines[0]
+    assert "Traceback" not in err + out
+    assert sorted(os.listdir(models)) == before  # nothing written or removed by a failed command
+    assert not (tmp_path / "x").exists() and not (tmp_path / "out").exists()
+
+
+def test_missing_tokenizers_package_is_explained(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` raise ImportError
+    (tmp_path / "tok.json").write_text("{}")
+    rc, _, err = run(["generate", "--preset", "tiny", "--tokenizer", tmp_path / "tok.json"], capsys)
+    assert rc == 2 and "needs the 'tokenizers' package" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_bug_is_reported_as_an_internal_error_and_traceback_shows_it(monkeypatch, capsys):
+    def boom(args):
+        raise KeyError("surprise")
+
+    monkeypatch.setattr(cli, "cmd_info", boom)
+    rc, _, err = run(["info", "x"], capsys)
+    assert rc == 2 and err.startswith("kdtree-jax: error: internal error (KeyError; rerun with --traceback)")
+    with pytest.raises(KeyError, match="surprise"):
+        cli.main(["info", "x", "--traceback"])
+
+
+def test_interrupt_exits_130(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_info", interrupted)
+    rc, _, err = run(["info", "x"], capsys)
+    assert rc == 130 and err.strip() == "kdtree-jax: interrupted"
+
+
+# ------------------------------------------------------------------------------ subprocess smoke
+def _subprocess(*args):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-m", "kdtree_jax.cli", *map(str, args)], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=120)
+
+
+def test_subprocess_help_and_error_exit_status(models):
+    done = _subprocess("--help")
+    assert done.returncode == 0 and all(c in done.stdout for c in ("generate", "convert", "init", "info"))
+    done = _subprocess("info", models / "missing")
+    assert done.returncode == 2
+    assert re.fullmatch(r"kdtree-jax: error: checkpoint directory '.*missing' does not exist\n", done.stderr)
+
+
+def test_subprocess_generate_smoke(models):
+    done = _subprocess("generate", "--checkpoint", models / "target", "--prompt", "1 2 3", "--max-new-tokens", "3",
+                       "--no-warmup")
+    assert done.returncode == 0, done.stderr
+    assert len(token_lines(done.stdout)[0]) == 3 and "tokens/s" in done.stdout
