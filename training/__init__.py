@@ -1,0 +1,1 @@
+"""Training the shipped target + drafter pair (docs/training.md). Not part of the runtime package."""

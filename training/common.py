@@ -1,0 +1,100 @@
+"""Shared helpers of the training scripts: the shipped model's config, tokenizer loading, logging,
+loss-curve plots."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from tokenizers import Tokenizer
+
+import kdtree_jax as kj
+
+ASSETS = Path(__file__).resolve().parents[1] / "kdtree_jax" / "assets"
+TOKENIZER_PATH = ASSETS / "tokenizer.json"
+PAD_ID, BOS_ID, EOS_ID, MASK_ID = 0, 1, 2, 3  # fixed by training/tokenizer.py
+
+
+def load_tokenizer(path: Path = TOKENIZER_PATH) -> Tokenizer:
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no tokenizer at {path}: run `python -m training.tokenizer` first")
+    tok = Tokenizer.from_file(str(path))
+    for name, want in (("<pad>", PAD_ID), ("<bos>", BOS_ID), ("<eos>", EOS_ID), ("<mask>", MASK_ID)):
+        if tok.token_to_id(name) != want:
+            raise ValueError(f"{path}: special token {name} has id {tok.token_to_id(name)}, expected {want}")
+    return tok
+
+
+def target_config(vocab_size: int, hidden: int = 128, layers: int = 4) -> kj.ModelConfig:
+    """A small K2.6-architecture target: MLA with q/kv LoRA, YaRN, routed MoE (8 experts, top-2,
+    sigmoid bias routing, one shared expert), first layer dense. Expert widths are multiples of 32 so
+    the experts quantize to INT4 group-32."""
+    heads = max(2, hidden // 32)
+    return kj.ModelConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=3 * hidden,
+        moe_intermediate_size=hidden, num_hidden_layers=layers, first_k_dense_replace=1,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, num_attention_heads=heads,
+        q_lora_rank=hidden // 2, kv_lora_rank=hidden // 2, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=32, rope_theta=50000.0,
+        rope_scaling=kj.YarnScaling(factor=4.0, original_max_position_embeddings=128, beta_fast=32.0,
+                                    beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        max_position_embeddings=512, rms_norm_eps=1e-5, routed_scaling_factor=2.5,
+        bos_token_id=BOS_ID, eos_token_id=(EOS_ID,), pad_token_id=PAD_ID, mask_token_id=MASK_ID,
+    ).validate()
+
+
+class JsonLog:
+    """Append one JSON object per line to a log file and echo a compact line to stdout."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("")
+        self.t0 = time.perf_counter()
+
+    def __call__(self, **record) -> None:
+        record["elapsed_s"] = round(time.perf_counter() - self.t0, 2)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()),
+              flush=True)
+
+
+def read_log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_curves(log_path: Path, png_path: Path, title: str, keys: tuple[str, ...]) -> None:
+    """Loss curves (every key that appears in the log) against the step."""
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    records = read_log(log_path)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key in keys:
+        pts = [(r["step"], r[key]) for r in records if key in r]
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, label=key, marker="o" if len(pts) < 40 else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+
+
+def describe_device() -> str:
+    d = jax.devices()[0]
+    return f"{d.platform}:{getattr(d, 'device_kind', '?')} x{jax.device_count()}"
+
+
+def param_count(params) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
