@@ -344,6 +344,8 @@ def cmd_convert(args) -> None:
     from kdtree_jax.convert import convert_hf  # noqa: PLC0415
 
     _check_dir(args.hf_dir, "Hugging Face directory")
+    if Path(args.out_dir).exists() and not args.overwrite:
+        raise CLIError(f"{args.out_dir} already exists (pass --overwrite to replace it)")
     start = time.perf_counter()
     path = convert_hf(args.hf_dir, args.out_dir, _dtype(args.dtype), overwrite=args.overwrite,
                       progress=not args.no_progress)
@@ -354,6 +356,8 @@ def cmd_convert(args) -> None:
 def cmd_init(args) -> None:
     from kdtree_jax.checkpoint import load_checkpoint, save_checkpoint  # noqa: PLC0415
 
+    if Path(args.out_dir).exists() and not args.overwrite:  # before building any weights
+        raise CLIError(f"{args.out_dir} already exists (pass --overwrite to replace it)")
     dtype = _dtype(args.dtype)
     if not args.drafter:
         for flag in ("target", "mask_token_id"):

@@ -222,7 +222,7 @@ BAD = [
     (["generate", "--checkpoint", "{target}", "--temperature", "1", "--top-k", "0"], "top_k must be an integer"),
     (["generate", "--checkpoint", "{target}", "--stop", "999"], "stop token 999 is outside the vocabulary"),
     (["generate", "--checkpoint", "{target}", "--method", "beam"], "invalid choice: 'beam'"),
-    (["generate", "--preset", "tiny", "--max-new-tokens", "300"], "exceeds the model's max_position_embeddings"),
+    (["generate", "--preset", "tiny", "--layers", "1", "--max-new-tokens", "300"], "exceeds the model's max_position_embeddings"),
     (["generate", "--preset", "tiny", "--tokenizer", "{tmp}/tok.json"], "tokenizer file"),
     (["convert", "{tmp}/nope", "{tmp}/out"], "Hugging Face directory"),
     (["convert", "{hfbad}", "{tmp}/out"], "no config.json"),
