@@ -3,6 +3,8 @@
     python -m training.tokenizer --vocab-size 2048 --out kdtree_jax/assets/tokenizer.json
 
 Special tokens take ids 0..3: <pad>=0, <bos>=1, <eos>=2, <mask>=3 (the drafter's mask token).
+`encode(text)` prepends <bos> (every training document starts with it; `add_special_tokens=False`
+leaves it out); `decode` drops the specials.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from training.data import corpus_files
 
@@ -27,9 +29,17 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator((text for _, text in corpus_files("train")), trainer=trainer)
+    add_bos(tok)
     for i, name in enumerate(SPECIAL_TOKENS):
         if tok.token_to_id(name) != i:
             raise RuntimeError(f"special token {name} got id {tok.token_to_id(name)}, expected {i}")
+    return tok
+
+
+def add_bos(tok: Tokenizer) -> Tokenizer:
+    """Make `encode(text)` start with <bos>, as every training document does."""
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", SPECIAL_TOKENS.index("<bos>"))])
     return tok
 
 
