@@ -1,0 +1,83 @@
+"""On the GPU: the tree-attention kernel at the tiny model's shapes against its reference, and the
+greedy invariant (DDTree/DFlash == AR) of the tiny model in float32 with each attention path.
+
+Usage: python benchmarks/check_gpu_invariant.py [--precision highest|default]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kdtree_jax as kj  # noqa: E402
+from pallas_kernels.tree_attention import tree_mla_attention, tree_mla_attention_reference  # noqa: E402
+
+
+def kernel_rows():
+    rng = np.random.default_rng(0)
+    rows = []
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for steps in (1, 5, 8, 17, 65):
+            batch, heads, c, r, s_max = 3, 6, 64, 16, 200
+            start = np.array([0, 37, 120], np.int32)
+            q = jnp.asarray(rng.standard_normal((batch, steps, heads, c + r)), dtype)
+            cache = jnp.asarray(rng.standard_normal((batch, s_max, c + r)), dtype)
+            mask = np.tril(rng.random((batch, steps, steps)) < 0.5) | np.eye(steps, dtype=bool)[None]
+            args = (q, cache, jnp.asarray(start), jnp.asarray(mask))
+            got = tree_mla_attention(*args, scale=0.12, value_dim=c, impl="pallas")
+            ref = tree_mla_attention_reference(*args, scale=0.12, value_dim=c)
+            err = float(jnp.linalg.norm((got - ref).astype(jnp.float32)) / jnp.linalg.norm(ref.astype(jnp.float32)))
+            rows.append((jnp.dtype(dtype).name, steps, err))
+    return rows
+
+
+def invariant_rows(impls):
+    cfg = kj.ModelConfig.tiny()
+    params = kj.init_params(cfg, jax.random.key(0))
+    prompts = [[5, 17, 33, 250], [7], [100, 101, 102, 103, 104, 105]]
+    dcfg = kj.DrafterConfig.for_target(cfg, num_layers=1, block_size=8)
+    drafter = (dcfg, kj.init_drafter_params(dcfg, jax.random.key(1)))
+    rows = []
+    for impl in impls:
+        os.environ["KDTREE_ATTENTION"] = impl
+        jax.clear_caches()
+        ar = kj.generate(cfg, params, prompts, max_new_tokens=48, stop_tokens=())
+        for method, budget in (("dflash", None), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)):
+            out = kj.generate(cfg, params, prompts, max_new_tokens=48, method=method, drafter=drafter,
+                              tree_budget=budget, stop_tokens=())
+            same = np.asarray(out.tokens) == np.asarray(ar.tokens)
+            first = int(np.argmin(same.all(0))) if not same.all() else -1
+            rows.append((impl, method, budget, bool(same.all()), first))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--precision", default="highest", choices=("highest", "default"),
+                        help="jax_default_matmul_precision for float32 (default: highest, no TF32)")
+    parser.add_argument("--attention", nargs="+", default=["xla", "pallas"], choices=("xla", "pallas"),
+                        help="attention paths to check the invariant with (default: both)")
+    parser.add_argument("--skip-kernel", action="store_true", help="skip the kernel-vs-reference table")
+    args = parser.parse_args()
+    if args.precision == "highest":
+        jax.config.update("jax_default_matmul_precision", "highest")
+    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, precision {args.precision}")
+    if not args.skip_kernel:
+        print("| dtype | T | kernel rel err vs reference |\n|---|---|---|")
+        for dtype, steps, err in kernel_rows():
+            print(f"| {dtype} | {steps} | {err:.2e} |")
+    print("\n| attention | method | budget | == AR | first differing step |\n|---|---|---|---|---|")
+    for impl, method, budget, same, first in invariant_rows(args.attention):
+        print(f"| {impl} | {method} | {budget} | {'yes' if same else 'NO'} | {first} |")
+
+
+if __name__ == "__main__":
+    main()
