@@ -1,0 +1,254 @@
+"""Grouped W4A16 MoE kernel vs an independent float64 NumPy MoE (reference/int4.py dequantization).
+
+On CPU the kernel bodies run in Pallas interpret mode; the CUDA lowering is checked against an
+abstract H200; the native test runs only on a GPU.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kdtree_jax import quant
+from pallas_kernels import moe_w4a16
+from pallas_kernels.moe_w4a16 import (
+    MoEBlockConfig,
+    group_assignments,
+    grouped_moe_w4a16,
+    grouped_moe_w4a16_reference,
+    moe_w4a16_xla_dense,
+    moe_w4a16_xla_gather,
+    routed_experts_int4,
+)
+from reference import int4 as ref
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _experts(rng, num_experts, hidden, inter, scale_dtype=jnp.bfloat16):
+    """Random INT4 expert stacks: (jnp leaves, float64 dense [E, N, K] per projection)."""
+    leaves, dense = {}, {}
+    for name, (n, k) in {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}.items():
+        q = rng.integers(-8, 8, size=(num_experts, n, k)).astype(np.int8)
+        scale = jnp.asarray(rng.uniform(0.02, 0.08, size=(num_experts, n, k // 32)) / np.sqrt(k / 64), scale_dtype)
+        leaves[name] = quant.int4_leaf_from_compressed(jnp.asarray(ref.pack(q)), scale)
+        dense[name] = ref.dequantize(q, np.asarray(scale.astype(jnp.float32), np.float64))
+    return leaves, dense
+
+
+def _numpy_moe(x, dense, ids, weights):
+    """float64: sum_j w[t, j] * down(silu(gate x) * up x) for expert ids[t, j], one assignment at a time."""
+    x = np.asarray(x.astype(jnp.float32), np.float64)
+    ids, weights = np.asarray(ids), np.asarray(weights, np.float64)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            g, u = dense["gate"][e] @ x[t], dense["up"][e] @ x[t]
+            out[t] += weights[t, j] * (dense["down"][e] @ (g / (1 + np.exp(-g)) * u))
+    return out
+
+
+def _routing(rng, num_tokens, top_k, num_experts, *, crowd=False):
+    """Distinct experts per token (top-k); crowd=True sends every token to expert 3 first."""
+    ids = np.stack([rng.permutation(num_experts)[:top_k] for _ in range(num_tokens)]).astype(np.int32)
+    if crowd:
+        for t in range(num_tokens):
+            row = list(ids[t])
+            if 3 in row:
+                row.remove(3)
+            ids[t] = [3] + row[: top_k - 1]
+    weights = rng.uniform(0.05, 1.0, size=(num_tokens, top_k)).astype(np.float32)
+    return jnp.asarray(ids), jnp.asarray(weights)
+
+
+def _rel(got, want):
+    return float(np.max(np.abs(np.asarray(got.astype(jnp.float32), np.float64) - want)) / np.max(np.abs(want)))
+
+
+# (T, E, k, D, I, crowd): T = 1, 5, 17; E = 8, 16; k = 2, 8; D and I multiples of 32 that are not powers
+# of two (96, 160); crowd = 17 tokens on one expert (two row tiles of 16 for that expert).
+CASES = [
+    (1, 16, 8, 64, 96, False),
+    (5, 8, 2, 160, 64, False),
+    (5, 16, 2, 64, 64, True),
+    (17, 16, 8, 96, 64, True),
+    (17, 8, 2, 64, 32, False),
+]
+
+
+@pytest.mark.parametrize("T,E,k,D,I,crowd", CASES)
+@pytest.mark.parametrize("act_dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_interpret_matches_numpy_and_reference(T, E, k, D, I, crowd, act_dtype):
+    rng = np.random.default_rng(T * 100 + E + k + D)
+    experts, dense = _experts(rng, E, D, I)
+    ids, weights = _routing(rng, T, k, E, crowd=crowd)
+    x = jnp.asarray(rng.standard_normal((T, D)), act_dtype)
+    want = _numpy_moe(x, dense, ids, weights)
+    tol = 1e-5 if act_dtype == jnp.float32 else 3e-2  # bf16: x, gate/up, hidden and down rounded to bf16
+    got = grouped_moe_w4a16(x, experts, ids, weights, impl="pallas", interpret=True)
+    assert got.shape == (T, D) and got.dtype == act_dtype
+    assert _rel(got, want) < tol
+    reference = grouped_moe_w4a16_reference(x, experts, ids, weights)
+    assert _rel(reference, want) < (1e-5 if act_dtype == jnp.float32 else 1e-2)
+    assert _rel(got, np.asarray(reference.astype(jnp.float32), np.float64)) < tol
+
+
+def test_xla_paths_match_numpy():
+    rng = np.random.default_rng(7)
+    experts, dense = _experts(rng, 8, 64, 32, scale_dtype=jnp.float32)
+    ids, weights = _routing(rng, 5, 2, 8, crowd=True)
+    x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
+    want = _numpy_moe(x, dense, ids, weights)
+    assert _rel(grouped_moe_w4a16(x, experts, ids, weights, impl="xla"), want) < 1e-5
+    assert _rel(moe_w4a16_xla_dense(x, experts, ids, weights, dequant="f32"), want) < 1e-5
+    assert _rel(moe_w4a16_xla_gather(x, experts, ids, weights, dequant="f32"), want) < 1e-5
+
+
+def test_grouping_reads_each_touched_expert_once():
+    """The tile table names every touched expert exactly once (T <= block_m), never an untouched one,
+    and the padded rows hold each assignment's token and weight."""
+    rng = np.random.default_rng(3)
+    T, k, E, bm = 9, 4, 32, 16
+    ids, weights = _routing(rng, T, k, E)
+    ids = ids.at[2, 1].set(ids[0, 0] if ids[0, 0] not in np.asarray(ids[2]) else ids[2, 1])
+    weights = weights.at[4, 3].set(0.0)  # dropped: its expert counts only if another choice hits it
+    grp = group_assignments(ids, weights, E, bm)
+    kept = {int(e) for e, w in zip(np.asarray(ids).ravel(), np.asarray(weights).ravel()) if w != 0}
+    tiles = [int(e) for e in np.asarray(grp.tile_expert) if e >= 0]
+    assert sorted(tiles) == sorted(kept) and int(grp.touched) == len(kept)
+    pos, keep = np.asarray(grp.position), np.asarray(grp.keep)
+    for t in range(T):
+        for j in range(k):
+            if not keep[t, j]:
+                assert weights[t, j] == 0
+                continue
+            row = pos[t, j]
+            assert int(grp.row_token[row]) == t and float(grp.row_weight[row]) == float(weights[t, j])
+            assert int(grp.tile_expert[row // bm]) == int(ids[t, j])
+    assert int(np.sum(np.asarray(grp.row_valid))) == int(keep.sum())
+
+
+def test_zero_weights_and_repeated_expert():
+    """A zero weight adds nothing (and is dropped); the same expert twice in a row counts twice, as the
+    model's combine matrix adds both weights."""
+    rng = np.random.default_rng(11)
+    experts, dense = _experts(rng, 8, 64, 32)
+    ids = jnp.asarray([[1, 1, 2], [5, 0, 0], [7, 6, 5]], jnp.int32)
+    weights = jnp.asarray([[0.5, 0.25, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]], jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    want = _numpy_moe(x, dense, ids, weights)
+    got = grouped_moe_w4a16(x, experts, ids, weights, impl="pallas", interpret=True)
+    assert _rel(got, want) < 1e-5
+    assert np.all(np.asarray(got[2]) == 0.0)
+    grp = group_assignments(ids, weights, 8, 16)
+    assert sorted(int(e) for e in np.asarray(grp.tile_expert) if e >= 0) == [1, 5]
+
+
+def test_routed_experts_int4_equals_model_int4_branch():
+    """routed_experts_int4 is a drop-in for the INT4 branch of kdtree_jax.model.routed_experts."""
+    from kdtree_jax import model
+
+    rng = np.random.default_rng(5)
+    E, D, I, T, k = 8, 64, 32, 6, 2
+    dense_w = {n: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), jnp.float32)
+               for n, s in {"gate": (E, D, I), "up": (E, D, I), "down": (E, I, D)}.items()}
+    experts = {n: quant.int4_leaf_from_dense(w) for n, w in dense_w.items()}  # params convention [E, in, out]
+    ids, weights = _routing(rng, T, k, E, crowd=True)
+    for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)):
+        x = jnp.asarray(rng.standard_normal((T, D)), dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", moe_w4a16.W4A16FallbackWarning)
+            want = model.routed_experts(x, experts, ids, weights)
+        want = np.asarray(want.astype(jnp.float32), np.float64)
+        for kw in (dict(impl="xla"), dict(impl="pallas", interpret=True)):
+            got = routed_experts_int4(x, experts, ids, weights, **kw)
+            assert got.dtype == dtype and got.shape == (T, D)
+            assert _rel(got, want) < tol, (dtype, kw)
+
+
+def test_auto_on_cpu_is_loud_and_recorded():
+    if ON_GPU:
+        pytest.skip("on a GPU impl='auto' is the kernel; covered by test_kernel_native_gpu")
+    moe_w4a16._warned_fallback = False
+    with pytest.warns(moe_w4a16.MoEW4A16FallbackWarning, match="NOT the grouped Pallas MoE kernel"):
+        assert moe_w4a16.resolve_impl("auto") == "xla"
+    assert moe_w4a16.resolve_impl("auto", interpret=True) == "pallas"
+
+
+def test_bad_inputs_raise_clearly():
+    rng = np.random.default_rng(1)
+    experts, _ = _experts(rng, 4, 64, 32)
+    ids, weights = _routing(rng, 2, 2, 4)
+    x = jnp.ones((2, 64), jnp.float32)
+    call = lambda *a, **kw: grouped_moe_w4a16(*a, impl="xla", **kw)  # noqa: E731
+    with pytest.raises(ValueError, match=r"x must be \[T, D\]"):
+        call(x[0], experts, ids, weights)
+    with pytest.raises(ValueError, match="x dtype"):
+        call(x.astype(jnp.int32), experts, ids, weights)
+    with pytest.raises(ValueError, match="keys gate, up, down"):
+        call(x, {"gate": experts["gate"]}, ids, weights)
+    with pytest.raises(ValueError, match=r"experts\['up'\].*not an INT4 leaf"):
+        call(x, {**experts, "up": jnp.zeros((4, 64, 32))}, ids, weights)
+    with pytest.raises(ValueError, match=r"experts\['down'\] is \(N, K\)"):
+        call(x, {**experts, "down": experts["gate"]}, ids, weights)
+    with pytest.raises(ValueError, match="stacked"):
+        call(x, {**experts, "gate": jax.tree.map(lambda a: a[0], experts["gate"])}, ids, weights)
+    with pytest.raises(ValueError, match="expert_ids must be int32"):
+        call(x, experts, ids.astype(jnp.int16), weights)
+    with pytest.raises(ValueError, match=r"expert_ids must be \[T, k\]"):
+        call(x, experts, ids[:1], weights[:1])
+    with pytest.raises(ValueError, match="weights shape"):
+        call(x, experts, ids, weights[:, :1])
+    with pytest.raises(ValueError, match=r"must lie in \[0, 4\), got values in \[0, 4\]"):
+        call(x, experts, ids.at[0, 0].set(4), weights)
+    with pytest.raises(ValueError, match="impl must be"):
+        grouped_moe_w4a16(x, experts, ids, weights, impl="cuda")
+    with pytest.raises(ValueError, match="must be divisible by the tile"):
+        grouped_moe_w4a16(x, experts, ids, weights, impl="pallas", interpret=True,
+                          config=MoEBlockConfig(block_n_up=64))
+    with pytest.raises(ValueError, match="power of two"):
+        MoEBlockConfig(block_m=24)
+
+
+def test_kernel_lowers_for_cuda_at_k26_shapes():
+    """The Triton lowering of both kernels runs on CPU against an abstract H200 at K2.6 expert shapes."""
+    from jax._src.mesh import AbstractDevice
+    from jax.sharding import AbstractMesh
+
+    from pallas_kernels.moe_w4a16 import default_config
+    from pallas_kernels.moe_w4a16.kernel import grouped_moe_w4a16_pallas
+
+    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
+                                                               num_cores=132))
+    E, D, I = 384, 7168, 2048
+    S = jax.ShapeDtypeStruct
+    leaf = lambda n, k: {"qweight": S((E, n, k // 4), jnp.int16), "scale": S((E, n, k // 32), jnp.bfloat16)}  # noqa: E731
+    experts = {"gate": leaf(I, D), "up": leaf(I, D), "down": leaf(D, I)}
+    for T in (1, 33, 129):
+        fn = lambda x, e, i, w: grouped_moe_w4a16_pallas(x, e, i, w, cfg=default_config(T, D, I))  # noqa: E731
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(fn).trace(S((T, D), jnp.bfloat16), experts, S((T, 8), jnp.int32),
+                                     S((T, 8), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("xla.gpu.triton") == 2  # gate/up+SwiGLU and down+combine: two launches
+
+
+@pytest.mark.skipif(not ON_GPU, reason="native kernel test needs a GPU (CPU runs the interpret-mode tests)")
+@pytest.mark.parametrize("T", [1, 9, 33, 129])
+def test_kernel_native_gpu_k26_shapes(T):
+    """Native on the GPU at K2.6 expert shapes (E reduced to 64 to keep the float32 reference small)."""
+    E, D, I, k = 64, 7168, 2048, 8
+    keys = jax.random.split(jax.random.key(T), 8)
+    leaf = lambda key, n, kk: {  # noqa: E731
+        "qweight": jax.random.randint(key, (E, n, kk // 4), -32768, 32768, jnp.int32).astype(jnp.int16),
+        "scale": (jax.random.uniform(keys[7], (E, n, kk // 32), minval=0.5, maxval=1.5) * 0.2 / np.sqrt(kk))
+        .astype(jnp.bfloat16)}
+    experts = {"gate": leaf(keys[0], I, D), "up": leaf(keys[1], I, D), "down": leaf(keys[2], D, I)}
+    ids = jnp.argsort(jax.random.uniform(keys[3], (T, E)), axis=1)[:, :k].astype(jnp.int32)
+    weights = jax.random.uniform(keys[4], (T, k), minval=0.05)
+    x = jax.random.normal(keys[5], (T, D), jnp.bfloat16)
+    got = grouped_moe_w4a16(x, experts, ids, weights, impl="pallas")
+    want = moe_w4a16_xla_gather(x, experts, ids, weights, dequant="f32")
+    assert _rel(got, np.asarray(want.astype(jnp.float32), np.float64)) < 3e-2
