@@ -75,6 +75,18 @@ class CostModel:
             raise ValueError(f"CostModel: top_k={self.top_k} > num_experts={self.num_experts} or "
                              f"num_dense_layers={self.num_dense_layers} > num_layers={self.num_layers}")
 
+    @classmethod
+    def from_config(cls, cfg, **overrides) -> "CostModel":
+        """The shape fields from a `kdtree_jax.ModelConfig`; machine/overhead fields from `overrides`."""
+        return cls(
+            num_layers=cfg.num_hidden_layers, num_dense_layers=cfg.first_k_dense_replace, hidden=cfg.hidden_size,
+            num_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank or 0, kv_lora_rank=cfg.kv_lora_rank,
+            qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim, vocab=cfg.vocab_size, num_experts=cfg.n_routed_experts,
+            top_k=cfg.num_experts_per_tok, moe_intermediate=cfg.moe_intermediate_size,
+            dense_intermediate=cfg.intermediate_size, num_shared_experts=cfg.n_shared_experts,
+            drafter_intermediate=cfg.intermediate_size, **overrides)
+
     # ------------------------------------------------------------------------------- sizes (bytes)
     @property
     def latent_bytes_per_token(self) -> int:
@@ -146,12 +158,17 @@ class CostModel:
         _check_positive_int("context_len", context_len, allow_zero=True)
         layer = self.layer_seconds(num_tokens, context_len)
         moe_layers = self.num_layers - self.num_dense_layers
-        # Layer 0 (dense): attention projections + a dense MLP instead of router, shared and routed experts.
-        projections = self._floor(self.attention_params * BF16_BYTES, 2 * num_tokens * self.attention_params)
-        dense_layer = (layer["attention"] + self.layer_fixed_seconds
-                       + self.rest_overhead * (projections + self.dense_mlp_floor(num_tokens)))
-        return (moe_layers * sum(layer.values()) + self.num_dense_layers * dense_layer
+        return (moe_layers * sum(layer.values())
+                + self.num_dense_layers * self.dense_layer_seconds(num_tokens, context_len, layer["attention"])
                 + self.head_overhead * self.head_floor(num_tokens))
+
+    def dense_layer_seconds(self, num_tokens: int, context_len: int, attention_seconds: float | None = None) -> float:
+        """A dense layer (layer 0): attention + its projections + a dense MLP (no router/shared/routed)."""
+        if attention_seconds is None:
+            attention_seconds = self.attention_overhead * self.attention_floor(num_tokens, context_len)
+        projections = self._floor(self.attention_params * BF16_BYTES, 2 * num_tokens * self.attention_params)
+        return (attention_seconds + self.layer_fixed_seconds
+                + self.rest_overhead * (projections + self.dense_mlp_floor(num_tokens)))
 
     def ar_step_seconds(self, context_len: int) -> float:
         """One autoregressive step: a T = 1 forward."""
