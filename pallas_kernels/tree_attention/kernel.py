@@ -90,7 +90,9 @@ def _tree_attention_kernel(
 
     q_c = q_ref[:, pl.ds(0, c)]  # [BR, c]
     q_r = q_ref[:, pl.ds(c, r)]  # [BR, r]
-    kv_end = start + num_tree  # rows >= kv_end are garbage (maybe NaN): never loaded unmasked
+    # rows >= kv_end are garbage (maybe NaN): never loaded unmasked; never past the cache either,
+    # whatever start a caller passes
+    kv_end = jnp.minimum(start + num_tree, cache_ref.shape[0])
 
     def tile(k0, carry, masked: bool):
         acc, m, l = carry  # [BR, c] f32, [BR] f32, [BR] f32

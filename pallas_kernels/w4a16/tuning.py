@@ -52,6 +52,8 @@ def heuristic_config(m: int, k: int, n: int) -> BlockConfig:
     """A reasonable config for any M, K % 32 == 0, N % 16 == 0."""
     block_m = min(max(16, 1 << (max(m, 1) - 1).bit_length()), 64)
     # 64-wide N tiles measured fastest at small M (Triton stages the bf16 tile in shared memory).
+    if n % 16:
+        raise ValueError(f"the W4A16 kernel tiles N by 16, 32 or 64: N={n} is not a multiple of 16")
     block_n = next(b for b in (64, 32, 16) if n % b == 0)
     block_k = _largest_pow2_divisor(k, 256)
     steps = k // block_k
