@@ -1,6 +1,7 @@
 """Autoregressive generation against the reference's greedy decoding, batching, stops and errors."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -94,3 +95,25 @@ def test_bad_inputs_get_clear_errors(params, kwargs, match):
     kwargs.setdefault("max_new_tokens", 4)
     with pytest.raises(ValueError, match=match):
         kj.generate(TINY, params, **kwargs)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.7, 5, None), (1.3, None, 0.8),
+                                                     (0.9, 12, 0.6), (1.0, 3, 0.999)])
+def test_sampling_filters_match_numpy(temperature, top_k, top_p):
+    from kdtree_jax.generate import SamplingParams, sampling_logits
+
+    logits = np.random.default_rng(5).standard_normal((6, 50)) * 3
+    got = np.asarray(sampling_logits(jnp.asarray(logits, jnp.float32),
+                                     SamplingParams(temperature, top_k, top_p)))
+    expected = logits / temperature
+    for row in expected:  # HF order: top-k, then top-p on what is left
+        order = np.argsort(-row, kind="stable")
+        if top_k is not None:
+            row[order[top_k:]] = -np.inf
+        if top_p is not None:
+            probs = np.exp(row[order] - row[order][0])
+            probs /= probs.sum()
+            mass_before = np.cumsum(probs) - probs
+            row[order[mass_before >= top_p]] = -np.inf
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(expected))
+    np.testing.assert_allclose(got[np.isfinite(got)], expected[np.isfinite(expected)], rtol=1e-5)
