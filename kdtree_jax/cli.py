@@ -1,5 +1,6 @@
 """The `kdtree-jax` command line: generate, convert, init, info.
 
+    kdtree-jax generate --shipped --prompt "def fibonacci(n):" --method all
     kdtree-jax generate --preset tiny --prompt "1 2 3" --method all
     kdtree-jax convert /models/Kimi-K2.6 /ckpt/k26 --dtype bfloat16
     kdtree-jax init /ckpt/tiny --preset tiny; kdtree-jax init /ckpt/tiny-drafter --drafter --target /ckpt/tiny
@@ -25,6 +26,8 @@ PRESETS = ("tiny",)  # models small enough to build from random weights on any m
 DTYPES = ("bfloat16", "float32", "float16")
 METHODS = ("ar", "dflash", "ddtree", "all")
 DEFAULT_BUDGET = 32
+# The trained pair shipped in the package (training/, docs/training.md): target, drafter, tokenizer.
+SHIPPED = Path(__file__).resolve().parent / "assets"
 
 
 class CLIError(Exception):
@@ -54,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "(loaded whole into memory: convert big models once instead)")
     src.add_argument("--preset", choices=PRESETS, help="random weights (from --seed) of a built-in config; "
                      "without --drafter a random drafter is made too")
+    src.add_argument("--shipped", action="store_true", help="the shipped pair: a small K2.6-architecture "
+                     "target (INT4 experts) trained on Python's standard library, its trained DFlash drafter and "
+                     "tokenizer (prompts are Python text)")
     src.add_argument("--layers", type=int, metavar="N", help="with --preset: number of decoder layers "
                      "(default: the preset's)")
     g.add_argument("--drafter", metavar="DIR", help="a drafter checkpoint (needed by dflash / ddtree unless "
@@ -78,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "--hf, float32 for --preset); a checkpoint keeps its own")
     g.add_argument("--stop", type=int, action="append", metavar="ID", help="a stop token id (repeatable; "
                    "default: the config's eos_token_id)")
+    g.add_argument("--mesh", metavar="SPEC", help="run the target sharded over a device mesh, e.g. "
+                   "'expert=2,tensor=1' (axes expert and tensor; uses the first expert*tensor devices; "
+                   "docs/sharding.md)")
     g.add_argument("--no-warmup", action="store_true", help="time the first call (compile time included) "
                    "instead of a second, compiled one")
     g.set_defaults(func=cmd_generate)
@@ -218,18 +227,21 @@ def _parse_prompts(prompts: list[str] | None, tokenizer, cfg) -> list[list[int]]
 
 def _load_model(args):
     """(cfg, params, description) from exactly one of --checkpoint / --hf / --preset."""
-    sources = [name for name in ("checkpoint", "hf", "preset") if getattr(args, name)]
+    sources = [name for name in ("checkpoint", "hf", "preset", "shipped") if getattr(args, name)]
     if len(sources) != 1:
-        raise CLIError("give exactly one model source: --checkpoint DIR, --hf DIR or --preset NAME"
+        raise CLIError("give exactly one model source: --checkpoint DIR, --hf DIR, --preset NAME or --shipped"
                        + (f" (got {', '.join('--' + s for s in sources)})" if sources else ""))
     if args.layers is not None and not args.preset:
         raise CLIError("--layers applies to --preset only")
+    if args.shipped:
+        args.checkpoint = str(SHIPPED / "target")
     if args.checkpoint:
         if args.dtype:
             raise CLIError("--dtype applies to --hf and --preset; a checkpoint keeps the dtype it was written with")
         from kdtree_jax.checkpoint import load_checkpoint  # noqa: PLC0415
 
-        cfg, params = load_checkpoint(_check_dir(args.checkpoint, "checkpoint directory"), expect_kind="target")
+        cfg, params = load_checkpoint(_check_dir(args.checkpoint, "checkpoint directory"), expect_kind="target",
+                                      mesh=args.mesh)  # restored straight into its shardings
         return cfg, params, f"checkpoint {args.checkpoint}"
     if args.hf:
         from kdtree_jax.hf import load_hf  # noqa: PLC0415
@@ -247,6 +259,8 @@ def _load_drafter(args, cfg, methods):
         if args.drafter:
             raise CLIError(f"--drafter is not used by --method {args.method}")
         return None, None
+    if args.shipped and not args.drafter:
+        args.drafter = str(SHIPPED / "drafter")
     if args.drafter:
         from kdtree_jax.checkpoint import load_checkpoint  # noqa: PLC0415
         from kdtree_jax.config import ConfigError  # noqa: PLC0415
@@ -278,7 +292,8 @@ def _run(cfg, params, prompts, method, drafter, args):
     from kdtree_jax.generate import generate  # noqa: PLC0415
 
     kwargs = dict(max_new_tokens=args.max_new_tokens, method=method, temperature=args.temperature,
-                  top_k=args.top_k, top_p=args.top_p, key=jax.random.key(args.seed), stop_tokens=args.stop)
+                  top_k=args.top_k, top_p=args.top_p, key=jax.random.key(args.seed), stop_tokens=args.stop,
+                  mesh=args.mesh)
     if method != "ar":
         kwargs["drafter"] = drafter
     if method == "ddtree":
@@ -305,8 +320,14 @@ def cmd_generate(args) -> None:
     for name in ("max_new_tokens", "budget"):
         if getattr(args, name) < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.shipped and not args.tokenizer:
+        args.tokenizer = str(SHIPPED / "tokenizer.json")
     tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
     methods = ["ar", "dflash", "ddtree"] if args.method == "all" else [args.method]
+    if args.mesh is not None:  # a Mesh before any weight is read, so a bad spec fails fast
+        from kdtree_jax.sharding import make_mesh  # noqa: PLC0415
+
+        args.mesh = make_mesh(args.mesh)
     cfg, params, model_desc = _load_model(args)
     prompts = _parse_prompts(args.prompt, tokenizer, cfg)
     drafter, drafter_desc = _load_drafter(args, cfg, methods)

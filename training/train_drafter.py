@@ -4,8 +4,9 @@
         --out /tmp/kdtree_train/drafter
 
 1. Data (as DFlash: the target's own outputs): prompts are random windows of the training split;
-   the target continues each one (`kj.generate`, half greedy, half temperature 1), so the drafter
-   learns what this target says, not what the corpus says.
+   the target continues each one (`kj.generate`; greedy, or a `--greedy-fraction` of the calls greedy and
+   the rest at temperature 1), so the drafter learns what this target says, not what the corpus says.
+   `--data-cache FILE.npz` keeps the generated set for reruns with other training settings.
 2. Loss: for `--anchors` random anchor positions a per sequence (inside the generated part), the block
    [token a, mask x (block-1)] at positions a..a+block-1 attends to the drafter context features of
    tokens [0, a) and to itself; cross-entropy of the block's predictions against tokens a+1..a+block-1,
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -29,6 +31,7 @@ import optax
 import kdtree_jax as kj
 from kdtree_jax.drafter import DrafterCache, drafter_extend_context, drafter_forward, init_drafter_cache
 from kdtree_jax.model import Transformer
+from pallas_kernels.w4a16 import W4A16FallbackWarning
 from training.common import JsonLog, describe_device, load_tokenizer, param_count, plot_curves
 from training.data import corpus_files, random_windows, token_stream
 
@@ -87,15 +90,18 @@ def drafter_loss(dparams, dcfg, hidden, tokens, valid_len, anchors, embed, lm_he
     return jnp.dot(per_pos, weights), correct
 
 
-def generate_data(cfg, params, stream, num_seqs, prompt_len, new_tokens, batch, seed, log) -> tuple:
-    """Target continuations of random training windows: (tokens [N, prompt_len + new_tokens] int32,
-    valid lengths [N]); even batches greedy, odd batches temperature 1."""
+def generate_data(cfg, params, stream, num_seqs, prompt_len, new_tokens, batch, seed, log,
+                  greedy_fraction: float = 1.0) -> tuple:
+    """Target continuations of random windows of `stream`: (tokens [N, prompt_len + new_tokens] int32,
+    valid lengths [N]). A `greedy_fraction` of the generate calls is greedy, the rest temperature 1."""
     rng = np.random.default_rng(seed)
     seqs, lens = [], []
+    calls = -(-num_seqs // batch)
+    greedy_calls = set(np.linspace(0, calls - 1, round(greedy_fraction * calls)).round().astype(int).tolist())
     for i in range(0, num_seqs, batch):
         prompts = random_windows(stream, batch, prompt_len, rng)
         t0 = time.perf_counter()
-        temperature = 0.0 if (i // batch) % 2 == 0 else 1.0
+        temperature = 0.0 if i // batch in greedy_calls else 1.0
         out = kj.generate(cfg, params, prompts, max_new_tokens=new_tokens, temperature=temperature,
                           key=jax.random.key(seed * 100003 + i), stop_tokens=())
         out_tokens = np.asarray(out.tokens)
@@ -127,9 +133,13 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=192)
     parser.add_argument("--gen-batch", type=int, default=128)
+    parser.add_argument("--greedy-fraction", type=float, default=1.0,
+                        help="share of the generated training data decoded greedily (the rest: temperature 1)")
+    parser.add_argument("--data-cache", type=Path, help="an .npz to load the generated data from / save it to")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("/tmp/kdtree_train/drafter"))
     args = parser.parse_args()
+    warnings.filterwarnings("ignore", category=W4A16FallbackWarning)  # CPU runs the XLA INT4 path on purpose
 
     tok = load_tokenizer()
     cfg, params = kj.load_checkpoint(args.target, expect_kind="target")
@@ -142,10 +152,18 @@ def main() -> None:
 
     train = token_stream(tok, corpus_files("train"))
     heldout = token_stream(tok, corpus_files("heldout"))
-    seqs, valid = generate_data(cfg, params, train, args.num_seqs, args.prompt_len, args.new_tokens,
-                                args.gen_batch, args.seed, log)
-    ev_seqs, ev_valid = generate_data(cfg, params, heldout, args.gen_batch, args.prompt_len, args.new_tokens,
-                                      args.gen_batch, args.seed + 7, log)
+    if args.data_cache is not None and args.data_cache.is_file():
+        data = np.load(args.data_cache)
+        seqs, valid, ev_seqs, ev_valid = (data[k] for k in ("seqs", "valid", "ev_seqs", "ev_valid"))
+        log(event="data_cache", path=str(args.data_cache), seqs=len(seqs))
+    else:
+        seqs, valid = generate_data(cfg, params, train, args.num_seqs, args.prompt_len, args.new_tokens,
+                                    args.gen_batch, args.seed, log, args.greedy_fraction)
+        # held-out check set: greedy continuations of held-out windows (what greedy acceptance measures)
+        ev_seqs, ev_valid = generate_data(cfg, params, heldout, args.gen_batch, args.prompt_len,
+                                          args.new_tokens, args.gen_batch, args.seed + 7, log, 1.0)
+        if args.data_cache is not None:
+            np.savez_compressed(args.data_cache, seqs=seqs, valid=valid, ev_seqs=ev_seqs, ev_valid=ev_valid)
 
     embed = params["embed_tokens"]
     lm_head = embed.T if cfg.tie_word_embeddings else params["lm_head"]
