@@ -1,0 +1,197 @@
+"""End-to-end benchmark of the shipped pair (or any target + drafter): AR vs DFlash vs DDTree on
+held-out Python prompts.
+
+For batch 1 and 8, greedy and temperature 1, and DDTree budgets 4..256: mean acceptance length
+(tokens committed per round, the bonus included), target forwards per generated token, tokens/s and
+speedup over AR at the same batch and temperature. Timing: one `kj.generate` call (one device
+dispatch) per measurement, after a compile/warm-up call, median of `--repeats`; batch 1 runs every
+prompt and sums. Greedy outputs of every method are checked token for token against AR (the invariant).
+
+    python benchmarks/bench_e2e.py --out benchmarks/results --tag cpu            # ~15 min on 2 CPU cores
+    python benchmarks/bench_e2e.py --out benchmarks/results --tag h200 --num-prompts 16 --max-new-tokens 128
+
+Writes <out>/e2e_<tag>.json, .md (table + device, JAX version, date) and .png (acceptance length and
+speedup against the budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kdtree_jax as kj  # noqa: E402
+from pallas_kernels.w4a16 import W4A16FallbackWarning  # noqa: E402
+
+ASSETS = Path(kj.__file__).parent / "assets"
+DEFAULT_BUDGETS = (4, 8, 16, 32, 64, 128, 256)
+
+
+def load_prompts(tokenizer, count: int, prompt_tokens: int) -> list[list[int]]:
+    """Held-out prompts: the training split rule's held-out files (training/data.py)."""
+    from training.data import heldout_prompts  # noqa: PLC0415
+
+    return heldout_prompts(tokenizer, count, prompt_tokens, seed=0)
+
+
+def run_config(cfg, params, drafter, prompts, batch, method, budget, temperature, new_tokens, repeats):
+    """Time one (method, budget, batch, temperature) over all prompts. Returns (row dict, outputs per prompt)."""
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    kwargs = dict(max_new_tokens=new_tokens, method=method, temperature=temperature, stop_tokens=())
+    if method != "ar":
+        kwargs["drafter"] = drafter
+    if method == "ddtree":
+        kwargs["tree_budget"] = budget
+    seconds, tokens, forwards, accept, outputs = 0.0, 0, 0, [], []
+    for g, group in enumerate(groups):
+        key = jax.random.key(1000 + g)
+        call = lambda: kj.generate(cfg, params, group, key=key, **kwargs)  # noqa: E731
+        jax.block_until_ready(call())  # compile (first group) + warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(call())
+            times.append(time.perf_counter() - t0)
+        seconds += statistics.median(times)
+        lengths = np.asarray(out.lengths)
+        tokens += int(lengths.sum())
+        forwards += int(out.num_target_forwards) * len(group)  # a forward serves the whole batch
+        acc = np.asarray(out.acceptance_lengths)
+        accept.extend(acc[acc > 0].tolist())
+        toks = np.asarray(out.tokens)
+        outputs.extend(toks[b, :lengths[b]].tolist() for b in range(len(group)))
+    row = dict(method=method, budget=budget, batch=batch, temperature=temperature,
+               mean_acceptance=float(np.mean(accept)) if accept else 0.0,
+               forwards_per_token=forwards / tokens, tokens_per_s=tokens / seconds, seconds=seconds,
+               new_tokens=tokens)
+    return row, outputs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", type=Path, default=ASSETS / "target")
+    parser.add_argument("--drafter", type=Path, default=ASSETS / "drafter")
+    parser.add_argument("--tokenizer", type=Path, default=ASSETS / "tokenizer.json")
+    parser.add_argument("--num-prompts", type=int, default=8, help="held-out prompts (a multiple of 8)")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--budgets", type=int, nargs="+", default=list(DEFAULT_BUDGETS))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--tag", default=jax.devices()[0].platform)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    if any(args.num_prompts % b for b in args.batches):
+        raise SystemExit(f"--num-prompts {args.num_prompts} must be a multiple of every batch {args.batches}")
+    warnings.filterwarnings("ignore", category=W4A16FallbackWarning)  # CPU runs the XLA INT4 path on purpose
+
+    from tokenizers import Tokenizer  # noqa: PLC0415
+
+    tok = Tokenizer.from_file(str(args.tokenizer))
+    cfg, params = kj.load_checkpoint(args.target, expect_kind="target")
+    dcfg, dparams = kj.load_checkpoint(args.drafter, expect_kind="drafter")
+    drafter = (dcfg, dparams)
+    prompts = load_prompts(tok, args.num_prompts, args.prompt_tokens)
+    device = jax.devices()[0]
+    meta = dict(device=f"{device.platform} {getattr(device, 'device_kind', '')}".strip(),
+                host=platform.processor() or platform.machine(), jax=jax.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                target=str(args.target), drafter=str(args.drafter), num_prompts=args.num_prompts,
+                prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                block_size=dcfg.block_size)
+    rows, invariant_failures = [], []
+    print(f"{'batch':>5} {'temp':>4} {'method':>7} {'budget':>6} {'accept':>7} {'fwd/tok':>8} {'tok/s':>9} "
+          f"{'speedup':>8}  greedy==AR", flush=True)
+    for batch in args.batches:
+        for temperature in args.temperatures:
+            configs = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in args.budgets]
+            ar_speed, ar_out = None, None
+            for method, budget in configs:
+                row, outs = run_config(cfg, params, drafter, prompts, batch, method, budget, temperature,
+                                       args.max_new_tokens, args.repeats)
+                if method == "ar":
+                    ar_speed, ar_out = row["tokens_per_s"], outs
+                row["speedup"] = row["tokens_per_s"] / ar_speed
+                same = ""
+                if temperature == 0.0:
+                    row["greedy_equals_ar"] = outs == ar_out
+                    same = "yes" if row["greedy_equals_ar"] else "NO"
+                    if not row["greedy_equals_ar"]:
+                        invariant_failures.append((batch, method, budget))
+                rows.append(row)
+                print(f"{batch:>5} {temperature:>4g} {method:>7} {budget or '-':>6} {row['mean_acceptance']:>7.2f} "
+                      f"{row['forwards_per_token']:>8.3f} {row['tokens_per_s']:>9.1f} {row['speedup']:>7.2f}x  {same}",
+                      flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"e2e_{args.tag}"
+    Path(f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows,
+                                                "invariant_failures": invariant_failures}, indent=1))
+    write_markdown(Path(f"{stem}.md"), meta, rows)
+    plot(Path(f"{stem}.png"), meta, rows, args.budgets)
+    print(f"wrote {stem}.json/.md/.png; greedy invariant " +
+          ("held everywhere" if not invariant_failures else f"FAILED for {invariant_failures}"))
+    if invariant_failures:
+        raise SystemExit(1)
+
+
+def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
+    lines = [f"# End-to-end decode: AR vs DFlash vs DDTree ({meta['device']})", "",
+             f"{meta['date']}, JAX {meta['jax']}, host {meta['host']}; {meta['num_prompts']} held-out prompts of "
+             f"{meta['prompt_tokens']} tokens, {meta['max_new_tokens']} new tokens each, block size "
+             f"{meta['block_size']}, median of {meta['repeats']} timed call(s) after a warm-up, one dispatch per "
+             "generate call.", "",
+             "| batch | temp | method | budget | mean accept | target fwd / token | tokens/s | speedup vs AR | "
+             "greedy == AR |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        same = {True: "yes", False: "NO"}.get(r.get("greedy_equals_ar"), "n/a (sampling)")
+        lines.append(f"| {r['batch']} | {r['temperature']:g} | {r['method']} | {r['budget'] or '-'} | "
+                     f"{r['mean_acceptance']:.2f} | {r['forwards_per_token']:.3f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['speedup']:.2f}x | {same} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(path: Path, meta: dict, rows: list[dict], budgets) -> None:
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    settings = sorted({(r["batch"], r["temperature"]) for r in rows})
+    for i, (batch, temp) in enumerate(settings):
+        sel = [r for r in rows if r["batch"] == batch and r["temperature"] == temp]
+        tree = sorted((r for r in sel if r["method"] == "ddtree"), key=lambda r: r["budget"])
+        dflash = next(r for r in sel if r["method"] == "dflash")
+        color = f"C{i}"
+        label = f"batch {batch}, T={temp:g}"
+        for ax, key in ((axes[0], "mean_acceptance"), (axes[1], "speedup")):
+            ax.plot([r["budget"] for r in tree], [r[key] for r in tree], "o-", color=color, label=f"DDTree, {label}")
+            ax.axhline(dflash[key], color=color, ls="--", lw=1, label=f"DFlash, {label}")
+    axes[0].set_ylabel("mean acceptance length (tokens / round)")
+    axes[1].set_ylabel("speedup over AR (tokens/s)")
+    axes[1].axhline(1.0, color="k", lw=0.8)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(budgets), [str(b) for b in budgets])
+        ax.set_xlabel("DDTree budget (draft nodes per round)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{meta['device']}, JAX {meta['jax']}, {meta['date'][:10]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
