@@ -297,13 +297,20 @@ def checkpoint_config(path: str | os.PathLike, *, expect_kind: str | None = None
     return cfg, meta
 
 
-def load_checkpoint(path: str | os.PathLike, *, expect_kind: str | None = None):
+def load_checkpoint(path: str | os.PathLike, *, expect_kind: str | None = None, mesh=None):
     """Restore (cfg, params). Every tensor the config implies must be present with the right shape
-    and dtype, and nothing else may be there; otherwise CheckpointError names the tensors."""
+    and dtype, and nothing else may be there; otherwise CheckpointError names the tensors.
+
+    mesh (a jax Mesh or a spec like "expert=2,tensor=1"): every array is restored straight into its
+    NamedSharding (kdtree_jax.sharding; a drafter is replicated), each device reading only its own
+    shard, so the whole model never sits on one device or the host. MeshError when the mesh does not
+    divide the model."""
     path = Path(path)
     cfg, meta = checkpoint_config(path, expect_kind=expect_kind)
     expected = _KINDS[meta["kind"]][2](cfg, jnp.dtype(meta["param_dtype"]), meta)
     _check_tree(expected, _saved_index(path, meta, expected), f"checkpoint {path}")
+    if mesh is not None:
+        expected = _with_shardings(cfg, meta["kind"], expected, mesh)
     checkpointer = ocp.StandardCheckpointer()
     items = ([(path / "params", expected)] if meta["format"] == 1 else
              [(path / "params" / entry, {entry: expected[entry]}) for entry in expected])
@@ -315,6 +322,18 @@ def load_checkpoint(path: str | os.PathLike, *, expect_kind: str | None = None):
             raise CheckpointError(f"cannot read the tensors of {directory} (truncated or damaged?): "
                                   f"{type(e).__name__}: {e}") from None
     return cfg, _plain(params)
+
+
+def _with_shardings(cfg, kind: str, abstract, mesh):
+    """The abstract tree with each ShapeDtypeStruct carrying its NamedSharding on `mesh`."""
+    from kdtree_jax import sharding  # noqa: PLC0415
+
+    mesh = sharding.make_mesh(mesh)
+    if kind == "target":
+        shardings = sharding.param_shardings(cfg, abstract, mesh)
+    else:  # drafters are small and run replicated
+        shardings = jax.tree.map(lambda _: sharding.NamedSharding(mesh, sharding.P()), abstract)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
 def _plain(tree):

@@ -21,10 +21,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from kdtree_jax import sharding
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.drafter import (DrafterCache, DrafterConfig, drafter_extend_context, drafter_forward,
                                 init_drafter_cache)
-from kdtree_jax.generate import (GenerateOutput, SamplingParams, cache_length, emit, prefill, sample)
+from kdtree_jax.generate import (GenerateOutput, SamplingParams, cache_length, emit, on_mesh, prefill, sample)
 from kdtree_jax.linear import is_int4_leaf
 from kdtree_jax.model import KVCache, Params, forward_with_cache, init_cache
 from kdtree_jax.tree import Tree, build_chain, build_tree
@@ -174,6 +175,8 @@ def _generate(params, draft_model, prompt_tokens, prompt_lengths, key, *, cfg, m
     def body(s: _State) -> _State:
         start = s.cache.lengths  # [B]
         draft_logits = draft_model.draft(s.draft_state, cfg, params, s.bonus, start)  # [B, L, V]
+        # the tree builder and acceptance are tiny: they run replicated on every device
+        draft_logits = sharding.constrain(draft_logits, None, None, None)
         if method == "dflash":
             tree = build_chain(draft_logits, root_tokens=s.bonus)
         else:
@@ -203,8 +206,9 @@ def _generate(params, draft_model, prompt_tokens, prompt_lengths, key, *, cfg, m
 
 def generate_speculative(cfg: ModelConfig, params: Params, tokens, lengths, key, *, drafter, method: str,
                          tree_budget: int | None, max_new_tokens: int, sampling: SamplingParams,
-                         stop_tokens: tuple[int, ...], max_len: int | None) -> GenerateOutput:
-    """DDTree / DFlash generation (called by `kdtree_jax.generate`, which checks the prompts)."""
+                         stop_tokens: tuple[int, ...], max_len: int | None, mesh=None) -> GenerateOutput:
+    """DDTree / DFlash generation (called by `kdtree_jax.generate`, which checks the prompts and
+    places params on `mesh`, a jax Mesh or None)."""
     if drafter is None:
         raise ValueError(f"method={method!r} needs a drafter: drafter=(DrafterConfig, drafter params)")
     draft_model = as_draft_model(cfg, drafter)
@@ -224,6 +228,9 @@ def generate_speculative(cfg: ModelConfig, params: Params, tokens, lengths, key,
         raise ValueError("the drafter shares the target's lm_head, which must be dense (never INT4)")
     # verify writes T rows past the committed length; compaction rewrites depth + 1 rows there
     cache_rows = cache_length(cfg, tokens.shape[1], max_new_tokens, max(tree_slots, depth + 1), max_len)
-    return _generate(params, draft_model, jnp.asarray(tokens), jnp.asarray(lengths), key, cfg=cfg,
-                     method=method, budget=tree_budget, max_new_tokens=max_new_tokens, max_len=cache_rows,
-                     sampling=sampling, stop_tokens=stop_tokens)
+    if mesh is not None:  # the drafter is tiny: a full copy on every device
+        draft_model = sharding.replicate(draft_model, mesh)
+    with on_mesh(mesh):
+        return _generate(params, draft_model, jnp.asarray(tokens), jnp.asarray(lengths), key, cfg=cfg,
+                         method=method, budget=tree_budget, max_new_tokens=max_new_tokens, max_len=cache_rows,
+                         sampling=sampling, stop_tokens=stop_tokens)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import NamedTuple, Sequence
 
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kdtree_jax import sharding
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model import KVCache, Params, check_tokens, forward_with_cache, init_cache
 
@@ -206,14 +208,16 @@ def _generate_ar(params, prompt_tokens, prompt_lengths, key, *, cfg, max_new_tok
 def generate(cfg: ModelConfig, params: Params, prompts, max_new_tokens: int = 64, method: str = "ar",
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              key: jax.Array | None = None, stop_tokens: Sequence[int] | None = None, drafter=None,
-             tree_budget: int | None = None, max_len: int | None = None) -> GenerateOutput:
+             tree_budget: int | None = None, max_len: int | None = None, mesh=None) -> GenerateOutput:
     """Generate up to `max_new_tokens` per prompt with one device dispatch.
 
     prompts: a list of token-id lists (ragged) or an int array [B, P]. method: "ar" (autoregressive),
     "dflash" (single-path speculative) or "ddtree" (tree speculative; needs `drafter=(dcfg, dparams)`
     and `tree_budget`). temperature 0 is greedy; otherwise sampling with optional top_k / top_p and
     an explicit PRNG `key` (required). stop_tokens default to cfg.eos_token_id. max_len: cache rows
-    (default: exactly what the call needs)."""
+    (default: exactly what the call needs). mesh: a jax Mesh or a spec like "expert=2,tensor=1"
+    (kdtree_jax.sharding): the target runs sharded over it (params not yet there are placed on it,
+    drafter and tree replicated); MeshError when the mesh does not divide the model."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -226,15 +230,24 @@ def generate(cfg: ModelConfig, params: Params, prompts, max_new_tokens: int = 64
         key = jax.random.key(0)
     tokens, lengths = prepare_prompts(cfg, prompts)
     stops = resolve_stop_tokens(cfg, stop_tokens)
+    if mesh is not None:
+        mesh = sharding.make_mesh(mesh)
+        params = sharding.shard_params(cfg, params, mesh)  # checks the mesh divides the model
     if method == "ar":
         if drafter is not None or tree_budget is not None:
             raise ValueError("method='ar' takes no drafter or tree_budget")
         cache_rows = cache_length(cfg, tokens.shape[1], max_new_tokens, 0, max_len)
-        return _generate_ar(params, jnp.asarray(tokens), jnp.asarray(lengths), key, cfg=cfg,
-                            max_new_tokens=max_new_tokens, max_len=cache_rows, sampling=sampling,
-                            stop_tokens=stops)
+        with on_mesh(mesh):
+            return _generate_ar(params, jnp.asarray(tokens), jnp.asarray(lengths), key, cfg=cfg,
+                                max_new_tokens=max_new_tokens, max_len=cache_rows, sampling=sampling,
+                                stop_tokens=stops)
     from kdtree_jax.ddtree import generate_speculative  # noqa: PLC0415 (avoids an import cycle)
 
     return generate_speculative(cfg, params, tokens, lengths, key, drafter=drafter, method=method,
                                 tree_budget=tree_budget, max_new_tokens=max_new_tokens,
-                                sampling=sampling, stop_tokens=stops, max_len=max_len)
+                                sampling=sampling, stop_tokens=stops, max_len=max_len, mesh=mesh)
+
+
+def on_mesh(mesh):
+    """`jax.set_mesh(mesh)` (the jitted loops trace their sharded form under it), or nothing."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)

@@ -19,7 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdtree_jax import attention
+from jax.sharding import PartitionSpec as P
+
+from kdtree_jax import attention, sharding
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.layers import apply_rope, rms_norm, swiglu, yarn_inv_freq
 from kdtree_jax.linear import is_int4_leaf, linear
@@ -123,9 +125,13 @@ class MLA(nn.Module):
         query = jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1)  # [B, T, H, c+r]
         if visibility is None:
             visibility = jnp.broadcast_to(jnp.tril(jnp.ones((steps, steps), bool)), (batch, steps, steps))
-        out_latent = attention.mla_attention(
-            query.astype(latent_cache.dtype), latent_cache, start, visibility,
-            scale=cfg.softmax_scale, value_dim=c)  # [B, T, H, c]
+        attend = functools.partial(attention.mla_attention, scale=cfg.softmax_scale, value_dim=c)
+        mesh = sharding.active_mesh()
+        if mesh is not None:  # heads split over "tensor": each shard runs the kernel on its own heads
+            by_head = sharding.spec(None, None, "heads", None)
+            attend = jax.shard_map(attend, mesh=mesh, in_specs=(by_head, P(), P(), P()), out_specs=by_head,
+                                   check_vma=False)
+        out_latent = attend(query.astype(latent_cache.dtype), latent_cache, start, visibility)  # [B, T, H, c]
         out = jnp.einsum("bthc,chv->bthv", out_latent.astype(x.dtype), w_uv.astype(x.dtype))
         return linear(out.reshape(batch, steps, heads * vdim), w_o), latent_cache
 
@@ -136,11 +142,15 @@ class DenseMLP(nn.Module):
     param_dtype: Any
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x=None):
+        """x [..., D] -> [..., D]; without x, the weights {"gate", "up", "down"} (for a shard_map)."""
         dt = self.param_dtype
-        return swiglu(x, _weight(self, "gate", (self.hidden, self.width), dt),
-                      _weight(self, "up", (self.hidden, self.width), dt),
-                      _weight(self, "down", (self.width, self.hidden), dt), linear=linear)
+        weights = {"gate": _weight(self, "gate", (self.hidden, self.width), dt),
+                   "up": _weight(self, "up", (self.hidden, self.width), dt),
+                   "down": _weight(self, "down", (self.width, self.hidden), dt)}
+        if x is None:
+            return weights
+        return swiglu(x, weights["gate"], weights["up"], weights["down"], linear=linear)
 
 
 def route(cfg: ModelConfig, x: jax.Array, router: jax.Array, router_bias: jax.Array):
@@ -180,6 +190,11 @@ class MoE(nn.Module):
         lead = x.shape[:-1]
         flat = x.reshape(-1, d)  # [N, D]
         idx, weights = route(cfg, flat, router, router_bias)
+        mesh = sharding.active_mesh()
+        if mesh is not None:
+            shared = (DenseMLP(cfg.shared_intermediate_size, d, dt, name="shared")() if cfg.n_shared_experts
+                      else {})
+            return moe_sharded(mesh, flat, idx, weights, experts, shared).reshape(*lead, d)
         out = routed_experts(flat, experts, idx, weights)
         if cfg.n_shared_experts:
             shared = DenseMLP(cfg.shared_intermediate_size, d, dt, name="shared")
@@ -210,6 +225,11 @@ def routed_experts(x: jax.Array, experts: dict, idx: jax.Array, weights: jax.Arr
     Small token counts gather only the chosen experts' weights (decode reads k experts, not E);
     larger ones run every expert on every token with a dense combine matrix. INT4 experts run one
     W4A16 matmul per expert (the grouped INT4 MoE kernel is future work)."""
+    return _routed_experts_f32(x, experts, idx, weights).astype(x.dtype)
+
+
+def _routed_experts_f32(x: jax.Array, experts: dict, idx: jax.Array, weights: jax.Array) -> jax.Array:
+    """routed_experts before the final cast: float32 [N, D] (a shard's partial sum stays float32)."""
     num_tokens, top_k = idx.shape
     num_experts = jax.tree.leaves(experts["gate"])[0].shape[0]  # dense [E, D, I] or INT4 leaf [E, ...]
     combine = jnp.zeros((num_tokens, num_experts), jnp.float32).at[
@@ -220,17 +240,43 @@ def routed_experts(x: jax.Array, experts: dict, idx: jax.Array, weights: jax.Arr
             leaf = {k: jax.tree.map(lambda a: a[expert], v) for k, v in experts.items()}
             y = swiglu(x, leaf["gate"], leaf["up"], leaf["down"], linear=linear)
             out = out + combine[:, expert, None] * y.astype(jnp.float32)
-        return out.astype(x.dtype)
+        return out
     if num_tokens * top_k < num_experts:
         gate, up, down = (experts[k][idx] for k in ("gate", "up", "down"))  # [N, k, ...]
         hidden = jax.nn.silu(jnp.einsum("nd,nkdi->nki", x, gate.astype(x.dtype)))
         hidden = hidden * jnp.einsum("nd,nkdi->nki", x, up.astype(x.dtype))
         y = jnp.einsum("nki,nkid->nkd", hidden, down.astype(x.dtype))
-        return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights).astype(x.dtype)
+        return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights)
     hidden = jax.nn.silu(jnp.einsum("nd,edi->eni", x, experts["gate"].astype(x.dtype)))
     hidden = hidden * jnp.einsum("nd,edi->eni", x, experts["up"].astype(x.dtype))
     y = jnp.einsum("eni,eid->end", hidden, experts["down"].astype(x.dtype))
-    return jnp.einsum("end,ne->nd", y.astype(jnp.float32), combine).astype(x.dtype)
+    return jnp.einsum("end,ne->nd", y.astype(jnp.float32), combine)
+
+
+def moe_sharded(mesh, x: jax.Array, idx: jax.Array, weights: jax.Array, experts: dict, shared: dict) -> jax.Array:
+    """The MoE block per shard in `shard_map`: routed experts split over "expert" (and their
+    intermediate dim over "tensor"), the shared expert split over "tensor". x [N, D] and the routing
+    idx/weights [N, k] come in replicated; every shard runs its local experts on every token (the
+    choices of other shards get weight 0) and one psum over all devices sums the float32 partials:
+    the all-gather + reduce-scatter exchange, with the gather free because decode tokens are already
+    replicated. Returns [N, D] in x.dtype, replicated. shared: {} when the model has none."""
+    expert_specs = {k: sharding.leaf_spec(("experts", k), v) for k, v in experts.items()}
+    shared_specs = {k: sharding.leaf_spec(("shared", k), v) for k, v in shared.items()}
+
+    def body(x, idx, weights, experts, shared):
+        local = jax.tree.leaves(experts["gate"])[0].shape[0]  # experts on this shard
+        shard = jax.lax.axis_index(sharding.EXPERT)
+        first = shard * local
+        mine = (idx >= first) & (idx < first + local)  # [N, k]
+        out = _routed_experts_f32(x, experts, jnp.where(mine, idx - first, 0), jnp.where(mine, weights, 0.0))
+        if shared:  # every expert shard holds the same tensor slice of it: count it once
+            y = swiglu(x, shared["gate"], shared["up"], shared["down"], linear=linear).astype(jnp.float32)
+            out = out + jnp.where(shard == 0, y, 0.0)
+        return jax.lax.psum(out, sharding.AXES)  # [N, D] float32
+
+    out = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), expert_specs, shared_specs), out_specs=P(),
+                        check_vma=False)(x, idx, weights, experts, shared)
+    return out.astype(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -265,7 +311,9 @@ class Transformer(nn.Module):
         cfg, dt = self.cfg, self.param_dtype
         embed = _weight(self, "embed_tokens", (cfg.vocab_size, cfg.hidden_size), dt,
                         lambda k, s, d: jax.random.normal(k, s, jnp.float32).astype(d))
-        h = jnp.take(embed, tokens, axis=0)  # [B, T, D]
+        h = sharding.constrain(jnp.take(embed, tokens, axis=0), None, None, "embed")  # [B, T, D] replicated
+        if cache_latent is not None:  # the latent cache stays replicated (shared by all heads)
+            cache_latent = sharding.constrain(cache_latent, None, None, None, "latent")
         saved, new_latent = {}, []
         for layer in range(cfg.num_hidden_layers):
             layer_cache = None if cache_latent is None else cache_latent[layer]
@@ -281,7 +329,8 @@ class Transformer(nn.Module):
             logits = linear(h, _weight(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), dt))
         hidden = (jnp.stack([saved[layer] for layer in hidden_layers], axis=2) if hidden_layers
                   else jnp.zeros(h.shape[:2] + (0, cfg.hidden_size), h.dtype))
-        latent = None if cache_latent is None else jnp.stack(new_latent)
+        latent = None if cache_latent is None else sharding.constrain(jnp.stack(new_latent), None, None, None,
+                                                                       "latent")
         return logits.astype(jnp.float32), hidden, latent
 
 

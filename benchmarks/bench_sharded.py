@@ -1,0 +1,269 @@
+"""The target sharded over several GPUs: the MoE token exchange per token count, decode tokens/s
+(AR and DDTree) and the memory plan. Written for nvidia-h200-x2; tested on 8 fake CPU devices.
+
+    # 2 H200s: a K2.6-width INT4 model with as many layers as fit (random weights made on the devices)
+    python benchmarks/bench_sharded.py --mesh expert=2,tensor=1 --out benchmarks/results/sharded_h200x2.json
+    python benchmarks/bench_sharded.py --mesh expert=1,tensor=2 --out benchmarks/results/sharded_h200x2_tp.json
+    # CPU smoke test (tests/test_sharding.py)
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/bench_sharded.py --tiny --mesh expert=2,tensor=2
+
+MoE exchange, for T tokens entering one MoE layer (jitted alone, median of --repeats):
+  all_reduce  what the model runs (kdtree_jax.model.moe_sharded): tokens replicated, every shard runs its
+              local experts, one psum over all devices (= reduce-scatter + all-gather);
+  all_to_all  tokens split over the expert axis, each (token, choice) sent to the shard owning the expert
+              (dropless: capacity = local tokens * top-k), results sent back, then an all-gather so the
+              output is replicated again like the attention input needs.
+Decode: one `generate` per method on the mesh; DDTree uses an OracleDraft holding the AR continuation
+(random weights have no trained drafter), i.e. the acceptance upper bound at this budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
+
+import kdtree_jax as kj  # noqa: E402
+from kdtree_jax import checkpoint, sharding  # noqa: E402
+from kdtree_jax.ddtree import OracleDraft  # noqa: E402
+from kdtree_jax.model import _routed_experts_f32, moe_sharded, route  # noqa: E402
+from kdtree_jax.layers import swiglu  # noqa: E402
+from kdtree_jax.linear import linear  # noqa: E402
+
+
+# ----------------------------------------------------------------------------------------- models
+def int4_expert_meta(cfg) -> dict:
+    return {"quantization": {"int4_leaves": {f"layers_{i}/moe/experts/{w}": "bfloat16"
+                                             for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)
+                                             for w in ("gate", "up", "down")}}}
+
+
+def abstract_params(cfg, dtype=jnp.bfloat16):
+    return checkpoint._abstract_target(cfg, dtype, int4_expert_meta(cfg))
+
+
+def random_params_on_mesh(cfg, mesh, dtype=jnp.bfloat16):
+    """Random INT4-expert params generated inside one jit straight into their shardings: no device and
+    no host ever holds the whole model."""
+    abstract = abstract_params(cfg, dtype)
+    shardings = sharding.param_shardings(cfg, abstract, mesh)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+
+    def make():
+        leaves = []
+        for i, (key_path, leaf) in enumerate(flat):
+            name = "/".join(str(getattr(k, "key", k)) for k in key_path)
+            key = jax.random.fold_in(jax.random.key(0), i)
+            if name.endswith("qweight"):
+                bits = jax.random.bits(key, leaf.shape, jnp.uint16)
+                leaves.append(jax.lax.bitcast_convert_type(bits, jnp.int16))
+            elif name.endswith("scale"):  # q in [-8, 7] times this: unit-scale outputs
+                k_in = leaf.shape[-1] * 32
+                leaves.append(jnp.full(leaf.shape, 1.0 / (4.0 * math.sqrt(k_in)), leaf.dtype))
+            elif name.endswith("norm"):
+                leaves.append(jnp.ones(leaf.shape, leaf.dtype))
+            elif name.endswith("router_bias"):
+                leaves.append(jnp.zeros(leaf.shape, leaf.dtype))
+            else:
+                fan_in = leaf.shape[-2] if leaf.ndim >= 2 else leaf.shape[-1]
+                leaves.append((jax.random.normal(key, leaf.shape, jnp.float32) / math.sqrt(fan_in)).astype(leaf.dtype))
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    return jax.jit(make, out_shardings=shardings)()
+
+
+def k26_width(layers: int):
+    cfg = kj.ModelConfig.kimi_k26()
+    return cfg.replace(num_hidden_layers=layers, first_k_dense_replace=min(1, layers))
+
+
+def memory_plan(cfg, mesh_sizes: dict, hbm_bytes: float, cache_dtype_bytes: int = 2) -> dict:
+    """Params per device (this layout), the replicated latent cache per token, and the tokens that fit."""
+    params = sharding.params_bytes_per_device(abstract_params(cfg), mesh_sizes)
+    per_token = cfg.num_hidden_layers * cfg.latent_dim * cache_dtype_bytes
+    usable = 0.9 * hbm_bytes  # XLA workspace, activations, fragmentation
+    return {"params_bytes_per_device": params, "latent_cache_bytes_per_token": per_token,
+            "hbm_bytes": hbm_bytes, "cache_tokens_that_fit": max(0, int((usable - params) // per_token))}
+
+
+def layers_that_fit(mesh_sizes: dict, hbm_bytes: float, reserve_tokens: int) -> int:
+    layers = 1
+    while layers < 61:
+        plan = memory_plan(k26_width(layers + 1), mesh_sizes, hbm_bytes)
+        if plan["cache_tokens_that_fit"] < reserve_tokens:
+            break
+        layers += 1
+    return layers
+
+
+# ----------------------------------------------------------------------------------- MoE exchange
+def moe_all_to_all(mesh, x, idx, weights, experts, shared):
+    """Dropless all-to-all MoE over the expert axis (tensor axis: intermediate split + psum), output
+    all-gathered to replicated. x [T, D] with T divisible by the expert axis size."""
+    expert_specs = {k: sharding.leaf_spec(("experts", k), v) for k, v in experts.items()}
+    shared_specs = {k: sharding.leaf_spec(("shared", k), v) for k, v in shared.items()}
+    e_axis = sharding.EXPERT
+
+    def body(x, idx, weights, experts, shared):  # x [t, D] local tokens, idx/weights [t, k]
+        ne = jax.lax.axis_size(e_axis)
+        local = jax.tree.leaves(experts["gate"])[0].shape[0]
+        t, k = idx.shape
+        owner = idx // local  # [t, k] destination shard of each choice
+        pair_x = jnp.repeat(x, k, axis=0)  # [t*k, D] one slot per (token, choice)
+        pair_owner, pair_expert = owner.reshape(-1), (idx % local).reshape(-1)
+        dest = jnp.arange(ne)[:, None] == pair_owner[None, :]  # [ne, t*k]
+        send = jnp.where(dest[..., None], pair_x[None], 0).astype(x.dtype)  # [ne, t*k, D]
+        send_ids = jnp.where(dest, pair_expert[None], 0)
+        send_on = dest.astype(jnp.float32)
+        recv = jax.lax.all_to_all(send, e_axis, 0, 0, tiled=False)  # [ne, t*k, D] from each source
+        recv_ids = jax.lax.all_to_all(send_ids, e_axis, 0, 0, tiled=False)
+        recv_on = jax.lax.all_to_all(send_on, e_axis, 0, 0, tiled=False)
+        slots = recv.reshape(-1, x.shape[-1])
+        y = _routed_experts_f32(slots, experts, recv_ids.reshape(-1, 1), recv_on.reshape(-1, 1))
+        y = jax.lax.psum(y, sharding.TENSOR).reshape(recv.shape)  # intermediate split over tensor
+        back = jax.lax.all_to_all(y, e_axis, 0, 0, tiled=False)  # [ne, t*k, D] at the source
+        per_choice = back.sum(0).reshape(t, k, -1)  # only the owner's slot is non-zero
+        out = jnp.einsum("tkd,tk->td", per_choice, weights)
+        if shared:
+            s = swiglu(x, shared["gate"], shared["up"], shared["down"], linear=linear).astype(jnp.float32)
+            out = out + jax.lax.psum(s, sharding.TENSOR)
+        return jax.lax.all_gather(out, e_axis, axis=0, tiled=True)  # [T, D] replicated
+
+    tok = P(e_axis)
+    out = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, expert_specs, shared_specs), out_specs=P(),
+                        check_vma=False)(x, idx, weights, experts, shared)
+    return out.astype(x.dtype)
+
+
+def time_fn(fn, args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def bench_moe_exchange(cfg, params, mesh, token_counts, repeats) -> list[dict]:
+    layer = next(f"layers_{i}" for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+    moe = params[layer]["moe"]
+    experts, shared = moe["experts"], moe.get("shared", {})
+    dtype = params["embed_tokens"].dtype
+    ne = mesh.shape[sharding.EXPERT]
+    rows = []
+    for tokens in token_counts:
+        padded = -(-tokens // ne) * ne  # all-to-all splits tokens over the expert axis
+        x = jax.random.normal(jax.random.key(tokens), (padded, cfg.hidden_size), jnp.float32).astype(dtype)
+        valid = (jnp.arange(padded) < tokens)[:, None]
+
+        def routed(x, moe, fn):
+            idx, w = route(cfg, x, moe["router"], moe["router_bias"])
+            return fn(mesh, x, idx, jnp.where(valid, w, 0.0), moe["experts"], moe.get("shared", {}))
+
+        with jax.set_mesh(mesh):
+            all_reduce = jax.jit(lambda x, moe: routed(x, moe, moe_sharded))
+            all_to_all = jax.jit(lambda x, moe: routed(x, moe, moe_all_to_all))
+            a = np.asarray(all_reduce(x, moe), np.float32)[:tokens]
+            b = np.asarray(all_to_all(x, moe), np.float32)[:tokens]
+            row = {"tokens": tokens, "all_reduce_ms": time_fn(all_reduce, (x, moe), repeats),
+                   "all_to_all_ms": time_fn(all_to_all, (x, moe), repeats),
+                   "max_abs_diff": float(np.abs(a - b).max()), "max_abs": float(np.abs(a).max())}
+        row["winner"] = "all_reduce" if row["all_reduce_ms"] <= row["all_to_all_ms"] else "all_to_all"
+        print(f"  MoE T={tokens:4d}: all_reduce {row['all_reduce_ms']:8.3f} ms  all_to_all {row['all_to_all_ms']:8.3f} ms"
+              f"  ({row['winner']}; max |diff| {row['max_abs_diff']:.2e})", flush=True)
+        rows.append(row)
+    del experts, shared
+    return rows
+
+
+def bench_decode(cfg, params, mesh, batch, new_tokens, budget, repeats) -> list[dict]:
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(3, cfg.vocab_size, 16)) for _ in range(batch)]
+    kwargs = dict(max_new_tokens=new_tokens, stop_tokens=(), mesh=mesh)
+    rows = []
+    ar = None
+    for method in ("ar", "ddtree"):
+        extra = {}
+        if method == "ddtree":
+            seq = np.concatenate([np.asarray(prompts), np.asarray(ar.tokens)], axis=1)
+            extra = dict(method="ddtree", drafter=OracleDraft(jnp.asarray(seq, jnp.int32), 16, cfg.vocab_size),
+                         tree_budget=budget)
+        out = kj.generate(cfg, params, prompts, **kwargs, **extra)  # compile
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            out = jax.block_until_ready(kj.generate(cfg, params, prompts, **kwargs, **extra))
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times)
+        if method == "ar":
+            ar = out
+        row = {"method": method, "batch": batch, "new_tokens": new_tokens, "seconds": seconds,
+               "tokens_per_s": batch * new_tokens / seconds, "target_forwards": int(out.num_target_forwards),
+               "same_tokens_as_ar": bool(np.array_equal(np.asarray(out.tokens), np.asarray(ar.tokens)))}
+        if method == "ddtree":
+            row["budget"] = budget
+        print(f"  {method:6s}: {row['tokens_per_s']:9.1f} tokens/s, {row['target_forwards']} target forwards, "
+              f"same tokens as AR: {row['same_tokens_as_ar']}", flush=True)
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------- main
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mesh", help="e.g. expert=2,tensor=1 (default: expert=<all devices>)")
+    parser.add_argument("--tiny", action="store_true", help="the tiny config (2 layers, INT4 experts) for CPU tests")
+    parser.add_argument("--layers", type=int, help="K2.6-width layers (default: as many as fit)")
+    parser.add_argument("--hbm-gib", type=float, help="memory per device (default: read from the device, else 141)")
+    parser.add_argument("--tokens", default="1,2,4,8,16,33,65,129", help="MoE exchange token counts")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--budget", type=int, default=32, help="DDTree tree budget")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+
+    mesh = sharding.make_mesh(args.mesh or {"expert": len(jax.devices())})
+    sizes = dict(mesh.shape)
+    stats = jax.devices()[0].memory_stats() or {}
+    hbm = args.hbm_gib * 2**30 if args.hbm_gib else float(stats.get("bytes_limit", 141e9))
+    if args.tiny:
+        from kdtree_jax.model import init_params  # noqa: PLC0415
+
+        cfg = kj.ModelConfig.tiny().replace(num_hidden_layers=2)
+        params = sharding.shard_params(cfg, kj.quantize(init_params(cfg, jax.random.key(0)), cfg), mesh)
+    else:
+        reserve = args.batch * (16 + args.new_tokens + args.budget + 1) * 4  # cache rows, with slack
+        layers = args.layers or layers_that_fit(sizes, hbm, reserve)
+        cfg = k26_width(layers)
+        params = random_params_on_mesh(cfg, mesh)
+    plan = memory_plan(cfg, sizes, hbm)
+    print(f"{jax.devices()[0].device_kind} x{mesh.devices.size}, mesh {sharding.describe(mesh)}: "
+          f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.n_routed_experts} experts; params "
+          f"{plan['params_bytes_per_device'] / 2**30:.2f} GiB/device, cache {plan['latent_cache_bytes_per_token']} "
+          f"B/token", flush=True)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    result = {"device": jax.devices()[0].device_kind, "devices": int(mesh.devices.size),
+              "mesh": sharding.describe(mesh), "config": cfg.to_dict(), "memory": plan,
+              "moe_exchange": bench_moe_exchange(cfg, params, mesh, tokens, args.repeats),
+              "decode": bench_decode(cfg, params, mesh, args.batch, args.new_tokens, args.budget, args.repeats)}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
