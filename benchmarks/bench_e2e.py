@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import sys
@@ -105,8 +106,9 @@ def main() -> None:
     drafter = (dcfg, dparams)
     prompts = load_prompts(tok, args.num_prompts, args.prompt_tokens)
     device = jax.devices()[0]
-    meta = dict(device=f"{device.platform} {getattr(device, 'device_kind', '')}".strip(),
-                host=platform.processor() or platform.machine(), jax=jax.__version__,
+    kind = getattr(device, "device_kind", "")
+    meta = dict(device=device.platform if kind.lower() == device.platform else f"{device.platform} {kind}".strip(),
+                host=f"{platform.machine()}, {os.cpu_count()} CPU cores", jax=jax.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 target=str(args.target), drafter=str(args.drafter), num_prompts=args.num_prompts,
                 prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
