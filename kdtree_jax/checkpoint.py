@@ -116,7 +116,10 @@ def _param_dtype(params) -> str:
               and np.dtype(leaf.dtype) != np.float32}
     # Router weights are always float32 and INT4 scales have their own dtype; the remaining
     # matrices define the model's dtype.
-    return floats.pop() if len(floats) == 1 else "float32"
+    if len(floats) > 1:
+        raise CheckpointError(f"params mix weight dtypes {sorted(floats)}: cast the tree to one dtype "
+                              "(the router stays float32) before saving")
+    return floats.pop() if floats else "float32"
 
 
 def int4_leaves_of(params) -> dict | None:

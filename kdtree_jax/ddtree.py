@@ -9,7 +9,8 @@ One round, all shapes static (T = 1 + tree budget):
   accept   posterior = argmax (or an independent target sample) at every node; walk from the root
            while a child carries the posterior token of its parent: m nodes, next bonus = posterior[last];
   compact  cache rows start + a_k -> start + k; the accepted nodes' hidden states become drafter context.
-Rows of a batch advance independently (own start, own acceptance); finished rows idle.
+Rows of a batch advance independently (own start, own acceptance); finished rows stop
+committing (they ride along in the batch until every row is done).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from kdtree_jax.drafter import (DrafterCache, DrafterConfig, drafter_extend_cont
                                 init_drafter_cache)
 from kdtree_jax.generate import (GenerateOutput, SamplingParams, cache_length, emit, on_mesh, prefill, sample)
 from kdtree_jax.linear import is_int4_leaf
-from kdtree_jax.model import KVCache, Params, forward_with_cache, init_cache
+from kdtree_jax.model import KVCache, Params, forward_with_cache, init_cache, write_rows
 from kdtree_jax.tree import Tree, build_chain, build_tree
 
 MAX_TREE_BUDGET = 1024
@@ -131,11 +132,11 @@ def accept_path(tree: Tree, posterior: jax.Array, max_depth: int):
 def compact_cache(latent: jax.Array, start: jax.Array, path: jax.Array) -> jax.Array:
     """Move cache rows start + path[b, k] to start + k (all layers). latent [L, B, S, C]; the rows
     past start + m are garbage afterwards, beyond the new committed length."""
-    def one_row(rows_cache, s, nodes):  # rows_cache [L, S, C]
-        moved = jnp.take(rows_cache, s + nodes, axis=1)  # [L, K, C]
-        return jax.lax.dynamic_update_slice(rows_cache, moved, (0, s, 0))
+    def one_layer(layer_cache):  # [B, S, C]
+        moved = jnp.take_along_axis(layer_cache, (start[:, None] + path)[:, :, None], axis=1)  # [B, K, C]
+        return write_rows(layer_cache, moved, start)
 
-    return jax.vmap(one_row, in_axes=(1, 0, 0), out_axes=1)(latent, start, path)
+    return jax.vmap(one_layer)(latent)
 
 
 class _State(NamedTuple):
@@ -190,7 +191,10 @@ def _generate(params, draft_model, prompt_tokens, prompt_lengths, key, *, cfg, m
         # emitted this round: the accepted drafts then the new bonus = posterior along the path
         new_tokens = jnp.take_along_axis(posterior, path, axis=1)  # [B, L + 1]
         out, count, done, took = emit(s.out, s.count, s.done, new_tokens, length, stop_tokens)
-        advance = jnp.where(s.done, 0, length)  # finished rows stay put
+        # commit what was emitted: the m accepted nodes, fewer when a stop token or max_new_tokens
+        # cut the round, none once a row is done. So lengths = prompt + emitted - 1 <= P + N - 1,
+        # and the next verify (T rows) and compaction (L + 1 rows) stay inside the cache.
+        advance = took
         latent = compact_cache(cache.latent, start, path)
         cache = KVCache(latent=latent, lengths=start + advance)
         path_hidden = jnp.take_along_axis(hidden, path[:, :, None, None], axis=1)  # [B, L+1, n, D]

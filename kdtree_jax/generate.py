@@ -41,10 +41,14 @@ class SamplingParams(NamedTuple):
         return self.temperature == 0.0
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def check_sampling(sampling: SamplingParams, vocab_size: int) -> None:
     if not (isinstance(sampling.temperature, (int, float)) and sampling.temperature >= 0):
         raise ValueError(f"temperature must be >= 0, got {sampling.temperature!r}")
-    if sampling.top_k is not None and not (isinstance(sampling.top_k, int) and 1 <= sampling.top_k <= vocab_size):
+    if sampling.top_k is not None and not (_is_int(sampling.top_k) and 1 <= sampling.top_k <= vocab_size):
         raise ValueError(f"top_k must be an integer in [1, {vocab_size}], got {sampling.top_k!r}")
     if sampling.top_p is not None and not (0.0 < sampling.top_p <= 1.0):
         raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p!r}")
@@ -220,10 +224,14 @@ def generate(cfg: ModelConfig, params: Params, prompts, max_new_tokens: int = 64
     drafter and tree replicated); MeshError when the mesh does not divide the model."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
+    if not isinstance(temperature, (int, float, np.number)) or isinstance(temperature, bool):
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
     sampling = SamplingParams(float(temperature), top_k, None if top_p is None else float(top_p))
     check_sampling(sampling, cfg.vocab_size)
+    sampling = sampling._replace(top_k=None if top_k is None else int(top_k))  # a hashable static arg
     if key is None:
         if not sampling.greedy:
             raise ValueError("sampling (temperature > 0) needs an explicit PRNG key: key=jax.random.key(seed)")

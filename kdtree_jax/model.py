@@ -25,6 +25,7 @@ from kdtree_jax import attention, sharding
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.layers import apply_rope, rms_norm, swiglu, yarn_inv_freq
 from kdtree_jax.linear import is_int4_leaf, linear
+from pallas_kernels.moe_w4a16 import grouped_moe_w4a16
 
 Params = dict[str, Any]
 
@@ -43,6 +44,16 @@ class KVCache(NamedTuple):
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
     latent = jnp.zeros((cfg.num_hidden_layers, batch, max_len, cfg.latent_dim), dtype)
     return KVCache(latent=latent, lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def write_rows(latent: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
+    """latent [B, S, C] with rows [B, T, C] written at slots start[b] + t. A scatter, not
+    dynamic_update_slice (which would clamp the start and overwrite committed rows): rows that fall
+    past S are dropped; callers size S so that none do."""
+    batch, steps = rows.shape[:2]
+    slots = start[:, None] + jnp.arange(steps, dtype=start.dtype)[None, :]  # [B, T]
+    batch_index = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, steps))
+    return latent.at[batch_index, slots].set(rows.astype(latent.dtype), mode="drop")
 
 
 # ------------------------------------------------------------------------------------------ modules
@@ -118,9 +129,7 @@ class MLA(nn.Module):
 
         # absorbed form over the latent cache
         new_rows = jnp.concatenate([c_kv, k_pe], axis=-1).astype(latent_cache.dtype)  # [B, T, c+r]
-        latent_cache = jax.vmap(
-            lambda rows_cache, rows, s: jax.lax.dynamic_update_slice(rows_cache, rows, (s, 0))
-        )(latent_cache, new_rows, start)
+        latent_cache = write_rows(latent_cache, new_rows, start)
         q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w_uk.astype(q_nope.dtype))  # [B, T, H, c]
         query = jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1)  # [B, T, H, c+r]
         if visibility is None:
@@ -222,31 +231,26 @@ class ExpertWeights(nn.Module):
 def routed_experts(x: jax.Array, experts: dict, idx: jax.Array, weights: jax.Array) -> jax.Array:
     """sum_k weights[n, k] * SwiGLU_{idx[n, k]}(x[n]). x [N, D], idx/weights [N, k] -> [N, D].
 
-    Small token counts gather only the chosen experts' weights (decode reads k experts, not E);
-    larger ones run every expert on every token with a dense combine matrix. INT4 experts run one
-    W4A16 matmul per expert (the grouped INT4 MoE kernel is future work)."""
+    Dense experts: small token counts gather only the chosen experts' weights (decode reads k
+    experts, not E); larger ones run every expert on every token with a dense combine matrix.
+    INT4 experts: the grouped W4A16 MoE (pallas_kernels/moe_w4a16) reads only the touched experts."""
     return _routed_experts_f32(x, experts, idx, weights).astype(x.dtype)
 
 
 def _routed_experts_f32(x: jax.Array, experts: dict, idx: jax.Array, weights: jax.Array) -> jax.Array:
     """routed_experts before the final cast: float32 [N, D] (a shard's partial sum stays float32)."""
+    if is_int4_leaf(experts["gate"]):  # zero-weight choices (other shards' experts) are skipped
+        return grouped_moe_w4a16(x, experts, idx.astype(jnp.int32), weights, out_dtype=jnp.float32)
     num_tokens, top_k = idx.shape
-    num_experts = jax.tree.leaves(experts["gate"])[0].shape[0]  # dense [E, D, I] or INT4 leaf [E, ...]
-    combine = jnp.zeros((num_tokens, num_experts), jnp.float32).at[
-        jnp.arange(num_tokens)[:, None], idx].add(weights)  # [N, E]
-    if is_int4_leaf(experts["gate"]):  # INT4 leaves: a static loop of per-expert W4A16 matmuls
-        out = jnp.zeros(x.shape, jnp.float32)
-        for expert in range(num_experts):
-            leaf = {k: jax.tree.map(lambda a: a[expert], v) for k, v in experts.items()}
-            y = swiglu(x, leaf["gate"], leaf["up"], leaf["down"], linear=linear)
-            out = out + combine[:, expert, None] * y.astype(jnp.float32)
-        return out
+    num_experts = experts["gate"].shape[0]
     if num_tokens * top_k < num_experts:
         gate, up, down = (experts[k][idx] for k in ("gate", "up", "down"))  # [N, k, ...]
         hidden = jax.nn.silu(jnp.einsum("nd,nkdi->nki", x, gate.astype(x.dtype)))
         hidden = hidden * jnp.einsum("nd,nkdi->nki", x, up.astype(x.dtype))
         y = jnp.einsum("nki,nkid->nkd", hidden, down.astype(x.dtype))
         return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights)
+    combine = jnp.zeros((num_tokens, num_experts), jnp.float32).at[
+        jnp.arange(num_tokens)[:, None], idx].add(weights)  # [N, E]
     hidden = jax.nn.silu(jnp.einsum("nd,edi->eni", x, experts["gate"].astype(x.dtype)))
     hidden = hidden * jnp.einsum("nd,edi->eni", x, experts["up"].astype(x.dtype))
     y = jnp.einsum("eni,eid->end", hidden, experts["down"].astype(x.dtype))
@@ -340,14 +344,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
     cfg.validate()
     tokens = jnp.zeros((1, 1), jnp.int32)
     variables = jax.jit(Transformer(cfg, dtype).init)(key, tokens, tokens)
-    return _plain(variables["params"])
-
-
-def _plain(tree):
-    """Flax returns plain dicts already; normalise any FrozenDict-like mapping to dict."""
-    if isinstance(tree, dict) or hasattr(tree, "items"):
-        return {k: _plain(v) for k, v in tree.items()}
-    return tree
+    return variables["params"]  # a plain nested dict (flax >= 0.10 returns dicts)
 
 
 def _param_dtype(params: Params):

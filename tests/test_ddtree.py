@@ -187,3 +187,32 @@ def test_bad_speculative_arguments(tiny, kwargs, match):
         kwargs["drafter"] = make_drafter(TINY, 0)
     with pytest.raises(ValueError, match=match):
         kj.generate(TINY, params, prompts, max_new_tokens=4, **kwargs)
+
+
+def test_finished_rows_never_write_past_the_cache(tiny, monkeypatch):
+    """A row cut by max_new_tokens mid-block commits only what it emitted: later verify rounds (run
+    for the rows still going) write inside the cache."""
+    import kdtree_jax.ddtree as ddtree_module
+
+    params, prompts, ar = tiny
+    seen = []
+    real = ddtree_module.forward_with_cache
+
+    def spy(params, cfg, tokens, positions, cache, **kw):
+        jax.debug.callback(lambda ends, rows: seen.append((np.asarray(ends), rows)),
+                           cache.lengths + tokens.shape[1], cache.max_len)
+        return real(params, cfg, tokens, positions, cache, **kw)
+
+    monkeypatch.setattr(ddtree_module, "forward_with_cache", spy)
+    jax.clear_caches()
+    # the longest prompt (row 2) gets a drafter that knows its answer and finishes in one round with
+    # a full block accepted; rows 0 and 1 get wrong drafts and need three more rounds
+    continuation = np.zeros_like(np.asarray(ar.tokens))
+    continuation[2] = np.asarray(ar.tokens[2])
+    oracle = oracle_for(prompts, continuation, 6, TINY.vocab_size)
+    out = kj.generate(TINY, params, prompts, max_new_tokens=4, method="ddtree", drafter=oracle,
+                      tree_budget=8, stop_tokens=())
+    jax.clear_caches()
+    assert int(out.rounds) == 3 and int(out.acceptance_lengths[2, 0]) == 3
+    assert seen and all(int(ends.max()) <= rows for ends, rows in seen), seen
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens[:, :4]))

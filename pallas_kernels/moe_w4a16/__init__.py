@@ -5,7 +5,7 @@ and picks the implementation.
   impl="pallas": the grouped Pallas kernels (natively on a GPU; `interpret=True` runs them on CPU).
   impl="xla":    XLA loop over the touched experts (moe_w4a16_xla_touched): correct everywhere, slow.
   impl="auto":   "pallas" on a GPU; on CPU "xla" with a one-time MoEW4A16FallbackWarning.
-`routed_experts_int4` is the drop-in for the INT4 branch of `kdtree_jax.model.routed_experts`.
+The model's MoE (`kdtree_jax.model.routed_experts`) calls it for INT4 experts.
 Only the routed part: the shared expert stays a plain `swiglu` in the model.
 """
 
@@ -34,7 +34,7 @@ from pallas_kernels.w4a16 import W4A16FallbackWarning
 __all__ = [
     "Grouping", "MoEBlockConfig", "MoEW4A16FallbackWarning", "default_config", "group_assignments",
     "grouped_moe_w4a16", "grouped_moe_w4a16_reference", "max_row_tiles", "moe_w4a16_xla_dense",
-    "moe_w4a16_xla_gather", "moe_w4a16_xla_touched", "resolve_impl", "routed_experts_int4",
+    "moe_w4a16_xla_gather", "moe_w4a16_xla_touched", "resolve_impl",
 ]
 
 _ACT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -134,11 +134,3 @@ def grouped_moe_w4a16(x: jax.Array, experts: dict, expert_ids: jax.Array, weight
             raise ValueError(f"{name}={dim} must be divisible by the tile {block} of {cfg}")
     return grouped_moe_w4a16_pallas(x, experts, expert_ids, weights, cfg=cfg, interpret=interpret,
                                     out_dtype=None if out_dtype is None else jnp.dtype(out_dtype))
-
-
-def routed_experts_int4(x: jax.Array, experts: dict, idx: jax.Array, weights: jax.Array, *,
-                        impl: str = "auto", interpret: bool = False) -> jax.Array:
-    """The INT4 branch of `kdtree_jax.model.routed_experts`: x [N, D], idx/weights [N, k] -> [N, D]
-    in x.dtype, via the grouped kernel (GPU) or the touched-experts XLA loop (CPU). float32 partial
-    sums (`_routed_experts_f32`): call `grouped_moe_w4a16(..., out_dtype=jnp.float32)`."""
-    return grouped_moe_w4a16(x, experts, idx.astype(jnp.int32), weights, impl=impl, interpret=interpret)

@@ -110,8 +110,9 @@ def tree_mla_attention(q, cache, start, tree_mask, *, scale: float, value_dim: i
           "xla"    - `tree_mla_attention_reference` (plain jnp; NOT the kernel);
           "auto"   - "pallas" when interpret=True or the default backend is a GPU, else "xla".
     config: tiling override; default from block_table.pick_config.
-    Value checks (start + T <= S_max, ...) run when the inputs are concrete; inside jit call
-    `check_tree_attention_values` yourself.
+    Value checks (start + T <= S_max, ...) run when the inputs are concrete; under jit they cannot,
+    so call `check_tree_attention_values` on concrete values before tracing if in doubt (the kernel
+    itself never reads past the cache).
     """
     q, cache, start, tree_mask = map(jnp.asarray, (q, cache, start, tree_mask))
     _check_shapes(q, cache, start, tree_mask, value_dim)
