@@ -1,6 +1,6 @@
 """Train the shipped DFlash drafter against the frozen (shipped, INT4-expert) target.
 
-    python -m training.train_drafter --target /tmp/kdtree_train/target/int4 --steps 800 --batch 16 \
+    python -m training.train_drafter --target /tmp/kdtree_train/target/int4 --steps 1200 --batch 16 \
         --out /tmp/kdtree_train/drafter
 
 1. Data (as DFlash: the target's own outputs): prompts are random windows of the training split;
@@ -120,14 +120,14 @@ def sample_anchors(rng, valid_len: np.ndarray, prompt_len: int, count: int, bloc
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, default=Path("/tmp/kdtree_train/target/int4"))
-    parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--batch", type=int, default=16, help="sequences per step")
     parser.add_argument("--anchors", type=int, default=8, help="anchors (blocks) per sequence per step")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--layers", type=int, default=2, help="drafter decoder layers")
-    parser.add_argument("--target-layers", type=int, default=2, help="target layers read by the drafter")
+    parser.add_argument("--target-layers", type=int, default=3, help="target layers read by the drafter")
     parser.add_argument("--gamma", type=float, default=7.0, help="loss weight decay along the block")
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--num-seqs", type=int, default=2048, help="target continuations to train on")
     parser.add_argument("--prompt-len", type=int, default=64)

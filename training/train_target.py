@@ -1,6 +1,6 @@
 """Train the shipped target: a small K2.6-architecture model on the Python standard library.
 
-    python -m training.train_target --steps 1200 --batch 16 --seq-len 256 --out /tmp/kdtree_train/target
+    python -m training.train_target --steps 550 --batch 16 --seq-len 256 --warmup 50 --out /tmp/kdtree_train/target
 
 Writes <out>/float (Orbax, float32), <out>/int4 (routed experts INT4, `kj.quantize(policy="experts")`),
 <out>/log.jsonl and <out>/loss.png. Runs unchanged on CPU or GPU (`--steps`, `--batch` scale it).
@@ -74,13 +74,13 @@ def make_optimizer(steps: int, lr: float, warmup: int) -> optax.GradientTransfor
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=1200)
+    parser.add_argument("--steps", type=int, default=550)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--bias-rate", type=float, default=1e-3)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
