@@ -308,7 +308,7 @@ def load_checkpoint(path: str | os.PathLike, *, expect_kind: str | None = None, 
     NamedSharding (kdtree_jax.sharding; a drafter is replicated), each device reading only its own
     shard, so the whole model never sits on one device or the host. MeshError when the mesh does not
     divide the model."""
-    path = Path(path)
+    path = Path(path).absolute()  # Orbax needs absolute paths
     cfg, meta = checkpoint_config(path, expect_kind=expect_kind)
     expected = _KINDS[meta["kind"]][2](cfg, jnp.dtype(meta["param_dtype"]), meta)
     _check_tree(expected, _saved_index(path, meta, expected), f"checkpoint {path}")

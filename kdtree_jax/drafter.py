@@ -330,6 +330,8 @@ def drafter_extend_context(dparams: dict, dcfg: DrafterConfig, cache: DrafterCac
             raise ValueError(f"drafter_extend_context: lengths {ln.tolist()} + num_valid {nv.tolist()} "
                              f"exceeds the cache's max_len={S}")
 
+    if T == 0:  # nothing to append (static shape: known at trace time)
+        return cache
     features = context_features(dparams, dcfg, target_hidden)  # [B, T, D]
     rows = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
     batch_index = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))  # [B, T]

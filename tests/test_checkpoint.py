@@ -104,3 +104,11 @@ def test_missing_or_damaged_files_are_refused(saved, tmp_path):
                     f.truncate(os.path.getsize(file) // 2)
     with pytest.raises(kj.CheckpointError):
         kj.load_checkpoint(dst3)
+
+
+def test_relative_paths_load(saved, tmp_path, monkeypatch):
+    path, params = saved
+    monkeypatch.chdir(path.parent)
+    cfg, loaded = kj.load_checkpoint(path.name)
+    assert cfg == SMALL
+    np.testing.assert_array_equal(np.asarray(loaded["final_norm"]), np.asarray(params["final_norm"]))
