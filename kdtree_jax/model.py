@@ -25,7 +25,6 @@ from kdtree_jax import attention, sharding
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.layers import apply_rope, rms_norm, swiglu, yarn_inv_freq
 from kdtree_jax.linear import is_int4_leaf, linear
-from pallas_kernels.moe_w4a16 import grouped_moe_w4a16
 
 Params = dict[str, Any]
 
@@ -240,6 +239,9 @@ def routed_experts(x: jax.Array, experts: dict, idx: jax.Array, weights: jax.Arr
 def _routed_experts_f32(x: jax.Array, experts: dict, idx: jax.Array, weights: jax.Array) -> jax.Array:
     """routed_experts before the final cast: float32 [N, D] (a shard's partial sum stays float32)."""
     if is_int4_leaf(experts["gate"]):  # zero-weight choices (other shards' experts) are skipped
+        # imported here: the kernel package imports kdtree_jax.quant, which imports this package
+        from pallas_kernels.moe_w4a16 import grouped_moe_w4a16  # noqa: PLC0415
+
         return grouped_moe_w4a16(x, experts, idx.astype(jnp.int32), weights, out_dtype=jnp.float32)
     num_tokens, top_k = idx.shape
     num_experts = experts["gate"].shape[0]

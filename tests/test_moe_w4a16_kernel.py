@@ -167,7 +167,6 @@ def test_model_routed_experts_uses_the_grouped_kernel_and_matches_numpy():
 def test_auto_on_cpu_is_loud_and_recorded():
     if ON_GPU:
         pytest.skip("on a GPU impl='auto' is the kernel; covered by test_kernel_native_gpu")
-    moe_w4a16._warned_fallback = False
     with pytest.warns(moe_w4a16.MoEW4A16FallbackWarning, match="NOT the grouped Pallas MoE kernel"):
         assert moe_w4a16.resolve_impl("auto") == "xla"
     assert moe_w4a16.resolve_impl("auto", interpret=True) == "pallas"

@@ -76,7 +76,6 @@ def test_xla_reference_path_matches_numpy():
 
 @pytest.mark.skipif(ON_GPU, reason="checks the CPU fallback of impl='auto'; on a GPU auto runs the kernel")
 def test_auto_on_cpu_is_loud_and_recorded():
-    w4a16._warned_fallback = False
     x, leaf, want = _problem(2, 64, 32)
     with pytest.warns(w4a16.W4A16FallbackWarning, match="NOT the Pallas"):
         got = w4a16_matmul(x, leaf)

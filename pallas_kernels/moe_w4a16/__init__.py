@@ -11,10 +11,10 @@ Only the routed part: the shared expert stays a plain `swiglu` in the model.
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import dispatch
 
 from kdtree_jax.quant import check_int4_leaf
 from pallas_kernels.moe_w4a16.kernel import (
@@ -45,27 +45,10 @@ class MoEW4A16FallbackWarning(W4A16FallbackWarning):
     so filters for the dense kernel's warning cover it too)."""
 
 
-_warned_fallback = False
-
-
 def resolve_impl(impl: str = "auto", *, interpret: bool = False) -> str:
-    """The implementation `grouped_moe_w4a16` will run: "pallas" or "xla" (warns once for auto on CPU)."""
-    global _warned_fallback
-    if impl not in ("auto", "pallas", "xla"):
-        raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
-    if impl != "auto":
-        return impl
-    if interpret or jax.default_backend() == "gpu":
-        return "pallas"
-    if not _warned_fallback:
-        warnings.warn(
-            f"grouped_moe_w4a16(impl='auto') on backend {jax.default_backend()!r}: running the XLA "
-            "touched-experts loop, NOT the grouped Pallas MoE kernel (pass impl='xla' to silence, or "
-            "interpret=True to run the kernel in interpret mode).",
-            MoEW4A16FallbackWarning, stacklevel=3,
-        )
-        _warned_fallback = True
-    return "xla"
+    """The implementation `grouped_moe_w4a16` will run: "pallas" or "xla" (auto on CPU warns)."""
+    return dispatch.resolve_impl(impl, interpret=interpret, op="grouped_moe_w4a16", fallback="the XLA touched-experts loop",
+                                 kernel="the grouped Pallas MoE kernel", warning=MoEW4A16FallbackWarning)
 
 
 def _check_inputs(x, experts, expert_ids, weights) -> tuple[int, int, int]:

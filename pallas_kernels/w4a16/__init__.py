@@ -9,10 +9,10 @@
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import dispatch
 
 from pallas_kernels.w4a16.kernel import (
     BlockConfig,
@@ -36,27 +36,10 @@ class W4A16FallbackWarning(UserWarning):
     """impl="auto" ran the XLA dequantize-then-dot path because no GPU is present."""
 
 
-_warned_fallback = False
-
-
 def resolve_impl(impl: str = "auto", *, interpret: bool = False) -> str:
-    """The implementation `w4a16_matmul` will run: "pallas" or "xla" (warns once for auto on CPU)."""
-    global _warned_fallback
-    if impl not in ("auto", "pallas", "xla"):
-        raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
-    if impl != "auto":
-        return impl
-    if interpret or jax.default_backend() == "gpu":
-        return "pallas"
-    if not _warned_fallback:
-        warnings.warn(
-            f"w4a16_matmul(impl='auto') on backend {jax.default_backend()!r}: running the XLA "
-            "dequantize-then-dot path, NOT the Pallas W4A16 kernel (pass impl='xla' to silence, "
-            "or interpret=True to run the kernel in interpret mode).",
-            W4A16FallbackWarning, stacklevel=3,
-        )
-        _warned_fallback = True
-    return "xla"
+    """The implementation `w4a16_matmul` will run: "pallas" or "xla" (auto on CPU warns)."""
+    return dispatch.resolve_impl(impl, interpret=interpret, op="w4a16_matmul", fallback="the XLA dequantize-then-dot path",
+                                 kernel="the Pallas W4A16 kernel", warning=W4A16FallbackWarning)
 
 
 def _split_weights(leaf_or_arrays):
