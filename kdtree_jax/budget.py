@@ -25,7 +25,8 @@ import math
 import statistics
 from typing import Mapping, NamedTuple
 
-GROUP_SIZE = 32
+from kdtree_jax.quant import GROUP_SIZE
+
 BF16_BYTES = 2
 
 

@@ -13,14 +13,13 @@ import jax
 import jax.numpy as jnp
 
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.quant import GROUP_SIZE, int4_leaf_from_dense, is_int4_leaf
+from kdtree_jax.quant import GROUP_SIZE, SCALE_DTYPES, int4_leaf_from_dense, is_int4_leaf
 
 POLICIES = {
     "experts": ("experts",),
     "experts+shared": ("experts", "shared"),
     "all_mlp": ("experts", "shared", "mlp"),
 }
-SCALE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 def _targets(params: dict, cfg: ModelConfig, policy: str):

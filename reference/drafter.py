@@ -12,17 +12,7 @@ from typing import Any
 
 import numpy as np
 
-
-def to_float64(tree: Any) -> Any:
-    """Nested dict of array-likes (jax or numpy) -> the same dict of float64 NumPy arrays."""
-    if isinstance(tree, dict):
-        return {k: to_float64(v) for k, v in tree.items()}
-    return np.asarray(tree, dtype=np.float64)
-
-
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """weight * x / sqrt(mean(x^2) + eps) over the last axis."""
-    return weight * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+from reference.model import rms_norm, to_float64
 
 
 def silu(x: np.ndarray) -> np.ndarray:

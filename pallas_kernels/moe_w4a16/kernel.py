@@ -39,9 +39,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.w4a16.kernel import _dequant_tile, w4a16_matmul_reference, w4a16_matmul_xla_bf16
+from pallas_kernels.w4a16.kernel import (GROUP_SIZE, _dequant_tile, w4a16_matmul_reference,
+                                         w4a16_matmul_xla_bf16)
 
-GROUP_SIZE = 32
 
 
 @dataclasses.dataclass(frozen=True)

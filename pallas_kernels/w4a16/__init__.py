@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from pallas_kernels import dispatch
 
 from pallas_kernels.w4a16.kernel import (
+    GROUP_SIZE,
     BlockConfig,
     w4a16_matmul_pallas,
     w4a16_matmul_reference,
@@ -27,7 +28,6 @@ __all__ = [
     "w4a16_matmul", "w4a16_matmul_reference", "w4a16_matmul_xla_bf16",
 ]
 
-GROUP_SIZE = 32
 _ACT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 _SCALE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
