@@ -1,0 +1,137 @@
+"""Mosaic GPU (plgpu) W4A16 group-32 GEMM prototype for Hopper: y[M, N] = x[M, K] @ dequant(W)^T.
+
+"Swap AB": the weights are the wgmma A operand (block_n output features per CTA) and the tokens are the
+narrow wgmma N dimension (M padded to a multiple of 8), so tiny decode batches waste no tensor-core rows.
+Grid: one CTA (one warpgroup) per block_n rows of W; inside it emit_pipeline streams, per K step, an int4
+[block_n, block_k] weight tile, a bf16 [Mp, block_k] activation tile and the bf16 [block_k/32, block_n]
+scales into SMEM with TMA. The warpgroup loads the int4 tile with the WGMMA_UPCAST_4X layout, casts
+int4 -> bf16 (Mosaic's fast PRMT cast), multiplies by the per-32-column scale (each group's row vector
+broadcast along K, chosen per column by an iota select) and issues wgmma with A from registers (or, for
+GPU interpret mode, staged through SMEM) and B = the transposed activation tile, accumulating f32.
+block_k >= 64 because the smallest TMA swizzle Mosaic accepts is 32 B (= 64 int4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+GROUP_SIZE = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+    """block_n: weight rows (output features) per CTA, a multiple of 64 (the wgmma M).
+    block_k: K per pipeline step, a multiple of 64 (an int4 row of 32 B is the smallest swizzle).
+    max_concurrent_steps: pipeline depth (SMEM buffers in flight).
+    a_operand: "registers" (the fast path: dequantized weights are wgmma register-A) or "smem" (stage them
+      in SMEM first; the only form jax 0.11's GPU interpret mode can simulate)."""
+    block_n: int = 64
+    block_k: int = 64
+    max_concurrent_steps: int = 4
+    a_operand: str = "registers"
+
+
+def _smem_transforms(minor_elems: int, dtype) -> tuple:
+    bits = jnp.dtype(dtype).itemsize * 8 if jnp.dtype(dtype) != jnp.dtype(jnp.int4) else 4
+    swizzle = plgpu.find_swizzle(minor_elems * bits, str(jnp.dtype(dtype)))
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def to_mgpu_layout(qweight: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Leaf layout -> kernel layout: int16 [N, K/4] (nibble q+8) -> jnp.int4 [N, K]; scale [N, K/32] -> bf16 [K/32, N].
+
+    Done per call in this prototype; a real integration would store these layouts in the checkpoint.
+    """
+    n, nwords = qweight.shape
+    shifts = jnp.arange(4, dtype=jnp.int32) * 4
+    nib = (qweight.astype(jnp.int32)[..., None] >> shifts) & 0xF  # [N, K/4, 4]
+    w_i4 = (nib - 8).reshape(n, nwords * 4).astype(jnp.int4)  # [N, K]
+    return w_i4, scale.astype(jnp.bfloat16).T  # [N, K] int4, [K/32, N] bf16
+
+
+def w4a16_matmul_mgpu_kernel(x: jax.Array, w_i4: jax.Array, scale_t: jax.Array, *,
+                             config: MgpuConfig = MgpuConfig(), interpret=None) -> jax.Array:
+    """x bf16 [Mp, K] (Mp % 8 == 0), w_i4 int4 [N, K], scale_t bf16 [K/32, N] -> y^T f32 [N, Mp]."""
+    mp, k = x.shape
+    n = w_i4.shape[0]
+    block_n, block_k = config.block_n, config.block_k
+    if block_k % 64 or k % block_k:
+        raise ValueError(f"block_k={block_k} must be a multiple of 64 (int4 swizzle >= 32 B) dividing K={k}")
+    groups = block_k // GROUP_SIZE
+    if config.a_operand not in ("registers", "smem"):
+        raise ValueError(f"a_operand must be 'registers' or 'smem', got {config.a_operand!r}")
+    if interpret is not None and config.a_operand == "registers":
+        raise ValueError("a_operand='registers' cannot run in GPU interpret mode: jax 0.11's interpreted wgmma "
+                         "reads A from an SMEM allocation only; use a_operand='smem' there")
+    if block_n % 64:
+        raise ValueError(f"block_n={block_n} must be a multiple of 64 (wgmma M)")
+    if n % block_n:
+        raise ValueError(f"N={n} must be divisible by block_n={block_n}")
+    if mp % 8 or mp > 256:
+        raise ValueError(f"padded M={mp} must be a multiple of 8 and <= 256 (wgmma N)")
+    k_iters = k // block_k
+
+    w_tr = _smem_transforms(block_k, jnp.int4)
+    x_tr = _smem_transforms(block_k, jnp.bfloat16)
+
+    def kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
+        ni = lax.axis_index("n")
+        n_slice = pl.ds(ni * block_n, block_n)
+
+        def body(acc_ref):
+            def step(_, w_smem, x_smem, s_smem):
+                w = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_UPCAST_4X)  # int4 [block_n, block_k]
+                w = plgpu.layout_cast(w, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
+                # Scale [block_n, block_k]: group g's row vector broadcast along K, picked by column.
+                col = plgpu.broadcasted_iota(jnp.int32, w.shape, 1, layout=plgpu.Layout.WGMMA)
+                sc = None
+                for g in range(groups):
+                    s = plgpu.load(s_smem.at[g], layout=plgpu.Layout.WGMMA.reduce(1))  # bf16 [block_n]
+                    s = lax.broadcast_in_dim(s, w.shape, [0])
+                    sc = s if sc is None else jnp.where(col >= g * GROUP_SIZE, s, sc)
+                w = w * sc
+                if a_smem is None:
+                    a = w  # register-A: the dequantized tile feeds wgmma straight from registers
+                else:
+                    a_smem[...] = w  # SMEM-A (interpret mode): stage the dequantized tile in SMEM
+                    plgpu.commit_smem()
+                    a = a_smem
+                plgpu.wgmma(acc_ref, a, x_smem.T)  # [block_n, block_k] @ [block_k, Mp]
+                plgpu.wgmma_wait(0)  # the A tile is reused next step: finish reading it first
+
+            plgpu.emit_pipeline(
+                step,
+                grid=(k_iters,),
+                in_specs=[
+                    plgpu.BlockSpec((block_n, block_k), lambda ki: (0, ki), transforms=w_tr),
+                    plgpu.BlockSpec((mp, block_k), lambda ki: (0, ki), transforms=x_tr),
+                    plgpu.BlockSpec((groups, block_n), lambda ki: (ki, 0)),
+                ],
+                max_concurrent_steps=min(config.max_concurrent_steps, k_iters),
+            )(w_gmem.at[n_slice], x_gmem, s_gmem.at[:, n_slice])
+            return acc_ref[...]
+
+        acc = pl.run_scoped(body, plgpu.ACC((block_n, mp), jnp.float32))  # [block_n, Mp] f32
+        o_smem[...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[n_slice])
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = dict(o_smem=plgpu.SMEM((block_n, mp), jnp.float32))  # [block_n, Mp]
+    if config.a_operand == "smem":
+        scratch["a_smem"] = plgpu.SMEM((block_n, block_k), jnp.bfloat16, transforms=_smem_transforms(block_k, jnp.bfloat16))
+    f = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((n, mp), jnp.float32),
+        grid=(n // block_n,),
+        grid_names=("n",),
+        scratch_types=scratch,
+        interpret=interpret,
+    )
+    return f(x, w_i4, scale_t)

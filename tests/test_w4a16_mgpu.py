@@ -1,0 +1,114 @@
+"""Prototype Mosaic GPU W4A16 kernel (pallas_kernels.w4a16_mgpu) vs the plain-jnp float32 reference
+(pallas_kernels.w4a16.w4a16_matmul_reference).
+
+On CPU the kernel body runs in Mosaic GPU interpret mode (simulated threads, SMEM, TMA, barriers, with the
+race detector on); the register-A path, which that interpreter cannot run, is covered by the CUDA lowering
+test here and by the native test on a GPU.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kdtree_jax.quant import int4_leaf_from_dense
+from pallas_kernels.w4a16 import w4a16_matmul_reference
+from pallas_kernels.w4a16_mgpu import MgpuConfig, gpu_interpret_params, w4a16_matmul_mgpu
+
+HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
+
+
+@pytest.fixture(autouse=True)
+def _reset_interpreter():
+    # After an exception inside an interpreted kernel the interpreter's global state must be reset
+    # before the next kernel runs (jax docs for InterpretGPUParams).
+    yield
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
+    reset_gpu_interpret_mode_state()
+
+
+def _problem(m, n, k, seed, scale_dtype=jnp.bfloat16):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    leaf = int4_leaf_from_dense(jax.random.normal(kw, (k, n), jnp.float32), scale_dtype=scale_dtype)  # [N, K/4]
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)  # [M, K]
+    want = w4a16_matmul_reference(x.astype(jnp.float32), leaf["qweight"], leaf["scale"])  # [M, N] f32
+    return x, leaf, np.asarray(want, np.float64)
+
+
+def _rel_err(got, want):
+    return np.max(np.abs(np.asarray(got.astype(jnp.float32), np.float64) - want)) / np.max(np.abs(want))
+
+
+# (M, N, K, config): padded M (5 -> 8, 1 -> 8), 2 N tiles x 2 K steps with 4 groups per step, block_n 128.
+INTERPRET_CASES = [
+    (5, 64, 64, MgpuConfig(a_operand="smem")),
+    (16, 128, 256, MgpuConfig(block_n=64, block_k=128, max_concurrent_steps=2, a_operand="smem")),
+    (1, 128, 128, MgpuConfig(block_n=128, block_k=64, a_operand="smem")),
+]
+
+
+@pytest.mark.parametrize("m,n,k,cfg", INTERPRET_CASES)
+def test_interpret_matches_reference(m, n, k, cfg):
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+    x, leaf, want = _problem(m, n, k, seed=m + n + k)
+    got = w4a16_matmul_mgpu(x, leaf, interpret=gpu_interpret_params(detect_races=True), config=cfg)
+    assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+    assert not get_races().races_found
+    # bf16 dequantized weights (2^-9 relative) and a bf16 output bound the error.
+    assert _rel_err(got, want) < 1e-2
+
+
+def test_interpret_default_config_and_f32_scales():
+    """interpret=True picks a_operand="smem"; float32 scales are rounded to bf16 by the layout conversion."""
+    x, leaf, want = _problem(3, 64, 128, seed=7, scale_dtype=jnp.float32)
+    assert _rel_err(w4a16_matmul_mgpu(x, leaf, interpret=True), want) < 1e-2
+
+
+def test_lowers_for_cuda_at_k2_shapes():
+    """Mosaic GPU lowering (layouts, int4 upcast, register-A wgmma) runs on CPU against an abstract H200."""
+    from jax._src.mesh import AbstractDevice
+    from jax.sharding import AbstractMesh
+
+    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
+                                                               num_cores=132))
+    for m, n, k, cfg in [(1, 7168, 2048, MgpuConfig()), (16, 2048, 7168, MgpuConfig(block_n=128, block_k=128)),
+                         (64, 512, 7168, MgpuConfig(a_operand="smem"))]:
+        args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+                {"qweight": jax.ShapeDtypeStruct((n, k // 4), jnp.int16),
+                 "scale": jax.ShapeDtypeStruct((n, k // 32), jnp.bfloat16)})
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(lambda x, leaf: w4a16_matmul_mgpu(x, leaf, config=cfg)).trace(*args).lower(
+                lowering_platforms=("cuda",)).as_text()
+        assert set(re.findall(r"custom_call @(\w+)", text)) == {"mosaic_gpu_v2"}
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="native Mosaic GPU kernel needs a Hopper GPU; CPU runs interpret mode")
+@pytest.mark.parametrize("a_operand", ["registers", "smem"])
+@pytest.mark.parametrize("m,n,k", [(1, 7168, 2048), (16, 2048, 7168), (5, 256, 512)])
+def test_native_gpu(m, n, k, a_operand):
+    x, leaf, want = _problem(m, n, k, seed=m + n + k)
+    got = w4a16_matmul_mgpu(x, leaf, config=MgpuConfig(a_operand=a_operand))
+    assert _rel_err(got, want) < 1e-2
+
+
+def test_value_errors():
+    x, leaf, _ = _problem(2, 64, 64, seed=0)
+    with pytest.raises(ValueError, match="interpret mode"):
+        w4a16_matmul_mgpu(x, leaf, interpret=True, config=MgpuConfig(a_operand="registers"))
+    with pytest.raises(ValueError, match="a_operand"):
+        w4a16_matmul_mgpu(x, leaf, interpret=True, config=MgpuConfig(a_operand="tmem"))
+    with pytest.raises(ValueError, match="block_k=32"):
+        w4a16_matmul_mgpu(x, leaf, interpret=True, config=MgpuConfig(block_k=32, a_operand="smem"))
+    with pytest.raises(ValueError, match="N=64 must be divisible by block_n=128"):
+        w4a16_matmul_mgpu(x, leaf, interpret=True, config=MgpuConfig(block_n=128, a_operand="smem"))
+    with pytest.raises(ValueError, match="x must be bf16"):
+        w4a16_matmul_mgpu(x.astype(jnp.float32), leaf, interpret=True)
+    with pytest.raises(ValueError, match="M=300"):
+        w4a16_matmul_mgpu(jnp.zeros((300, 64), jnp.bfloat16), leaf, interpret=True)
+    with pytest.raises(ValueError, match="qweight must be int16"):
+        w4a16_matmul_mgpu(x[:, :32], leaf, interpret=True)
+    with pytest.raises(ValueError, match="keys qweight, scale"):
+        w4a16_matmul_mgpu(x, {"qweight": leaf["qweight"]}, interpret=True)
