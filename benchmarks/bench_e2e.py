@@ -33,6 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kdtree_jax as kj  # noqa: E402
+from kdtree_jax.attention import describe_impl as describe_attention  # noqa: E402
 from pallas_kernels.w4a16 import W4A16FallbackWarning  # noqa: E402
 
 ASSETS = Path(kj.__file__).parent / "assets"
@@ -91,11 +92,20 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--matmul-precision", choices=("highest", "default"), default="highest",
+                        help="jax_default_matmul_precision for the float32 models (default highest: on the H200 "
+                             "'default' means TF32, whose rounding differs between AR and tree shapes and can "
+                             "flip near-tie argmaxes, i.e. break the greedy invariant)")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="start no new (method, budget) point after this many seconds; the results so far "
+                             "are written and marked incomplete")
     parser.add_argument("--tag", default=jax.devices()[0].platform)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     if any(args.num_prompts % b for b in args.batches):
         raise SystemExit(f"--num-prompts {args.num_prompts} must be a multiple of every batch {args.batches}")
+    if args.matmul_precision == "highest":
+        jax.config.update("jax_default_matmul_precision", "highest")
     warnings.filterwarnings("ignore", category=W4A16FallbackWarning)  # CPU runs the XLA INT4 path on purpose
 
     from tokenizers import Tokenizer  # noqa: PLC0415
@@ -112,15 +122,20 @@ def main() -> None:
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 target=str(args.target), drafter=str(args.drafter), num_prompts=args.num_prompts,
                 prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                block_size=dcfg.block_size)
+                block_size=dcfg.block_size, matmul_precision=args.matmul_precision,
+                attention=describe_attention())
     rows, invariant_failures = [], []
     print(f"{'batch':>5} {'temp':>4} {'method':>7} {'budget':>6} {'accept':>7} {'fwd/tok':>8} {'tok/s':>9} "
           f"{'speedup':>8}  greedy==AR", flush=True)
+    start, skipped = time.perf_counter(), []
     for batch in args.batches:
         for temperature in args.temperatures:
             configs = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in args.budgets]
             ar_speed, ar_out = None, None
             for method, budget in configs:
+                if args.deadline_s is not None and time.perf_counter() - start > args.deadline_s:
+                    skipped.append(dict(batch=batch, temperature=temperature, method=method, budget=budget))
+                    continue
                 row, outs = run_config(cfg, params, drafter, prompts, batch, method, budget, temperature,
                                        args.max_new_tokens, args.repeats)
                 if method == "ar":
@@ -138,6 +153,9 @@ def main() -> None:
                       flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"e2e_{args.tag}"
+    meta["skipped_past_deadline"] = skipped
+    if skipped:
+        print(f"INCOMPLETE: {len(skipped)} points not run (past --deadline-s {args.deadline_s:g})", flush=True)
     Path(f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows,
                                                 "invariant_failures": invariant_failures}, indent=1))
     write_markdown(Path(f"{stem}.md"), meta, rows)
@@ -153,7 +171,8 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
              f"{meta['date']}, JAX {meta['jax']}, host {meta['host']}; {meta['num_prompts']} held-out prompts of "
              f"{meta['prompt_tokens']} tokens, {meta['max_new_tokens']} new tokens each, block size "
              f"{meta['block_size']}, median of {meta['repeats']} timed call(s) after a warm-up, one dispatch per "
-             "generate call.", "",
+             f"generate call; float32 matmul precision {meta['matmul_precision']}, attention "
+             f"{meta['attention']}.", "",
              "| batch | temp | method | budget | mean accept | target fwd / token | tokens/s | speedup vs AR | "
              "greedy == AR |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -161,6 +180,10 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
         lines.append(f"| {r['batch']} | {r['temperature']:g} | {r['method']} | {r['budget'] or '-'} | "
                      f"{r['mean_acceptance']:.2f} | {r['forwards_per_token']:.3f} | {r['tokens_per_s']:.1f} | "
                      f"{r['speedup']:.2f}x | {same} |")
+    if meta["skipped_past_deadline"]:
+        lines += ["", f"INCOMPLETE: {len(meta['skipped_past_deadline'])} points not run (past the deadline): "
+                  + ", ".join(f"batch {p['batch']} T={p['temperature']:g} {p['method']} {p['budget'] or ''}".strip()
+                              for p in meta["skipped_past_deadline"])]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -174,12 +197,13 @@ def plot(path: Path, meta: dict, rows: list[dict], budgets) -> None:
     for i, (batch, temp) in enumerate(settings):
         sel = [r for r in rows if r["batch"] == batch and r["temperature"] == temp]
         tree = sorted((r for r in sel if r["method"] == "ddtree"), key=lambda r: r["budget"])
-        dflash = next(r for r in sel if r["method"] == "dflash")
+        dflash = next((r for r in sel if r["method"] == "dflash"), None)
         color = f"C{i}"
         label = f"batch {batch}, T={temp:g}"
         for ax, key in ((axes[0], "mean_acceptance"), (axes[1], "speedup")):
             ax.plot([r["budget"] for r in tree], [r[key] for r in tree], "o-", color=color, label=f"DDTree, {label}")
-            ax.axhline(dflash[key], color=color, ls="--", lw=1, label=f"DFlash, {label}")
+            if dflash is not None:
+                ax.axhline(dflash[key], color=color, ls="--", lw=1, label=f"DFlash, {label}")
     axes[0].set_ylabel("mean acceptance length (tokens / round)")
     axes[1].set_ylabel("speedup over AR (tokens/s)")
     axes[1].axhline(1.0, color="k", lw=0.8)
