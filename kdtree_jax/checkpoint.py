@@ -312,8 +312,9 @@ def load_checkpoint(path: str | os.PathLike, *, expect_kind: str | None = None, 
     cfg, meta = checkpoint_config(path, expect_kind=expect_kind)
     expected = _KINDS[meta["kind"]][2](cfg, jnp.dtype(meta["param_dtype"]), meta)
     _check_tree(expected, _saved_index(path, meta, expected), f"checkpoint {path}")
-    if mesh is not None:
-        expected = _with_shardings(cfg, meta["kind"], expected, mesh)
+    # Every leaf gets an explicit sharding: Orbax otherwise rebuilds the one stored at save time (e.g.
+    # "cpu:0" for the shipped pair) and refuses to restore on another platform ("Topology mismatch").
+    expected = _with_shardings(cfg, meta["kind"], expected, mesh)
     checkpointer = ocp.StandardCheckpointer()
     items = ([(path / "params", expected)] if meta["format"] == 1 else
              [(path / "params" / entry, {entry: expected[entry]}) for entry in expected])
@@ -328,9 +329,13 @@ def load_checkpoint(path: str | os.PathLike, *, expect_kind: str | None = None, 
 
 
 def _with_shardings(cfg, kind: str, abstract, mesh):
-    """The abstract tree with each ShapeDtypeStruct carrying its NamedSharding on `mesh`."""
+    """The abstract tree with each ShapeDtypeStruct carrying its NamedSharding on `mesh` (None: the
+    default device, whatever the platform the checkpoint was written on)."""
     from kdtree_jax import sharding  # noqa: PLC0415
 
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
     mesh = sharding.make_mesh(mesh)
     if kind == "target":
         shardings = sharding.param_shardings(cfg, abstract, mesh)

@@ -112,3 +112,22 @@ def test_relative_paths_load(saved, tmp_path, monkeypatch):
     cfg, loaded = kj.load_checkpoint(path.name)
     assert cfg == SMALL
     np.testing.assert_array_equal(np.asarray(loaded["final_norm"]), np.asarray(params["final_norm"]))
+
+
+def test_checkpoint_written_on_another_platform_loads(saved, tmp_path):
+    """Orbax stores each array's save-time device ("cpu:0" for the shipped pair); restoring without an
+    explicit target sharding on another platform fails with "Topology mismatch" (seen on the H200).
+    Simulate a GPU-written checkpoint by rewriting the stored device to cuda:0."""
+    path, params = saved
+    copy = tmp_path / "from_gpu"
+    shutil.copytree(path, copy)
+    rewritten = 0
+    for f in copy.rglob("_sharding"):
+        text = f.read_text()
+        f.write_text(text.replace("cpu:0", "cuda:0"))
+        rewritten += "cpu:0" in text
+    assert rewritten > 0
+    cfg, loaded = kj.load_checkpoint(copy)
+    assert cfg == SMALL
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
