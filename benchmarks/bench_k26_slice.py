@@ -206,9 +206,14 @@ def main():
         """Median seconds per call of jitted f (CUPTI on GPU; wall clock on CPU)."""
         out = jax.block_until_ready(f(*a))  # compile + warm-up
         if on_gpu:
-            out, times = profiler.measure(f, iterations=args.iters)(*a)
-            if times is None:
-                raise RuntimeError("no kernels were launched")
+            # One CUPTI window per iteration: a multi-iteration window insists that every iteration
+            # launches the same kernels, which XLA's data-dependent loops (xla_touched) do not.
+            times = []
+            for _ in range(args.iters):
+                out, ms = profiler.measure(f, iterations=1)(*a)
+                if ms is None:
+                    raise RuntimeError("no kernels were launched")
+                times.append(ms)
             return out, statistics.median(times) * 1e-3
         times = []
         for _ in range(args.iters):
