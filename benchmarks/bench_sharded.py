@@ -20,6 +20,7 @@ Decode: one `generate` per method on the mesh; DDTree uses an OracleDraft holdin
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import statistics
@@ -40,6 +41,7 @@ from kdtree_jax import checkpoint, sharding  # noqa: E402
 from kdtree_jax.ddtree import OracleDraft  # noqa: E402
 from kdtree_jax.model import _routed_experts_f32, moe_sharded, route  # noqa: E402
 from kdtree_jax.layers import swiglu  # noqa: E402
+from kdtree_jax.model import init_params  # noqa: E402
 from kdtree_jax.linear import linear  # noqa: E402
 
 
@@ -189,6 +191,57 @@ def bench_moe_exchange(cfg, params, mesh, token_counts, repeats) -> list[dict]:
     return rows
 
 
+def bench_verify(cfg, params, mesh, token_counts, context, repeats) -> list[dict]:
+    """One DDTree verify forward (the model's `forward_with_cache`: T new tokens under a tree mask over
+    a latent cache holding `context` committed rows), jitted alone on `mesh`; per layer = total / layers
+    (the lm_head and embedding are included in the total, so this slightly overstates a layer)."""
+    from kdtree_jax.model import forward_with_cache, init_cache  # noqa: PLC0415
+
+    rng = np.random.default_rng(1)
+    dtype = params["embed_tokens"].dtype
+    rows = []
+    for t in token_counts:
+        cache = init_cache(cfg, 1, context + t, dtype)
+        cache = sharding.replicate(cache._replace(lengths=jnp.full((1,), context, jnp.int32)), mesh)
+        tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (1, t)), jnp.int32)
+        positions = context + jnp.arange(t, dtype=jnp.int32)[None]
+        parents = np.concatenate([[-1], rng.integers(0, np.arange(1, t))]) if t > 1 else np.array([-1])
+        vis = np.eye(t, dtype=bool)
+        for i in range(1, t):  # a random tree: row i sees itself and its parent's row
+            vis[i] |= vis[parents[i]]
+        with jax.set_mesh(mesh):
+            fn = jax.jit(lambda p, tok, pos, c, v: forward_with_cache(p, cfg, tok, pos, c, v)[0])
+            ms = time_fn(fn, (params, tokens, positions, cache, jnp.asarray(vis)[None]), repeats)
+        row = {"tokens": t, "context": context, "layers": cfg.num_hidden_layers, "verify_ms": ms,
+               "per_layer_ms": ms / cfg.num_hidden_layers}
+        print(f"  verify T={t:4d} S={context}: {ms:8.3f} ms, {row['per_layer_ms']:.3f} ms/layer "
+              f"({cfg.num_hidden_layers} layers)", flush=True)
+        rows.append(row)
+        del cache
+    return rows
+
+
+def bench_collective(mesh, hidden, token_counts, loops=50) -> list[dict]:
+    """The MoE layer's collective alone: a psum of the [T, hidden] float32 partial outputs over every
+    mesh axis (what `moe_sharded` runs once per MoE layer), `loops` of them chained inside one jit so the
+    launch cost is amortised."""
+    from jax import lax  # noqa: PLC0415
+
+    axes = tuple(mesh.axis_names)
+    rows = []
+    for t in token_counts:
+        x = sharding.replicate(jnp.ones((t, hidden), jnp.float32), mesh)
+
+        def chained(x):
+            return lax.fori_loop(0, loops, lambda i, y: lax.psum(y, axes) * 0.5, x)
+
+        fn = jax.jit(jax.shard_map(chained, mesh=mesh, in_specs=P(), out_specs=P()))
+        ms = time_fn(fn, (x,), 3) / loops
+        rows.append({"tokens": t, "psum_ms": ms, "bytes": t * hidden * 4})
+        print(f"  psum [{t}, {hidden}] f32 over {sharding.describe(mesh)}: {ms * 1e3:8.1f} us", flush=True)
+    return rows
+
+
 def bench_decode(cfg, params, mesh, batch, new_tokens, budget, repeats) -> list[dict]:
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(3, cfg.vocab_size, 16)) for _ in range(batch)]
@@ -233,7 +286,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--budget", type=int, default=32, help="DDTree tree budget")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--verify-tokens", default="1,33,129", help="tree sizes T for the verify forward")
+    parser.add_argument("--context", type=int, default=4096, help="committed cache rows for the verify forward")
+    parser.add_argument("--single-gpu-layers", type=int, default=0,
+                        help="after the mesh runs, time the verify forward on ONE device holding this many "
+                             "layers (0: skip); the per-layer comparison with the sharded model")
+    parser.add_argument("--skip-decode", action="store_true", help="skip the AR/DDTree generate timing")
+    parser.add_argument("--out", help="write the results as JSON here (rewritten after every stage)")
     args = parser.parse_args(argv)
 
     mesh = sharding.make_mesh(args.mesh or {"expert": len(jax.devices())})
@@ -241,8 +300,6 @@ def main(argv=None) -> dict:
     stats = jax.devices()[0].memory_stats() or {}
     hbm = args.hbm_gib * 2**30 if args.hbm_gib else float(stats.get("bytes_limit", 141e9))
     if args.tiny:
-        from kdtree_jax.model import init_params  # noqa: PLC0415
-
         cfg = kj.ModelConfig.tiny().replace(num_hidden_layers=2)
         params = sharding.shard_params(cfg, kj.quantize(init_params(cfg, jax.random.key(0)), cfg), mesh)
     else:
@@ -256,12 +313,32 @@ def main(argv=None) -> dict:
           f"{plan['params_bytes_per_device'] / 2**30:.2f} GiB/device, cache {plan['latent_cache_bytes_per_token']} "
           f"B/token", flush=True)
     tokens = [int(t) for t in args.tokens.split(",")]
+    verify_tokens = [int(t) for t in args.verify_tokens.split(",")]
     result = {"device": jax.devices()[0].device_kind, "devices": int(mesh.devices.size),
-              "mesh": sharding.describe(mesh), "config": cfg.to_dict(), "memory": plan,
-              "moe_exchange": bench_moe_exchange(cfg, params, mesh, tokens, args.repeats),
-              "decode": bench_decode(cfg, params, mesh, args.batch, args.new_tokens, args.budget, args.repeats)}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+              "mesh": sharding.describe(mesh), "jax": jax.__version__,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "timing": "wall clock of one jitted call after a compile call, median of repeats",
+              "config": cfg.to_dict(), "memory": plan}
+
+    def stage(name, fn, *fn_args):
+        result[name] = fn(*fn_args)
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+
+    stage("verify", bench_verify, cfg, params, mesh, verify_tokens, args.context, args.repeats)
+    stage("collective", bench_collective, mesh, cfg.hidden_size, verify_tokens)
+    stage("moe_exchange", bench_moe_exchange, cfg, params, mesh, tokens, args.repeats)
+    if not args.skip_decode:
+        stage("decode", bench_decode, cfg, params, mesh, args.batch, args.new_tokens, args.budget, args.repeats)
+    if args.single_gpu_layers:
+        del params
+        one = sharding.make_mesh({"expert": 1, "tensor": 1})
+        cfg1 = kj.ModelConfig.tiny().replace(num_hidden_layers=args.single_gpu_layers) if args.tiny else \
+            k26_width(args.single_gpu_layers)
+        params1 = (sharding.shard_params(cfg1, kj.quantize(init_params(cfg1, jax.random.key(0)), cfg1), one)
+                   if args.tiny else random_params_on_mesh(cfg1, one))
+        print(f"one device: {cfg1.num_hidden_layers} layers", flush=True)
+        stage("verify_single_device", bench_verify, cfg1, params1, one, verify_tokens, args.context, args.repeats)
     return result
 
 
