@@ -1,0 +1,137 @@
+"""Where one DDTree round's time goes on the GPU, for the shipped pair (or any target + drafter).
+
+  python benchmarks/profile_round.py --out DIR [--budgets 8 32 128]
+
+Each stage of a round (kdtree_jax/ddtree.py `_generate`'s loop body) is jitted alone on a real state
+(a held-out prompt prefilled) and measured two ways: CUPTI (summed kernel time and the number of
+kernels launched) and wall clock per call (median, dispatch included). The AR step (one cached forward
+of one token) is measured the same way. A stage whose wall time far exceeds its kernel time is bound by
+launch latency, not by the GPU's work: with a model this small every stage is. Writes DIR/round_profile.json
+and DIR/round_profile.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ASSETS = Path(__file__).resolve().parents[1] / "kdtree_jax" / "assets"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", type=Path, default=ASSETS / "target", help="target checkpoint")
+    ap.add_argument("--drafter", type=Path, default=ASSETS / "drafter", help="drafter checkpoint")
+    ap.add_argument("--tokenizer", type=Path, default=ASSETS / "tokenizer.json", help="tokenizer file")
+    ap.add_argument("--budgets", type=int, nargs="+", default=[8, 32, 128], help="DDTree budgets to profile")
+    ap.add_argument("--iters", type=int, default=20, help="timed calls per stage (median reported)")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    from tokenizers import Tokenizer
+
+    import kdtree_jax as kj
+    from kdtree_jax.ddtree import accept_path, as_draft_model, compact_cache
+    from kdtree_jax.generate import prefill
+    from kdtree_jax.model import KVCache, forward_with_cache, init_cache
+    from kdtree_jax.tree import build_chain, build_tree
+    from training.data import heldout_prompts
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    on_gpu = jax.default_backend() == "gpu"
+    if on_gpu:
+        from jax.experimental.mosaic.gpu import profiler
+    cfg, params = kj.load_checkpoint(args.target, expect_kind="target")
+    dcfg, dparams = kj.load_checkpoint(args.drafter, expect_kind="drafter")
+    draft_model = as_draft_model(cfg, (dcfg, dparams))
+    prompt = heldout_prompts(Tokenizer.from_file(str(args.tokenizer)), 1, 64, seed=0)[0]
+    tokens = jnp.asarray([prompt], jnp.int32)
+    lengths = jnp.asarray([len(prompt)], jnp.int32)
+    depth = dcfg.block_size - 1
+    max_len = len(prompt) + 64 + max(args.budgets) + 1
+    layers = tuple(dcfg.target_layer_ids)
+
+    @jax.jit
+    def setup(params, dparams_model, tokens, lengths):
+        cache = init_cache(cfg, 1, max_len, params["embed_tokens"].dtype)
+        logits, hidden, cache = prefill(params, cfg, tokens, lengths, cache, layers)
+        state = dparams_model.init_state(1, max_len, params["embed_tokens"].dtype)
+        pos = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+        state = dparams_model.extend(state, hidden, pos, lengths)
+        return cache, state, jnp.argmax(logits, -1).astype(jnp.int32)
+
+    cache, dstate, bonus = setup(params, draft_model, tokens, lengths)
+    start = cache.lengths
+
+    def measure(name, fn, *a):
+        out = jax.block_until_ready(fn(*a))  # compile + warm-up
+        walls = []
+        for _ in range(args.iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*a))
+            walls.append(time.perf_counter() - t0)
+        row = {"stage": name, "wall_us": statistics.median(walls) * 1e6}
+        if on_gpu:
+            _, kernels = profiler.measure(fn, aggregate=False, iterations=1)(*a)
+            kernels = kernels or []
+            row.update(kernel_us=sum(t for _, t in kernels) * 1e3, kernels=len(kernels))
+        print(row, flush=True)
+        rows.append(row)
+        return out
+
+    rows = []
+    ar = jax.jit(lambda p, b, c: forward_with_cache(p, cfg, b[:, None], c.lengths[:, None], c)[0])
+    measure("AR step (1-token cached forward)", ar, params, bonus, cache)
+    draft = jax.jit(lambda dm, s, p, b, st: dm.draft(s, cfg, p, b, st))
+    logits = measure("draft (drafter forward, block of %d)" % dcfg.block_size, draft, draft_model, dstate, params,
+                     bonus, start)
+
+    def verify_fn(p, tree, c):
+        pos = c.lengths[:, None] + tree.depths
+        return forward_with_cache(p, cfg, tree.tokens, pos, c, visibility=tree.visible, hidden_layers=layers)
+
+    def finish_fn(dm, s, tree, logits, hidden, c):
+        posterior = jnp.argmax(logits, -1).astype(jnp.int32)
+        path, length, nb = accept_path(tree, posterior, depth)
+        latent = compact_cache(c.latent, c.lengths, path)
+        path_hidden = jnp.take_along_axis(hidden, path[:, :, None, None], axis=1)
+        path_pos = c.lengths[:, None] + jnp.arange(depth + 1, dtype=jnp.int32)[None]
+        return KVCache(latent, c.lengths + length), dm.extend(s, path_hidden, path_pos, length), nb
+
+    for label, build in [("dflash chain", lambda lg, b: build_chain(lg, root_tokens=b))] + [
+            (f"ddtree budget {b}", lambda lg, bn, b=b: build_tree(lg, b, root_tokens=bn)) for b in args.budgets]:
+        tree = measure(f"{label}: build", jax.jit(build), logits, bonus)
+        vlogits, hidden, vcache = measure(f"{label}: verify (T={tree.tokens.shape[1]})", jax.jit(verify_fn),
+                                          params, tree, cache)
+        measure(f"{label}: accept + compact + drafter context", jax.jit(finish_fn), draft_model, dstate, tree,
+                vlogits, hidden, vcache)
+
+    dev = jax.devices()[0]
+    meta = {"device": getattr(dev, "device_kind", dev.platform), "jax": jax.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "target": str(args.target), "drafter": str(args.drafter), "prompt_tokens": len(prompt),
+            "timing": "wall: median per jitted call incl. dispatch; kernel: CUPTI summed kernel time of one call"}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "round_profile.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = [f"# One DDTree round, stage by stage ({meta['device']})", "", f"{meta['date']}, JAX {meta['jax']}; "
+             f"{meta['timing']}; each stage jitted alone, so each pays one dispatch that the one-jit loop does "
+             "not.", "", "| stage | wall us | kernel us | kernels |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['stage']} | {r['wall_us']:.1f} | {r.get('kernel_us', float('nan')):.1f} | "
+                     f"{r.get('kernels', '-')} |")
+    (args.out / "round_profile.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
