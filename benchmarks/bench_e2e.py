@@ -101,7 +101,12 @@ def main() -> None:
                              "are written and marked incomplete")
     parser.add_argument("--tag", default=jax.devices()[0].platform)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                        help="no measuring: join the rows of earlier runs (same device and settings, e.g. one run "
+                             "per batch size) into <out>/e2e_<tag>.json/.md/.png")
     args = parser.parse_args()
+    if args.merge:
+        return merge(args.merge, args.out / f"e2e_{args.tag}")
     if any(args.num_prompts % b for b in args.batches):
         raise SystemExit(f"--num-prompts {args.num_prompts} must be a multiple of every batch {args.batches}")
     if args.matmul_precision == "highest":
@@ -166,13 +171,42 @@ def main() -> None:
         raise SystemExit(1)
 
 
+def merge(paths: list[Path], stem: Path) -> None:
+    """Rows of several runs in one table and plot; the first run's meta, with every run's date listed."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    keys = ("device", "jax", "num_prompts", "prompt_tokens", "max_new_tokens", "block_size", "matmul_precision")
+    for p, run in zip(paths[1:], runs[1:]):
+        differ = [k for k in keys if run["meta"].get(k) != runs[0]["meta"].get(k)]
+        if differ:
+            raise SystemExit(f"{p} differs from {paths[0]} in {differ}: not one experiment")
+    seen, rows = set(), []
+    for run in runs:
+        for r in run["rows"]:
+            point = (r["batch"], r["temperature"], r["method"], r["budget"])
+            if point not in seen:
+                seen.add(point)
+                rows.append(r)
+    meta = dict(runs[0]["meta"], merged_from=[str(p) for p in paths], dates=[r["meta"]["date"] for r in runs])
+    done = {(r["batch"], r["temperature"], r["method"], r["budget"]) for r in rows}
+    skipped = {(q["batch"], q["temperature"], q["method"], q["budget"]): q for run in runs
+               for q in run["meta"].get("skipped_past_deadline", [])}
+    meta["skipped_past_deadline"] = [q for point, q in skipped.items() if point not in done]
+    failures = [f for run in runs for f in run["invariant_failures"]]
+    Path(f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "invariant_failures": failures}, indent=1))
+    write_markdown(Path(f"{stem}.md"), meta, rows)
+    plot(Path(f"{stem}.png"), meta, rows, sorted({r["budget"] for r in rows if r["budget"]}))
+    print(f"wrote {stem}.json/.md/.png from {len(paths)} runs, {len(rows)} points")
+
+
 def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
     lines = [f"# End-to-end decode: AR vs DFlash vs DDTree ({meta['device']})", "",
              f"{meta['date']}, JAX {meta['jax']}, host {meta['host']}; {meta['num_prompts']} held-out prompts of "
              f"{meta['prompt_tokens']} tokens, {meta['max_new_tokens']} new tokens each, block size "
              f"{meta['block_size']}, median of {meta['repeats']} timed call(s) after a warm-up, one dispatch per "
              f"generate call; float32 matmul precision {meta['matmul_precision']}, attention "
-             f"{meta['attention']}.", "",
+             f"{meta['attention']}." + (f" Joined from {len(meta['dates'])} runs ({', '.join(meta['dates'])})."
+                                        if meta.get("dates") else ""), "",
              "| batch | temp | method | budget | mean accept | target fwd / token | tokens/s | speedup vs AR | "
              "greedy == AR |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
