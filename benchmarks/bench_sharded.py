@@ -292,8 +292,12 @@ def main(argv=None) -> dict:
                         help="after the mesh runs, time the verify forward on ONE device holding this many "
                              "layers (0: skip); the per-layer comparison with the sharded model")
     parser.add_argument("--skip-decode", action="store_true", help="skip the AR/DDTree generate timing")
-    parser.add_argument("--out", help="write the results as JSON here (rewritten after every stage)")
+    parser.add_argument("--out", help="write the results as JSON here (rewritten after every stage), and a "
+                                      ".md table + .png plot beside it at the end")
+    parser.add_argument("--report", metavar="JSON", help="no measuring: write the .md/.png of a stored result")
     args = parser.parse_args(argv)
+    if args.report:
+        return report(args.report)
 
     mesh = sharding.make_mesh(args.mesh or {"expert": len(jax.devices())})
     sizes = dict(mesh.shape)
@@ -339,7 +343,70 @@ def main(argv=None) -> dict:
                    if args.tiny else random_params_on_mesh(cfg1, one))
         print(f"one device: {cfg1.num_hidden_layers} layers", flush=True)
         stage("verify_single_device", bench_verify, cfg1, params1, one, verify_tokens, args.context, args.repeats)
+    if args.out:
+        report(args.out)
     return result
+
+
+def report(path) -> dict:
+    """<stem>.md (tables) and <stem>.png (verify ms per layer, sharded vs one device) from a result JSON."""
+    r = json.loads(Path(path).read_text())
+    stem = str(Path(path).with_suffix(""))
+    one = {v["tokens"]: v for v in r.get("verify_single_device", [])}
+    psum = {c["tokens"]: c for c in r.get("collective", [])}
+    gib = r["memory"]["params_bytes_per_device"] / 2**30
+    lines = [f"# Sharded verify: {r['devices']} x {r['device']}, mesh {r['mesh']}", "",
+             f"{r['date']}, JAX {r['jax']}; {r['timing']}. K2.6 width (hidden {r['config']['hidden_size']}, "
+             f"{r['config']['n_routed_experts']} INT4 experts), {r['config']['num_hidden_layers']} layers sharded: "
+             f"{gib:.1f} GiB of params per device; random weights made on the devices.", "",
+             "## Verify forward (T tree tokens over S committed rows), per layer", "",
+             "| T | S | sharded: ms / layer | one device: ms / layer | sharded speedup per layer | "
+             "MoE psum (us, once per MoE layer) | psum share of the sharded layer |", "|---|---|---|---|---|---|---|"]
+    for v in r.get("verify", []):
+        t = v["tokens"]
+        o = one.get(t)
+        c = psum.get(t)
+        lines.append(f"| {t} | {v['context']} | {v['per_layer_ms']:.3f} | "
+                     + (f"{o['per_layer_ms']:.3f} ({o['layers']} layers) | {o['per_layer_ms'] / v['per_layer_ms']:.2f}x"
+                        if o else "- | -")
+                     + (f" | {c['psum_ms'] * 1e3:.1f} | {c['psum_ms'] / v['per_layer_ms']:.1%} |" if c else " | - | - |"))
+    lines += ["", "Per layer = the whole forward (embedding and lm_head included) / layers, so the one-device "
+              "figure (fewer layers) carries a larger share of the head.", "",
+              "## MoE token exchange, one MoE layer jitted alone", "",
+              "| T | all-reduce (what the model runs) ms | all-to-all ms | winner | max abs diff / max abs |",
+              "|---|---|---|---|---|"]
+    for m in r.get("moe_exchange", []):
+        lines.append(f"| {m['tokens']} | {m['all_reduce_ms']:.3f} | {m['all_to_all_ms']:.3f} | {m['winner']} | "
+                     f"{m['max_abs_diff']:.3g} / {m['max_abs']:.3g} |")
+    if r.get("decode"):
+        lines += ["", "## Decode on the mesh (batch 1; DDTree with an oracle drafter = the acceptance upper bound)",
+                  "", "| method | budget | tokens/s | target forwards | same tokens as AR |", "|---|---|---|---|---|"]
+        for d in r["decode"]:
+            lines.append(f"| {d['method']} | {d.get('budget', '-')} | {d['tokens_per_s']:.1f} | {d['target_forwards']} | "
+                         f"{d['same_tokens_as_ar']} |")
+    Path(stem + ".md").write_text("\n".join(lines) + "\n")
+    if r.get("verify"):
+        import matplotlib  # noqa: PLC0415
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+
+        ts = [v["tokens"] for v in r["verify"]]
+        x = np.arange(len(ts))
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.bar(x - 0.2, [v["per_layer_ms"] for v in r["verify"]], 0.4, label=f"{r['devices']} GPUs, {r['mesh']}")
+        if one:
+            ax.bar(x + 0.2, [one[t]["per_layer_ms"] if t in one else 0 for t in ts], 0.4, label="one GPU")
+        ax.set_xticks(x, [str(t) for t in ts])
+        ax.set_xlabel("T (tree tokens verified)")
+        ax.set_ylabel("ms per layer")
+        ax.set_title(f"K2.6-width verify per layer, S={r['verify'][0]['context']}\n{r['device']}, JAX {r['jax']}, "
+                     f"{r['date'][:10]}", fontsize=9)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(stem + ".png", dpi=110)
+        plt.close(fig)
+    print("\n".join(lines))
+    return r
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ floor). The floors follow docs/k26_verify_cost.md:
   rest:      bf16 attention projections + shared expert + router (~296 MB per layer, ~flat in T).
 The overhead factors and fixed costs are slots: the defaults are the issue's H200 targets and
 kernels.md's measured machine figures, NOT measurements of this engine; `CostModel.calibrated` fills
-them from benchmarks/bench_k26_slice.py results.
+them from benchmarks/bench_k26_slice.py results, and `CostModel.measured_h200()` is that calibration
+for the committed H200 run (docs/k26_verify_cost.md).
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from typing import Mapping, NamedTuple
 from kdtree_jax.quant import GROUP_SIZE
 
 BF16_BYTES = 2
+
+
+# CostModel.calibrated(rows of benchmarks/results/k26_slice.json), rounded; see CostModel.measured_h200.
+MEASURED_H200 = {"bandwidth": 3.37e12, "attention_overhead": 3.68, "moe_overhead": 4.09, "rest_overhead": 1.62}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +92,13 @@ class CostModel:
             top_k=cfg.num_experts_per_tok, moe_intermediate=cfg.moe_intermediate_size,
             dense_intermediate=cfg.intermediate_size, num_shared_experts=cfg.n_shared_experts,
             drafter_intermediate=cfg.intermediate_size, **overrides)
+
+    @classmethod
+    def measured_h200(cls, **overrides) -> "CostModel":
+        """Kimi K2.6 with the overheads measured on one H200 (benchmarks/results/k26_slice.json,
+        2026-11-30, JAX 0.11.2: Triton tree-attention and grouped MoE kernels, CUPTI kernel time) and
+        that run's copy bandwidth. tests/test_budget.py checks these against the committed JSON."""
+        return cls(**{**MEASURED_H200, **overrides})
 
     # ------------------------------------------------------------------------------- sizes (bytes)
     @property

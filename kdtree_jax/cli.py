@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "docs/sharding.md)")
     g.add_argument("--no-warmup", action="store_true", help="time the first call (compile time included) "
                    "instead of a second, compiled one")
+    g.add_argument("--matmul-precision", choices=("highest", "default"), default="highest",
+                   help="float32 matmul precision (default: %(default)s). On NVIDIA GPUs 'default' is TF32, "
+                   "whose rounding differs between the AR step and the tree-shaped verify, so greedy DDTree "
+                   "can leave the AR path at near-ties; bf16 models are unaffected")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("convert", help="convert a Hugging Face checkpoint to an Orbax checkpoint",
@@ -324,6 +328,10 @@ def cmd_generate(args) -> None:
         args.tokenizer = str(SHIPPED / "tokenizer.json")
     tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
     methods = ["ar", "dflash", "ddtree"] if args.method == "all" else [args.method]
+    if args.matmul_precision == "highest":
+        import jax  # noqa: PLC0415
+
+        jax.config.update("jax_default_matmul_precision", "highest")
     if args.mesh is not None:  # a Mesh before any weight is read, so a bad spec fails fast
         from kdtree_jax.sharding import make_mesh  # noqa: PLC0415
 

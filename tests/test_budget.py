@@ -108,3 +108,21 @@ def test_bad_inputs_raise_clearly():
         CostModel(top_k=500)
     with pytest.raises(ValueError, match="max_acceptance"):
         saturating_profile(0.5, 4)
+
+
+def test_measured_h200_matches_the_committed_slice_run():
+    """CostModel.measured_h200() must be the calibration of benchmarks/results/k26_slice.json."""
+    import json
+    from pathlib import Path
+
+    stored = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/k26_slice.json").read_text())
+    assert stored["meta"]["device"] == "NVIDIA H200" and not stored["meta"]["tiny"]
+    base = CostModel(bandwidth=stored["meta"]["copy_TBps"] * 1e12)
+    calibrated = base.calibrated(stored["rows"])
+    measured = CostModel.measured_h200()
+    for name in ("attention_overhead", "moe_overhead", "rest_overhead"):
+        assert getattr(measured, name) == pytest.approx(getattr(calibrated, name), abs=0.006), name
+    assert measured.bandwidth == pytest.approx(base.bandwidth, rel=0.01)
+    # what the docs state: at batch 1 on K2.6 no illustrative profile makes a tree pay at S = 4096
+    strong = saturating_profile(10.0, 16.0)
+    assert choose_tree_budget(4096, strong, measured) == 0
