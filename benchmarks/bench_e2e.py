@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kdtree_jax as kj  # noqa: E402
 from kdtree_jax.attention import describe_impl as describe_attention  # noqa: E402
+from pallas_kernels.tree_attention import TreeAttentionFallbackWarning  # noqa: E402
 from pallas_kernels.w4a16 import W4A16FallbackWarning  # noqa: E402
 
 ASSETS = Path(kj.__file__).parent / "assets"
@@ -111,7 +112,8 @@ def main() -> None:
         raise SystemExit(f"--num-prompts {args.num_prompts} must be a multiple of every batch {args.batches}")
     if args.matmul_precision == "highest":
         jax.config.update("jax_default_matmul_precision", "highest")
-    warnings.filterwarnings("ignore", category=W4A16FallbackWarning)  # CPU runs the XLA INT4 path on purpose
+    warnings.filterwarnings("ignore", category=W4A16FallbackWarning)  # CPU runs the XLA paths on purpose;
+    warnings.filterwarnings("ignore", category=TreeAttentionFallbackWarning)  # meta records which ran
 
     from tokenizers import Tokenizer  # noqa: PLC0415
 

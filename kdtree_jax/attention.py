@@ -1,7 +1,8 @@
 """Absorbed MLA attention over the latent cache: the one attention entry point of the model.
 
 `mla_attention` calls `pallas_kernels.tree_attention.tree_mla_attention`: the tree-masked Pallas
-kernel on a GPU, its plain-jnp reference (an XLA computation, not the kernel) on other backends.
+kernel on a GPU, its plain-jnp reference (an XLA computation, not the kernel) on other backends, with
+a one-time TreeAttentionFallbackWarning saying so (KDTREE_ATTENTION=xla silences it).
 The environment variable KDTREE_ATTENTION=auto|pallas|xla pins the choice (read at trace time);
 `describe_impl()` says what a trace on the current backend uses, so benchmarks can report it.
 """

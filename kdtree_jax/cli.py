@@ -17,6 +17,7 @@ import json
 import re
 import sys
 import time
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
@@ -484,12 +485,18 @@ def _one_line(error: BaseException) -> str:
     return text if len(text) <= 2000 else text[:2000] + " ..."
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"{PROG}: note: {message}", file=sys.stderr if file is None else file)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (the console script passes it to sys.exit)."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     show_traceback = "--traceback" in argv  # accepted anywhere on the line, not only before COMMAND
     argv = [a for a in argv if a != "--traceback"]
+    previous_showwarning = warnings.showwarning
+    warnings.showwarning = _show_warning  # one line per warning, no source excerpt
     try:
         args = parser.parse_args(argv)
         if args.command is None:
@@ -511,6 +518,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefix = "" if isinstance(e, expected) else f"internal error ({type(e).__name__}; rerun with --traceback): "
         print(f"{PROG}: error: {prefix}{_one_line(e)}", file=sys.stderr)
         return 2
+    finally:
+        warnings.showwarning = previous_showwarning
 
 
 if __name__ == "__main__":

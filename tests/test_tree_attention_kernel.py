@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.tree_attention import (
     BlockConfig,
+    TreeAttentionFallbackWarning,
     check_tree_attention_values,
     tree_mla_attention,
     tree_mla_attention_reference,
@@ -122,7 +123,8 @@ def test_auto_on_cpu_is_the_reference_path():
     if HAS_GPU:
         pytest.skip("on a GPU, impl='auto' picks the kernel; covered by test_kernel_native_gpu")
     q, cache, start, tree, truth = make_inputs(3, B=1, T=3, S_max=20, starts=[9], dtype=jnp.float32, **TINY)
-    out = tree_mla_attention(q, cache, start, tree, scale=0.3 / np.sqrt(80), value_dim=64)
+    with pytest.warns(TreeAttentionFallbackWarning, match="NOT the tree-attention Pallas kernel"):
+        out = tree_mla_attention(q, cache, start, tree, scale=0.3 / np.sqrt(80), value_dim=64)
     assert rel_err(out, truth) < 1e-5
 
 

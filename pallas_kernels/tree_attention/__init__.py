@@ -17,11 +17,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import dispatch
+
 from .block_table import pick_config
 from .kernel import BlockConfig, tree_attention_pallas
 
 __all__ = [
     "BlockConfig",
+    "TreeAttentionFallbackWarning",
     "check_tree_attention_values",
     "pick_config",
     "tree_mla_attention",
@@ -92,6 +95,10 @@ def _check_shapes(q, cache, start, tree_mask, value_dim):
         raise ValueError(f"T = {T} tree tokens cannot fit in S_max = {cache.shape[1]} cache rows")
 
 
+class TreeAttentionFallbackWarning(UserWarning):
+    """impl="auto" ran the jnp reference, not the kernel, because no GPU is present."""
+
+
 def _is_pow2(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
 
@@ -108,7 +115,8 @@ def tree_mla_attention(q, cache, start, tree_mask, *, scale: float, value_dim: i
 
     impl: "pallas" - the Pallas-Triton kernel (GPU, or CPU with interpret=True);
           "xla"    - `tree_mla_attention_reference` (plain jnp; NOT the kernel);
-          "auto"   - "pallas" when interpret=True or the default backend is a GPU, else "xla".
+          "auto"   - "pallas" when interpret=True or the default backend is a GPU, else "xla" with a
+                     TreeAttentionFallbackWarning saying so.
     config: tiling override; default from block_table.pick_config.
     Value checks (start + T <= S_max, ...) run when the inputs are concrete; under jit they cannot,
     so call `check_tree_attention_values` on concrete values before tracing if in doubt (the kernel
@@ -118,14 +126,13 @@ def tree_mla_attention(q, cache, start, tree_mask, *, scale: float, value_dim: i
     _check_shapes(q, cache, start, tree_mask, value_dim)
     if not any(isinstance(x, jax.core.Tracer) for x in (start, tree_mask)):
         check_tree_attention_values(start, tree_mask, cache_rows=cache.shape[1])
-    if impl == "auto":
-        impl = "pallas" if (interpret or jax.default_backend() == "gpu") else "xla"
+    impl = dispatch.resolve_impl(impl, interpret=interpret, op="tree_mla_attention",
+                                 fallback="the jnp reference (XLA)", kernel="the tree-attention Pallas kernel",
+                                 warning=TreeAttentionFallbackWarning)
     if impl == "xla":
         if interpret:
             raise ValueError("interpret=True only applies to impl='pallas' (the XLA path has no kernel)")
         return tree_mla_attention_reference(q, cache, start, tree_mask, scale=scale, value_dim=value_dim)
-    if impl != "pallas":
-        raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
 
     B, T, H, D = q.shape
     c, r = value_dim, D - value_dim
