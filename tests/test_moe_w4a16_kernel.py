@@ -246,3 +246,110 @@ def test_kernel_native_gpu_k26_shapes(T):
     got = grouped_moe_w4a16(x, experts, ids, weights, impl="pallas")
     want = moe_w4a16_xla_gather(x, experts, ids, weights, dequant="f32")
     assert _rel(got, np.asarray(want.astype(jnp.float32), np.float64)) < 3e-2
+
+
+# ------------------------------------------------ the Mosaic GPU prototype (pallas_kernels/w4a16_mgpu/moe.py)
+def _mgpu_interpret():
+    from pallas_kernels.w4a16_mgpu import gpu_interpret_params
+
+    return gpu_interpret_params(detect_races=True)
+
+
+def _reset_mgpu_interpreter():
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
+
+    reset_gpu_interpret_mode_state()
+
+
+@pytest.mark.parametrize("T,E,k,crowd", [(1, 8, 4, False), (5, 8, 2, True)])
+def test_mgpu_grouped_moe_interpret_matches_numpy(T, E, k, crowd):
+    """Mosaic GPU interpret mode (SMEM-A; race detector on): the grouped prototype == float64 NumPy.
+    crowd=True puts 5 tokens on one expert (its rows span a tile of 8) and leaves experts untouched."""
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+    from pallas_kernels.w4a16_mgpu import MgpuConfig
+    from pallas_kernels.w4a16_mgpu.moe import experts_to_mgpu_layout, grouped_moe_w4a16_mgpu
+
+    D, I = 128, 64
+    rng = np.random.default_rng(T + E + k)
+    experts, dense = _experts(rng, E, D, I)
+    ids, weights = _routing(rng, T, k, E, crowd=crowd)
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
+    cfg = MgpuConfig(block_n=64, block_k=64, a_operand="smem")
+    try:
+        got = grouped_moe_w4a16_mgpu(x, experts_to_mgpu_layout(experts), ids, weights, config_up=cfg,
+                                     config_down=cfg, interpret=_mgpu_interpret())
+        assert not get_races().races_found
+    finally:
+        _reset_mgpu_interpreter()
+    assert got.shape == (T, D) and got.dtype == jnp.bfloat16
+    assert _rel(got, _numpy_moe(x, dense, ids, weights)) < 3e-2  # bf16 x, gate/up, hidden, down
+
+
+def test_mgpu_grouped_kernel_skips_unused_tiles_and_reuses_experts():
+    """grouped_w4a16_mgpu_kernel: tile t = expert tile_expert[t]; -1 tiles are skipped (never written)."""
+    from pallas_kernels.w4a16 import w4a16_matmul_reference
+    from pallas_kernels.w4a16_mgpu import MgpuConfig, to_mgpu_layout
+    from pallas_kernels.w4a16_mgpu.kernel import grouped_w4a16_mgpu_kernel
+
+    rng = np.random.default_rng(3)
+    experts, _ = _experts(rng, 4, 128, 64)
+    leaf = experts["gate"]  # [4, 64, 128/4]: N = 64, K = 128
+    tile_expert = jnp.asarray([2, -1, 2, 0], jnp.int32)
+    x_rows = jnp.asarray(rng.standard_normal((4 * 8, 128)), jnp.bfloat16)
+    w, s = to_mgpu_layout(leaf["qweight"], leaf["scale"])
+    try:
+        y_t = grouped_w4a16_mgpu_kernel(x_rows, w, s, tile_expert, interpret=_mgpu_interpret(),
+                                        config=MgpuConfig(block_n=64, block_k=64, a_operand="smem"))
+    finally:
+        _reset_mgpu_interpreter()
+    assert y_t.shape == (4, 64, 8)
+    for t, e in enumerate(np.asarray(tile_expert)):
+        if e < 0:
+            continue
+        want = w4a16_matmul_reference(x_rows[t * 8:(t + 1) * 8].astype(jnp.float32), leaf["qweight"][e],
+                                      leaf["scale"][e])  # [8, 64]
+        assert _rel(y_t[t].T, np.asarray(want, np.float64)) < 1e-2
+
+
+def test_mgpu_grouped_moe_lowers_for_cuda_at_k26_shapes():
+    """The register-A prototype lowers (Mosaic GPU) for an abstract H200 at K2.6 expert shapes."""
+    import re
+
+    from jax._src.mesh import AbstractDevice
+    from jax.sharding import AbstractMesh
+
+    from pallas_kernels.w4a16_mgpu.moe import grouped_moe_w4a16_mgpu
+
+    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
+                                                               num_cores=132))
+    E, D, I = 384, 7168, 2048
+    S = jax.ShapeDtypeStruct
+    layout = lambda n, kk: (S((E, n, kk), jnp.int4), S((E, kk // 32, n), jnp.bfloat16))  # noqa: E731
+    experts = {"gate": layout(I, D), "up": layout(I, D), "down": layout(D, I)}
+    for T in (1, 33):
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(grouped_moe_w4a16_mgpu).trace(S((T, D), jnp.bfloat16), experts, S((T, 8), jnp.int32),
+                                                         S((T, 8), jnp.float32)).lower(
+                lowering_platforms=("cuda",)).as_text()
+        assert re.findall(r"custom_call @(\w+)", text).count("mosaic_gpu_v2") == 3  # gate, up, down
+
+
+@pytest.mark.skipif(not ON_GPU, reason="native Mosaic GPU kernel needs a Hopper GPU (CPU runs interpret mode)")
+@pytest.mark.parametrize("T", [1, 9, 33, 129])
+def test_mgpu_grouped_moe_native_k26_shapes(T):
+    from pallas_kernels.w4a16_mgpu.moe import experts_to_mgpu_layout, grouped_moe_w4a16_mgpu
+
+    E, D, I, k = 64, 7168, 2048, 8
+    keys = jax.random.split(jax.random.key(T), 8)
+    leaf = lambda key, n, kk: {  # noqa: E731
+        "qweight": jax.random.randint(key, (E, n, kk // 4), -32768, 32768, jnp.int32).astype(jnp.int16),
+        "scale": (jax.random.uniform(keys[7], (E, n, kk // 32), minval=0.5, maxval=1.5) * 0.2 / np.sqrt(kk))
+        .astype(jnp.bfloat16)}
+    experts = {"gate": leaf(keys[0], I, D), "up": leaf(keys[1], I, D), "down": leaf(keys[2], D, I)}
+    ids = jnp.argsort(jax.random.uniform(keys[3], (T, E)), axis=1)[:, :k].astype(jnp.int32)
+    weights = jax.random.uniform(keys[4], (T, k), minval=0.05)
+    x = jax.random.normal(keys[5], (T, D), jnp.bfloat16)
+    got = grouped_moe_w4a16_mgpu(x, experts_to_mgpu_layout(experts), ids, weights)
+    want = moe_w4a16_xla_gather(x, experts, ids, weights, dequant="f32")
+    assert _rel(got, np.asarray(want.astype(jnp.float32), np.float64)) < 3e-2

@@ -1,0 +1,71 @@
+"""Prototype grouped INT4 MoE on the Mosaic GPU W4A16 kernel (Hopper): the routed experts' SwiGLU for
+T tokens routed top-k, reading each touched expert's weights once and never an untouched one.
+
+The same device-side grouping as the Triton kernels (`pallas_kernels.moe_w4a16.group_assignments`:
+assignments sorted by expert into block_m-row tiles, a tile -> expert table, -1 for unused tiles),
+then three launches of `grouped_w4a16_mgpu_kernel` (gate, up, down; tokens are the wgmma N dimension,
+so block_m = 8 wastes nothing at decode sizes) with the SwiGLU, the combine weights and the per-token
+sum in XLA between them. Roundings follow the Triton path (gate/up/down outputs rounded to bf16).
+
+Not wired into the model: `kdtree_jax.model` calls `pallas_kernels.moe_w4a16` (Triton). Status and
+numbers: docs/w4a16_mgpu.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.moe_w4a16.kernel import group_assignments
+from pallas_kernels.w4a16_mgpu.kernel import MgpuConfig, grouped_w4a16_mgpu_kernel, to_mgpu_layout
+
+
+def experts_to_mgpu_layout(experts: dict) -> dict:
+    """INT4 expert stacks {"gate", "up", "down"} (leaves int16 [E, N, K/4] + scales [E, N, K/32]) ->
+    {name: (jnp.int4 [E, N, K], bf16 scales [E, K/32, N])}. A load-time conversion, not per call."""
+    return {name: to_mgpu_layout(leaf["qweight"], leaf["scale"]) for name, leaf in experts.items()}
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "config_up", "config_down", "interpret"))
+def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Array, weights: jax.Array, *,
+                           block_m: int = 8, config_up: MgpuConfig = MgpuConfig(block_k=256),
+                           config_down: MgpuConfig = MgpuConfig(block_k=256), interpret=None) -> jax.Array:
+    """sum_j weights[t, j] * SwiGLU_{expert_ids[t, j]}(x[t]) -> [T, D] bf16.
+
+    x bf16 [T, D]; experts_mgpu from `experts_to_mgpu_layout`; expert_ids [T, k] int32 in [0, E);
+    weights [T, k] float (zero-weight choices are dropped: they touch nothing). block_m: rows per tile
+    (a multiple of 8, <= 256). interpret: None natively, or InterpretGPUParams (needs a_operand="smem")."""
+    if x.ndim != 2 or x.dtype != jnp.bfloat16:
+        raise ValueError(f"x must be bf16 [T, D], got {x.dtype} {x.shape}")
+    if block_m % 8 or not 8 <= block_m <= 256:
+        raise ValueError(f"block_m={block_m} must be a multiple of 8 in [8, 256] (the wgmma N dimension)")
+    gate_w, gate_s = experts_mgpu["gate"]
+    up_w, up_s = experts_mgpu["up"]
+    down_w, down_s = experts_mgpu["down"]
+    num_experts, inter, hidden = gate_w.shape
+    if x.shape[1] != hidden or down_w.shape != (num_experts, hidden, inter) or up_w.shape != gate_w.shape:
+        raise ValueError(f"expert shapes gate {gate_w.shape}, up {up_w.shape}, down {down_w.shape} do not fit "
+                         f"x {x.shape}")
+    if expert_ids.shape != weights.shape or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"expert_ids {expert_ids.shape} and weights {weights.shape} must both be [T, k], T={x.shape[0]}")
+
+    grp = group_assignments(expert_ids, weights, num_experts, block_m)
+    n_tiles = grp.tile_expert.shape[0]
+    rows = n_tiles * block_m
+    used = (grp.tile_expert >= 0)[:, None, None]  # unused tiles' outputs are never written: mask them
+    x_rows = jnp.where(grp.row_valid[:, None], x[grp.row_token], 0).astype(jnp.bfloat16)  # [P, D]
+
+    def run(x_rows, w, s, config):  # -> [R, N, block_m] f32, zeros on unused tiles
+        y_t = grouped_w4a16_mgpu_kernel(x_rows, w, s, grp.tile_expert, config=config, interpret=interpret)
+        return jnp.where(used, y_t, 0.0)
+
+    g = run(x_rows, gate_w, gate_s, config_up).astype(jnp.bfloat16).astype(jnp.float32)  # [R, I, bm]
+    u = run(x_rows, up_w, up_s, config_up).astype(jnp.bfloat16)
+    h = (g * jax.nn.sigmoid(g)).astype(jnp.bfloat16) * u  # [R, I, bm] bf16
+    h_rows = h.transpose(0, 2, 1).reshape(rows, inter)  # [P, I]
+    y = run(h_rows, down_w, down_s, config_down).transpose(0, 2, 1).reshape(rows, hidden)  # [P, D] f32
+    y = y.astype(jnp.bfloat16).astype(jnp.float32) * grp.row_weight[:, None]
+    per_choice = jnp.where(grp.keep[..., None], y[grp.position], 0.0)  # [T, k, D]
+    return jnp.sum(per_choice, axis=1).astype(x.dtype)
