@@ -277,7 +277,7 @@ def main():
         from pallas_kernels.w4a16_mgpu.moe import experts_to_mgpu_layout, grouped_moe_w4a16_mgpu
 
         experts_mgpu = jax.jit(experts_to_mgpu_layout)(p0["experts"])
-        mosaic_fn = jax.jit(grouped_moe_w4a16_mgpu)
+        mosaic_fn = jax.jit(lambda e, x, i, w: grouped_moe_w4a16_mgpu(x, e, i, w))  # moe_fns argument order
     head_w = jax.jit(lambda k: jax.random.normal(k, (cfg.hidden_size, cfg.vocab_size), jnp.bfloat16))(
         jax.random.key(7))
     head_fn = jax.jit(lambda x, w: (x @ w).astype(jnp.float32))
