@@ -385,8 +385,12 @@ def report(path) -> dict:
             lines.append(f"| {d['method']} | {d.get('budget', '-')} | {d['tokens_per_s']:.1f} | {d['target_forwards']} | "
                          f"{d['same_tokens_as_ar']} |")
     Path(stem + ".md").write_text("\n".join(lines) + "\n")
-    if r.get("verify"):
+    try:
         import matplotlib  # noqa: PLC0415
+    except ImportError:
+        print("note: matplotlib is not installed (pip install -e '.[bench]'): no plot, the .md table is written")
+        matplotlib = None
+    if r.get("verify") and matplotlib is not None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
 

@@ -31,7 +31,7 @@ import orbax.checkpoint as ocp
 
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.drafter import DrafterConfig, init_drafter_params
-from kdtree_jax.quant import GROUP_SIZE, is_int4_leaf
+from kdtree_jax.quant import GROUP_SIZE, is_int4_leaf, is_mosaic_leaf
 
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
@@ -230,6 +230,11 @@ def save_checkpoint(path: str | os.PathLike, cfg, params, *, quantization: dict 
     path = Path(path).absolute()
     if path.exists() and not overwrite:
         raise CheckpointError(f"{path} already exists (pass overwrite=True to replace it)")
+    mosaic = [path for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_mosaic_leaf)[0]
+              if is_mosaic_leaf(leaf)]
+    if mosaic:
+        raise CheckpointError(f"{len(mosaic)} leaves are in the Mosaic GPU layout (kj.to_mosaic_experts, a "
+                              "device-side layout): save the canonical INT4 params they were made from")
     if quantization is None:
         quantization = int4_leaves_of(params)
     writer = CheckpointWriter(path, cfg, param_dtype=_param_dtype(params), quantization=quantization,

@@ -25,6 +25,7 @@ from kdtree_jax import attention, sharding
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.layers import apply_rope, rms_norm, swiglu, yarn_inv_freq
 from kdtree_jax.linear import is_int4_leaf, linear
+from kdtree_jax.quant import is_mosaic_leaf
 
 Params = dict[str, Any]
 
@@ -232,12 +233,17 @@ def routed_experts(x: jax.Array, experts: dict, idx: jax.Array, weights: jax.Arr
 
     Dense experts: small token counts gather only the chosen experts' weights (decode reads k
     experts, not E); larger ones run every expert on every token with a dense combine matrix.
-    INT4 experts: the grouped W4A16 MoE (pallas_kernels/moe_w4a16) reads only the touched experts."""
+    INT4 experts: the grouped W4A16 MoE (pallas_kernels/moe_w4a16) reads only the touched experts; in
+    the Mosaic layout (kdtree_jax.quantize.to_mosaic_experts) the Mosaic GPU grouped kernel does."""
     return _routed_experts_f32(x, experts, idx, weights).astype(x.dtype)
 
 
 def _routed_experts_f32(x: jax.Array, experts: dict, idx: jax.Array, weights: jax.Array) -> jax.Array:
     """routed_experts before the final cast: float32 [N, D] (a shard's partial sum stays float32)."""
+    if is_mosaic_leaf(experts["gate"]):  # kdtree_jax.quantize.to_mosaic_experts: the Mosaic GPU kernel
+        from pallas_kernels.w4a16_mgpu.moe import routed_moe_mosaic  # noqa: PLC0415
+
+        return routed_moe_mosaic(x, experts, idx.astype(jnp.int32), weights, out_dtype=jnp.float32)
     if is_int4_leaf(experts["gate"]):  # zero-weight choices (other shards' experts) are skipped
         # imported here: the kernel package imports kdtree_jax.quant, which imports this package
         from pallas_kernels.moe_w4a16 import grouped_moe_w4a16  # noqa: PLC0415

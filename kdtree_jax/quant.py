@@ -97,6 +97,21 @@ def is_int4_leaf(x: Any) -> bool:
     return isinstance(x, dict) and set(x.keys()) == set(LEAF_KEYS)
 
 
+MOSAIC_LEAF_KEYS = ("scale_t", "w_i4")
+
+
+def is_mosaic_leaf(x: Any) -> bool:
+    """True for an INT4 leaf in the Mosaic GPU kernel layout (`kdtree_jax.quantize.to_mosaic_experts`):
+    {"w_i4": jnp.int4 [..., N, K] (q itself), "scale_t": bf16 [..., K/32, N]}. A device-side layout
+    made at load time for the routed experts; checkpoints always hold the canonical leaf above."""
+    return isinstance(x, dict) and set(x.keys()) == set(MOSAIC_LEAF_KEYS)
+
+
+def is_any_int4_leaf(x: Any) -> bool:
+    """An INT4 leaf in either layout (the canonical one or the Mosaic GPU one)."""
+    return is_int4_leaf(x) or is_mosaic_leaf(x)
+
+
 def check_int4_leaf(leaf: Any) -> tuple[int, int]:
     """Validate an INT4 leaf and return (N, K). Raises ValueError naming the bad field."""
     if not is_int4_leaf(leaf):

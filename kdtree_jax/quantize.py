@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.quant import GROUP_SIZE, SCALE_DTYPES, int4_leaf_from_dense, is_int4_leaf
+from kdtree_jax.quant import GROUP_SIZE, SCALE_DTYPES, int4_leaf_from_dense, is_int4_leaf, is_mosaic_leaf
 
 POLICIES = {
     "experts": ("experts",),
@@ -58,4 +58,34 @@ def quantize(params: dict, cfg: ModelConfig, policy: str = "experts", scale_dtyp
                 raise ValueError(f"{where}: input dim {w.shape[-2]} is not divisible by the INT4 group "
                                  f"size {GROUP_SIZE}")
             container[weight] = int4_leaf_from_dense(w, scale_dtype)
+    return out
+
+
+def to_mosaic_experts(params: dict, cfg: ModelConfig) -> dict:
+    """A copy of INT4 `params` whose routed experts are in the Mosaic GPU kernel layout (quant.is_mosaic_leaf):
+    the model then runs its MoE with the Mosaic GPU grouped kernel (pallas_kernels/w4a16_mgpu/moe.py) on a
+    GPU, bf16 activations only. A one-time pass over the expert weights (same bytes: int4 [E, N, K] plus
+    bf16 scales transposed to [E, K/32, N]); do it once after loading, not per call. Checkpoints keep the
+    canonical layout: save the params you loaded, not these."""
+    from pallas_kernels.w4a16_mgpu import to_mgpu_layout  # noqa: PLC0415 (kernels import this package)
+
+    convert = jax.jit(to_mgpu_layout)
+    out = jax.tree.map(lambda x: x, params, is_leaf=lambda x: is_int4_leaf(x) or is_mosaic_leaf(x))
+    converted = 0
+    for layer in range(cfg.num_hidden_layers):
+        if not cfg.is_moe_layer(layer):
+            continue
+        experts = out[f"layers_{layer}"]["moe"]["experts"]
+        for weight in ("gate", "up", "down"):
+            leaf = experts[weight]
+            where = f"layers_{layer}/moe/experts/{weight}"
+            if is_mosaic_leaf(leaf):
+                raise ValueError(f"{where} is already in the Mosaic layout")
+            if not is_int4_leaf(leaf):
+                raise ValueError(f"{where} is not INT4: quantize the experts first (kj.quantize)")
+            w_i4, scale_t = convert(leaf["qweight"], leaf["scale"])
+            experts[weight] = {"w_i4": w_i4, "scale_t": scale_t}
+            converted += 1
+    if not converted:
+        raise ValueError("the model has no MoE layers: nothing to convert")
     return out

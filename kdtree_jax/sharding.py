@@ -30,7 +30,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.quant import GROUP_SIZE, is_int4_leaf
+from kdtree_jax.quant import GROUP_SIZE, is_any_int4_leaf, is_int4_leaf, is_mosaic_leaf
 
 EXPERT, TENSOR = "expert", "tensor"
 AXES = (EXPERT, TENSOR)  # mesh axis order: tensor is the inner one (neighbouring devices)
@@ -168,6 +168,9 @@ def leaf_spec(path: tuple[str, ...], leaf) -> Any:
         *lead, k_axis, n_axis = param_logical_axes(path, ndim)
         swapped = spec(*lead, n_axis, k_axis)
         return {"qweight": swapped, "scale": swapped}
+    if is_mosaic_leaf(leaf):  # w_i4 [..., N, K] like qweight; scale_t [..., K/32, N] keeps the dense order
+        *lead, k_axis, n_axis = param_logical_axes(path, leaf["w_i4"].ndim)
+        return {"w_i4": spec(*lead, n_axis, k_axis), "scale_t": spec(*lead, k_axis, n_axis)}
     return spec(*param_logical_axes(path, len(leaf.shape)))
 
 
@@ -178,7 +181,7 @@ def _keys(key_path) -> tuple[str, ...]:
 def param_specs(params_or_abstract) -> Any:
     """The PartitionSpec tree of a target params tree (arrays or ShapeDtypeStructs; INT4 aware)."""
     return jax.tree_util.tree_map_with_path(lambda kp, leaf: leaf_spec(_keys(kp), leaf), params_or_abstract,
-                                            is_leaf=is_int4_leaf)
+                                            is_leaf=is_any_int4_leaf)
 
 
 def param_shardings(cfg: ModelConfig, params_or_abstract, mesh: Mesh) -> Any:
@@ -240,17 +243,18 @@ def check_mesh(cfg: ModelConfig, mesh, params_or_abstract=None) -> None:
     if params_or_abstract is None:
         return
     # every sharded dim of every leaf (INT4 scales hold K/32 columns: a row split needs K/32 % t == 0)
-    flat = jax.tree_util.tree_flatten_with_path(params_or_abstract, is_leaf=is_int4_leaf)[0]
+    flat = jax.tree_util.tree_flatten_with_path(params_or_abstract, is_leaf=is_any_int4_leaf)[0]
     for key_path, leaf in flat:
         path = _keys(key_path)
-        arrays = {"": leaf} if not is_int4_leaf(leaf) else {"/qweight": leaf["qweight"], "/scale": leaf["scale"]}
+        arrays = {f"/{k}": v for k, v in leaf.items()} if is_any_int4_leaf(leaf) else {"": leaf}
         specs = leaf_spec(path, leaf)
         for suffix, array in arrays.items():
             leaf_p = specs if not suffix else specs[suffix[1:]]
             for dim, (extent, axes) in enumerate(zip(array.shape, tuple(leaf_p) + (None,) * array.ndim)):
                 n = _mesh_size(sizes, axes)
                 if extent % n:
-                    hint = (f" (INT4 scales hold K/{GROUP_SIZE} groups per row)" if suffix == "/scale" else "")
+                    hint = (f" (INT4 scales hold K/{GROUP_SIZE} groups per row)" if suffix.startswith("/scale")
+                            else "")
                     raise MeshError(f"{where} does not divide the model: {'/'.join(path)}{suffix} dim {dim} of "
                                     f"size {extent} is split over {axes} = {n} devices{hint}")
 
@@ -263,5 +267,6 @@ def params_bytes_per_device(params_or_abstract, mesh) -> int:
     total = 0
     for leaf, leaf_p in zip(leaves, specs):
         split = math.prod(_mesh_size(sizes, a) for a in leaf_p)
-        total += int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize // split
+        bits = 4 if np.dtype(leaf.dtype) == np.dtype(jax.numpy.int4) else 8 * np.dtype(leaf.dtype).itemsize
+        total += int(np.prod(leaf.shape, dtype=np.int64)) * bits // 8 // split
     return total

@@ -135,6 +135,15 @@ def checkpoint_job() -> None:
         out = kj.generate(cfg, restored, PROMPTS, max_new_tokens=NEW_TOKENS, stop_tokens=(), mesh=mesh)
         emit(job="checkpoint", check="generate_from_sharded_restore",
              equal=bool(np.array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))))
+        # routed experts in the Mosaic GPU layout (on CPU its XLA path) split over the mesh like INT4 ones
+        mosaic = kj.to_mosaic_experts(plain, cfg)
+        one = kj.generate(cfg, mosaic, PROMPTS, max_new_tokens=NEW_TOKENS, stop_tokens=())
+        placed = sharding.shard_params(cfg, mosaic, mesh)
+        split = kj.generate(cfg, placed, PROMPTS, max_new_tokens=NEW_TOKENS, stop_tokens=(), mesh=mesh)
+        w = placed["layers_1"]["moe"]["experts"]["down"]["scale_t"]
+        emit(job="checkpoint", check="mosaic_on_mesh",
+             equal=bool(np.array_equal(np.asarray(split.tokens), np.asarray(one.tokens))),
+             scale_t_shard=list(w.addressable_shards[0].data.shape), scale_t=list(w.shape))
 
         def run_cli(*extra):
             stdout, stderr = io.StringIO(), io.StringIO()

@@ -325,7 +325,7 @@ def test_mgpu_grouped_moe_lowers_for_cuda_at_k26_shapes():
                                                                num_cores=132))
     E, D, I = 384, 7168, 2048
     S = jax.ShapeDtypeStruct
-    layout = lambda n, kk: (S((E, n, kk), jnp.int4), S((E, kk // 32, n), jnp.bfloat16))  # noqa: E731
+    layout = lambda n, kk: {"w_i4": S((E, n, kk), jnp.int4), "scale_t": S((E, kk // 32, n), jnp.bfloat16)}  # noqa: E731
     experts = {"gate": layout(I, D), "up": layout(I, D), "down": layout(D, I)}
     for T in (1, 33):
         with jax.sharding.use_abstract_mesh(mesh):

@@ -196,6 +196,15 @@ def test_checkpoint_restores_straight_into_shardings(sharded_results):
     assert sharded_results[("checkpoint", "generate_from_sharded_restore")][0]["equal"]
 
 
+def test_mosaic_expert_layout_on_a_mesh(sharded_results):
+    """kj.to_mosaic_experts params shard (experts over expert, the intermediate over tensor, scale_t's
+    [E, K/32, N] axes in their own order) and give the one-device tokens."""
+    run = sharded_results[("checkpoint", "mosaic_on_mesh")][0]
+    assert run["equal"]
+    e, groups, d = run["scale_t"]  # down: [E, I/32, D] on mesh expert=2, tensor=2 (I split over tensor)
+    assert run["scale_t_shard"] == [e // 2, groups // 2, d]
+
+
 def test_cli_mesh(sharded_results):
     run = sharded_results[("checkpoint", "cli_mesh")][0]
     assert run["status"] == [0, 0]
@@ -213,6 +222,7 @@ def test_bench_sharded_runs_on_fake_devices(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_sharded.py"), "--tiny",
                            "--mesh", "expert=2,tensor=2", "--tokens", "1,5", "--new-tokens", "4", "--budget", "3",
+                           "--verify-tokens", "1,5", "--context", "32", "--single-gpu-layers", "1",
                            "--repeats", "1", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=WORKER_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -224,3 +234,8 @@ def test_bench_sharded_runs_on_fake_devices(tmp_path):
     assert {row["method"] for row in result["decode"]} == {"ar", "ddtree"}
     assert result["decode"][1]["same_tokens_as_ar"]
     assert math.isfinite(result["memory"]["params_bytes_per_device"])
+    assert [v["tokens"] for v in result["verify"]] == [1, 5] and result["verify"][0]["layers"] == 2
+    assert [v["layers"] for v in result["verify_single_device"]] == [1, 1]
+    assert [c["tokens"] for c in result["collective"]] == [1, 5]
+    table = out.with_suffix(".md").read_text()
+    assert "| 5 | 32 |" in table and "MoE token exchange" in table

@@ -7,8 +7,9 @@ then three launches of `grouped_w4a16_mgpu_kernel` (gate, up, down; tokens are t
 so block_m = 8 wastes nothing at decode sizes) with the SwiGLU, the combine weights and the per-token
 sum in XLA between them. Roundings follow the Triton path (gate/up/down outputs rounded to bf16).
 
-Not wired into the model: `kdtree_jax.model` calls `pallas_kernels.moe_w4a16` (Triton). Status and
-numbers: docs/w4a16_mgpu.md.
+`routed_moe_mosaic` is what the model calls for routed experts in this layout
+(`kdtree_jax.quantize.to_mosaic_experts`): the kernel on a GPU, an XLA dequantize-then-dot of the chosen
+experts elsewhere (loudly). Status and numbers: docs/w4a16_mgpu.md.
 """
 
 from __future__ import annotations
@@ -18,21 +19,26 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import dispatch
+from pallas_kernels.moe_w4a16 import MoEW4A16FallbackWarning
 from pallas_kernels.moe_w4a16.kernel import group_assignments
-from pallas_kernels.w4a16_mgpu.kernel import MgpuConfig, grouped_w4a16_mgpu_kernel, to_mgpu_layout
+from pallas_kernels.w4a16_mgpu.kernel import GROUP_SIZE, MgpuConfig, grouped_w4a16_mgpu_kernel, to_mgpu_layout
 
 
 def experts_to_mgpu_layout(experts: dict) -> dict:
     """INT4 expert stacks {"gate", "up", "down"} (leaves int16 [E, N, K/4] + scales [E, N, K/32]) ->
-    {name: (jnp.int4 [E, N, K], bf16 scales [E, K/32, N])}. A load-time conversion, not per call."""
-    return {name: to_mgpu_layout(leaf["qweight"], leaf["scale"]) for name, leaf in experts.items()}
+    {name: {"w_i4": jnp.int4 [E, N, K], "scale_t": bf16 [E, K/32, N]}} (kdtree_jax.quant.is_mosaic_leaf).
+    A load-time conversion, not per call (the model's is kdtree_jax.quantize.to_mosaic_experts)."""
+    return {name: dict(zip(("w_i4", "scale_t"), to_mgpu_layout(leaf["qweight"], leaf["scale"])))
+            for name, leaf in experts.items()}
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "config_up", "config_down", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_m", "config_up", "config_down", "interpret", "out_dtype"))
 def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Array, weights: jax.Array, *,
                            block_m: int = 8, config_up: MgpuConfig = MgpuConfig(block_k=256),
-                           config_down: MgpuConfig = MgpuConfig(block_k=256), interpret=None) -> jax.Array:
-    """sum_j weights[t, j] * SwiGLU_{expert_ids[t, j]}(x[t]) -> [T, D] bf16.
+                           config_down: MgpuConfig = MgpuConfig(block_k=256), interpret=None,
+                           out_dtype=jnp.bfloat16) -> jax.Array:
+    """sum_j weights[t, j] * SwiGLU_{expert_ids[t, j]}(x[t]) -> [T, D] in out_dtype (summed in float32).
 
     x bf16 [T, D]; experts_mgpu from `experts_to_mgpu_layout`; expert_ids [T, k] int32 in [0, E);
     weights [T, k] float (zero-weight choices are dropped: they touch nothing). block_m: rows per tile
@@ -41,9 +47,7 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
         raise ValueError(f"x must be bf16 [T, D], got {x.dtype} {x.shape}")
     if block_m % 8 or not 8 <= block_m <= 256:
         raise ValueError(f"block_m={block_m} must be a multiple of 8 in [8, 256] (the wgmma N dimension)")
-    gate_w, gate_s = experts_mgpu["gate"]
-    up_w, up_s = experts_mgpu["up"]
-    down_w, down_s = experts_mgpu["down"]
+    (gate_w, gate_s), (up_w, up_s), (down_w, down_s) = (_arrays(experts_mgpu[n]) for n in ("gate", "up", "down"))
     num_experts, inter, hidden = gate_w.shape
     if x.shape[1] != hidden or down_w.shape != (num_experts, hidden, inter) or up_w.shape != gate_w.shape:
         raise ValueError(f"expert shapes gate {gate_w.shape}, up {up_w.shape}, down {down_w.shape} do not fit "
@@ -68,4 +72,47 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
     y = run(h_rows, down_w, down_s, config_down).transpose(0, 2, 1).reshape(rows, hidden)  # [P, D] f32
     y = y.astype(jnp.bfloat16).astype(jnp.float32) * grp.row_weight[:, None]
     per_choice = jnp.where(grp.keep[..., None], y[grp.position], 0.0)  # [T, k, D]
-    return jnp.sum(per_choice, axis=1).astype(x.dtype)
+    return jnp.sum(per_choice, axis=1).astype(out_dtype)
+
+
+def _arrays(leaf):
+    return leaf["w_i4"], leaf["scale_t"]
+
+
+def routed_moe_mosaic_reference(x, experts_mgpu, expert_ids, weights) -> jax.Array:
+    """Plain jnp, float32: dequantize only the chosen experts ([T, k, N, K] each) -> float32 [T, D].
+    The XLA path for small models and tests; never at K2 width (it gathers T * k whole experts)."""
+    def dequant(name):
+        w_i4, scale_t = _arrays(experts_mgpu[name])
+        w = w_i4[expert_ids].astype(jnp.float32)  # [T, k, N, K]
+        s = jnp.repeat(jnp.swapaxes(scale_t[expert_ids].astype(jnp.float32), -1, -2), GROUP_SIZE, axis=-1)
+        return w * s
+
+    hp = jax.lax.Precision.HIGHEST
+    xf = x.astype(jnp.float32)
+    g = jnp.einsum("td,tkid->tki", xf, dequant("gate"), precision=hp)
+    u = jnp.einsum("td,tkid->tki", xf, dequant("up"), precision=hp)
+    y = jnp.einsum("tki,tkdi->tkd", jax.nn.silu(g) * u, dequant("down"), precision=hp)
+    return jnp.einsum("tkd,tk->td", y, weights.astype(jnp.float32), precision=hp)
+
+
+def routed_moe_mosaic(x, experts_mgpu, expert_ids, weights, *, impl: str = "auto", interpret: bool = False,
+                      out_dtype=jnp.float32) -> jax.Array:
+    """The model's routed MoE over experts in the Mosaic layout: impl "pallas" = the Mosaic GPU grouped
+    kernel (bf16 x; a GPU, or CPU with interpret=True), "xla" = `routed_moe_mosaic_reference`, "auto" =
+    the kernel on a GPU, else the XLA path with a MoEW4A16FallbackWarning."""
+    chosen = dispatch.resolve_impl(impl, interpret=interpret, op="routed_moe_mosaic",
+                                   fallback="an XLA dequantize-then-dot of the chosen experts",
+                                   kernel="the Mosaic GPU grouped MoE kernel", warning=MoEW4A16FallbackWarning)
+    if chosen == "xla":
+        return routed_moe_mosaic_reference(x, experts_mgpu, expert_ids, weights).astype(out_dtype)
+    if x.dtype != jnp.bfloat16:
+        raise ValueError(f"the Mosaic GPU MoE kernel takes bf16 activations, got {x.dtype}: run the model in "
+                         "bf16 or keep the canonical INT4 experts (the Triton kernel also takes float32)")
+    if interpret:
+        from pallas_kernels.w4a16_mgpu import gpu_interpret_params  # noqa: PLC0415
+
+        smem = MgpuConfig(block_k=64, a_operand="smem")
+        return grouped_moe_w4a16_mgpu(x, experts_mgpu, expert_ids.astype(jnp.int32), weights, config_up=smem,
+                                      config_down=smem, interpret=gpu_interpret_params(), out_dtype=out_dtype)
+    return grouped_moe_w4a16_mgpu(x, experts_mgpu, expert_ids.astype(jnp.int32), weights, out_dtype=out_dtype)

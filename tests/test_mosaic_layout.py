@@ -1,0 +1,137 @@
+"""Routed experts in the Mosaic GPU kernel layout (kj.to_mosaic_experts): exact conversion, the model's MoE
+on it (XLA fallback on CPU, the kernel in interpret mode), sharding rules, and what must refuse it.
+The kernel itself natively: tests/test_moe_w4a16_kernel.py::test_mgpu_grouped_moe_native_k26_shapes."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import kdtree_jax as kj
+from helpers import random_params, rel_err
+from kdtree_jax import model, quant, sharding
+from pallas_kernels.moe_w4a16 import MoEW4A16FallbackWarning
+
+CFG = kj.ModelConfig.tiny().replace(num_hidden_layers=3)  # layer 0 dense, layers 1-2 MoE
+
+
+@pytest.fixture(scope="module")
+def int4_params():
+    return kj.quantize(random_params(CFG, seed=1, dtype=jnp.bfloat16), CFG)
+
+
+@pytest.fixture(scope="module")
+def mosaic_params(int4_params):
+    return kj.to_mosaic_experts(int4_params, CFG)
+
+
+def _dequant(leaf):
+    """[..., N, K] float64 of either layout, written out here independently of the code under test."""
+    if quant.is_mosaic_leaf(leaf):
+        w = np.asarray(leaf["w_i4"].astype(jnp.int8), np.float64)
+        s = np.swapaxes(np.asarray(leaf["scale_t"].astype(jnp.float32), np.float64), -1, -2)
+    else:
+        words = np.asarray(leaf["qweight"]).astype(np.int64) & 0xFFFF
+        nib = (words[..., None] >> (4 * np.arange(4))) & 0xF
+        w = (nib - 8).reshape(*words.shape[:-1], -1).astype(np.float64)
+        s = np.asarray(leaf["scale"].astype(jnp.float32), np.float64)
+    return w * np.repeat(s, 32, axis=-1)
+
+
+def test_conversion_is_exact_and_only_touches_routed_experts(int4_params, mosaic_params):
+    for layer in range(CFG.num_hidden_layers):
+        name = f"layers_{layer}"
+        if not CFG.is_moe_layer(layer):
+            assert jax.tree.structure(mosaic_params[name]) == jax.tree.structure(int4_params[name])
+            continue
+        for w in ("gate", "up", "down"):
+            leaf, before = mosaic_params[name]["moe"]["experts"][w], int4_params[name]["moe"]["experts"][w]
+            assert quant.is_mosaic_leaf(leaf) and leaf["w_i4"].dtype == jnp.int4
+            np.testing.assert_array_equal(_dequant(leaf), _dequant(before))  # bf16 scales: bit exact
+        assert quant.is_int4_leaf(int4_params[name]["moe"]["experts"]["gate"])  # the input is not modified
+        shared = mosaic_params[name]["moe"]["shared"]["gate"]
+        assert not quant.is_any_int4_leaf(shared)  # policy "experts": the shared expert stays dense
+
+
+def test_bad_conversions_raise(int4_params, mosaic_params):
+    with pytest.raises(ValueError, match="already in the Mosaic layout"):
+        kj.to_mosaic_experts(mosaic_params, CFG)
+    with pytest.raises(ValueError, match="is not INT4"):
+        kj.to_mosaic_experts(random_params(CFG, seed=1), CFG)
+    dense_only = CFG.replace(num_hidden_layers=1)
+    with pytest.raises(ValueError, match="no MoE layers"):
+        kj.to_mosaic_experts({"layers_0": int4_params["layers_0"]}, dense_only)
+
+
+def test_model_forward_on_mosaic_experts_matches_canonical(int4_params, mosaic_params):
+    """CPU: the XLA fallback of the Mosaic layout (loud) == the canonical INT4 path; tokens of greedy
+    DDTree == AR on the converted params."""
+    tokens = jnp.asarray([[5, 17, 3, 99, 42, 7, 8]], jnp.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = kj.forward(int4_params, CFG, tokens)
+    with pytest.warns(MoEW4A16FallbackWarning, match="NOT the Mosaic GPU grouped MoE kernel"):
+        got = kj.forward(mosaic_params, CFG, tokens)
+    assert rel_err(got, want) < 2e-2  # bf16 model: gate/up/down rounded to bf16 on one side only
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ar = kj.generate(CFG, mosaic_params, [[5, 17, 3]], max_new_tokens=6, stop_tokens=())
+        oracle = kj.OracleDraft(jnp.concatenate([jnp.asarray([[5, 17, 3]]), ar.tokens], 1), 4, CFG.vocab_size)
+        tree = kj.generate(CFG, mosaic_params, [[5, 17, 3]], max_new_tokens=6, stop_tokens=(), method="ddtree",
+                           drafter=oracle, tree_budget=4)
+    np.testing.assert_array_equal(np.asarray(tree.tokens), np.asarray(ar.tokens))
+
+
+def test_model_routed_experts_kernel_interpret_matches_reference():
+    """routed_moe_mosaic with interpret=True (the Mosaic kernel, simulated) == its XLA path == float64."""
+    from pallas_kernels.w4a16_mgpu.moe import experts_to_mgpu_layout, routed_moe_mosaic
+
+    rng = np.random.default_rng(0)
+    E, D, I, T, k = 4, 128, 64, 3, 2
+    experts = {n: quant.int4_leaf_from_dense(jnp.asarray(rng.standard_normal((E,) + shape) / np.sqrt(shape[0]),
+                                                         jnp.float32))
+               for n, shape in (("gate", (D, I)), ("up", (D, I)), ("down", (I, D)))}
+    mosaic = experts_to_mgpu_layout(experts)
+    ids = jnp.asarray([[0, 2], [2, 3], [1, 2]], jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (T, k)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
+    xf = np.asarray(x.astype(jnp.float32), np.float64)
+    want = np.zeros((T, D))
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j])
+            g, u = _dequant(experts["gate"])[e] @ xf[t], _dequant(experts["up"])[e] @ xf[t]
+            want[t] += float(weights[t, j]) * (_dequant(experts["down"])[e] @ (g / (1 + np.exp(-g)) * u))
+    xla = routed_moe_mosaic(x, mosaic, ids, weights, impl="xla")
+    assert rel_err(xla, want) < 1e-2  # x is bf16; the reference dequantizes in float32
+    try:
+        kernel = routed_moe_mosaic(x, mosaic, ids, weights, impl="pallas", interpret=True)
+    finally:
+        from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
+
+        reset_gpu_interpret_mode_state()
+    assert kernel.dtype == jnp.float32 and rel_err(kernel, want) < 3e-2
+    with pytest.raises(ValueError, match="bf16 activations"):
+        routed_moe_mosaic(x.astype(jnp.float32), mosaic, ids, weights, impl="pallas", interpret=True)
+
+
+def test_sharding_rules_and_bytes(int4_params, mosaic_params):
+    specs = sharding.param_specs(mosaic_params)["layers_1"]["moe"]["experts"]
+    canon = sharding.param_specs(int4_params)["layers_1"]["moe"]["experts"]
+    for w in ("gate", "up", "down"):
+        assert specs[w]["w_i4"] == canon[w]["qweight"]
+        *lead, a, b = tuple(canon[w]["scale"])
+        assert specs[w]["scale_t"] == P(*lead, b, a)
+    mesh = {"expert": 2, "tensor": 2}
+    sharding.check_mesh(CFG, mesh, mosaic_params)  # every split dim divides
+    assert (sharding.params_bytes_per_device(mosaic_params, mesh)
+            == sharding.params_bytes_per_device(int4_params, mesh))  # int4 counted as half a byte
+
+
+def test_saving_the_device_layout_is_refused(mosaic_params, tmp_path):
+    with pytest.raises(kj.CheckpointError, match="Mosaic GPU layout"):
+        kj.save_checkpoint(tmp_path / "ckpt", CFG, mosaic_params)
+    assert not (tmp_path / "ckpt").exists()
