@@ -230,8 +230,7 @@ def save_checkpoint(path: str | os.PathLike, cfg, params, *, quantization: dict 
     path = Path(path).absolute()
     if path.exists() and not overwrite:
         raise CheckpointError(f"{path} already exists (pass overwrite=True to replace it)")
-    mosaic = [path for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_mosaic_leaf)[0]
-              if is_mosaic_leaf(leaf)]
+    mosaic = [leaf for leaf in jax.tree.leaves(params, is_leaf=is_mosaic_leaf) if is_mosaic_leaf(leaf)]
     if mosaic:
         raise CheckpointError(f"{len(mosaic)} leaves are in the Mosaic GPU layout (kj.to_mosaic_experts, a "
                               "device-side layout): save the canonical INT4 params they were made from")

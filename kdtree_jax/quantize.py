@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.quant import GROUP_SIZE, SCALE_DTYPES, int4_leaf_from_dense, is_int4_leaf, is_mosaic_leaf
+from kdtree_jax.quant import (GROUP_SIZE, SCALE_DTYPES, int4_leaf_from_dense, is_any_int4_leaf, is_int4_leaf,
+                              is_mosaic_leaf)
 
 POLICIES = {
     "experts": ("experts",),
@@ -70,7 +71,7 @@ def to_mosaic_experts(params: dict, cfg: ModelConfig) -> dict:
     from pallas_kernels.w4a16_mgpu import to_mgpu_layout  # noqa: PLC0415 (kernels import this package)
 
     convert = jax.jit(to_mgpu_layout)
-    out = jax.tree.map(lambda x: x, params, is_leaf=lambda x: is_int4_leaf(x) or is_mosaic_leaf(x))
+    out = jax.tree.map(lambda x: x, params, is_leaf=is_any_int4_leaf)  # a fresh nested-dict copy
     converted = 0
     for layer in range(cfg.num_hidden_layers):
         if not cfg.is_moe_layer(layer):
