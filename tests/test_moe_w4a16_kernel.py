@@ -261,10 +261,13 @@ def _reset_mgpu_interpreter():
     reset_gpu_interpret_mode_state()
 
 
-@pytest.mark.parametrize("T,E,k,crowd", [(1, 8, 4, False), (5, 8, 2, True)])
-def test_mgpu_grouped_moe_interpret_matches_numpy(T, E, k, crowd):
-    """Mosaic GPU interpret mode (SMEM-A; race detector on): the grouped prototype == float64 NumPy.
-    crowd=True puts 5 tokens on one expert (its rows span a tile of 8) and leaves experts untouched."""
+@pytest.mark.parametrize("T,E,k,crowd,zero", [(1, 8, 4, False, False), (1, 8, 4, False, True),
+                                             (5, 8, 2, True, False)])
+def test_mgpu_grouped_moe_interpret_matches_numpy(T, E, k, crowd, zero):
+    """Mosaic GPU interpret mode (SMEM-A; race detector on): the grouped kernel == float64 NumPy.
+    T = 1 takes the decode path (one tile per choice; zero=True: a zero-weight choice, as another shard's
+    expert in moe_sharded, whose tile is marked unused); crowd=True puts 5 tokens on one expert (its rows span a
+    tile of 8) and leaves experts untouched."""
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
     from pallas_kernels.w4a16_mgpu import MgpuConfig
@@ -274,6 +277,8 @@ def test_mgpu_grouped_moe_interpret_matches_numpy(T, E, k, crowd):
     rng = np.random.default_rng(T + E + k)
     experts, dense = _experts(rng, E, D, I)
     ids, weights = _routing(rng, T, k, E, crowd=crowd)
+    if zero:
+        weights = weights.at[0, 1].set(0.0)
     x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
     cfg = MgpuConfig(block_n=64, block_k=64, a_operand="smem")
     try:

@@ -55,22 +55,35 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
     if expert_ids.shape != weights.shape or expert_ids.shape[0] != x.shape[0]:
         raise ValueError(f"expert_ids {expert_ids.shape} and weights {weights.shape} must both be [T, k], T={x.shape[0]}")
 
+    def swiglu_tiles(x_rows, tile_expert):  # [R bm, D] rows -> [R, D, bm] f32 down outputs (0: unused tiles)
+        used = (tile_expert >= 0)[:, None, None]  # unused tiles' outputs are never written: mask them
+        rows = x_rows.shape[0]
+
+        def run(rows_in, w, s, config):  # -> [R, N, block_m] f32
+            y_t = grouped_w4a16_mgpu_kernel(rows_in, w, s, tile_expert, config=config, interpret=interpret)
+            return jnp.where(used, y_t, 0.0)
+
+        g = run(x_rows, gate_w, gate_s, config_up).astype(jnp.bfloat16).astype(jnp.float32)  # [R, I, bm]
+        u = run(x_rows, up_w, up_s, config_up).astype(jnp.bfloat16)
+        h = (g * jax.nn.sigmoid(g)).astype(jnp.bfloat16) * u  # [R, I, bm] bf16
+        h_rows = h.transpose(0, 2, 1).reshape(rows, inter)  # [R bm, I]
+        return run(h_rows, down_w, down_s, config_down).astype(jnp.bfloat16).astype(jnp.float32)  # [R, D, bm]
+
+    if x.shape[0] == 1:
+        # Decode (T = 1): one tile per choice, the token in its row 0; no sort, no scatter, no gathers (the
+        # general grouping below costs more small XLA kernels than the bytes of 8 experts take to stream).
+        # A zero-weight choice (another shard's expert) gets tile -1: never read.
+        top_k = expert_ids.shape[1]
+        tile_expert = jnp.where(weights[0] != 0, expert_ids[0], -1).astype(jnp.int32)  # [k]
+        x_rows = jnp.zeros((top_k, block_m, hidden), jnp.bfloat16).at[:, 0].set(x[0]).reshape(top_k * block_m, hidden)
+        y = swiglu_tiles(x_rows, tile_expert)[:, :, 0]  # [k, D]
+        return jnp.sum(y * weights[0].astype(jnp.float32)[:, None], axis=0, keepdims=True).astype(out_dtype)
+
     grp = group_assignments(expert_ids, weights, num_experts, block_m)
-    n_tiles = grp.tile_expert.shape[0]
-    rows = n_tiles * block_m
-    used = (grp.tile_expert >= 0)[:, None, None]  # unused tiles' outputs are never written: mask them
+    rows = grp.tile_expert.shape[0] * block_m
     x_rows = jnp.where(grp.row_valid[:, None], x[grp.row_token], 0).astype(jnp.bfloat16)  # [P, D]
-
-    def run(x_rows, w, s, config):  # -> [R, N, block_m] f32, zeros on unused tiles
-        y_t = grouped_w4a16_mgpu_kernel(x_rows, w, s, grp.tile_expert, config=config, interpret=interpret)
-        return jnp.where(used, y_t, 0.0)
-
-    g = run(x_rows, gate_w, gate_s, config_up).astype(jnp.bfloat16).astype(jnp.float32)  # [R, I, bm]
-    u = run(x_rows, up_w, up_s, config_up).astype(jnp.bfloat16)
-    h = (g * jax.nn.sigmoid(g)).astype(jnp.bfloat16) * u  # [R, I, bm] bf16
-    h_rows = h.transpose(0, 2, 1).reshape(rows, inter)  # [P, I]
-    y = run(h_rows, down_w, down_s, config_down).transpose(0, 2, 1).reshape(rows, hidden)  # [P, D] f32
-    y = y.astype(jnp.bfloat16).astype(jnp.float32) * grp.row_weight[:, None]
+    y = swiglu_tiles(x_rows, grp.tile_expert).transpose(0, 2, 1).reshape(rows, hidden)  # [P, D] f32
+    y = y * grp.row_weight[:, None]
     per_choice = jnp.where(grp.keep[..., None], y[grp.position], 0.0)  # [T, k, D]
     return jnp.sum(per_choice, axis=1).astype(out_dtype)
 
