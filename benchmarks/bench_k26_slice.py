@@ -166,10 +166,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--layers", type=int, default=2, help="MoE layers in the slice (9.8 GB each at K2.6)")
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=5, help="timed calls per point (the median is reported)")
     ap.add_argument("--deadline-s", type=float, default=520.0, help="stop starting new points after this")
-    ap.add_argument("--ts", default=",".join(map(str, TS)))
-    ap.add_argument("--ss", default=",".join(map(str, SS)))
+    ap.add_argument("--ts", default=",".join(map(str, TS)), help="tree sizes T (tokens verified), comma-separated")
+    ap.add_argument("--ss", default=",".join(map(str, SS)), help="committed contexts S, comma-separated")
+    ap.add_argument("--mosaic-configs", default="bn64:bk256:s4",
+                    help="Mosaic GPU grouped MoE tilings to time, comma-separated block_n:block_k:pipeline steps "
+                         "(e.g. bn64:bk256:s3,bn64:bk512:s4); the best is reported as the Mosaic column")
     ap.add_argument("--no-baselines", action="store_true", help="skip the XLA MoE alternatives")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run at tiny width (XLA paths, wall clock)")
     ap.add_argument("--summarize", metavar="JSON",
@@ -276,8 +279,10 @@ def main():
     if on_gpu:
         from pallas_kernels.w4a16_mgpu.moe import experts_to_mgpu_layout, grouped_moe_w4a16_mgpu
 
+        from pallas_kernels.w4a16_mgpu import MgpuConfig
+
         experts_mgpu = jax.jit(experts_to_mgpu_layout)(p0["experts"])
-        mosaic_fn = jax.jit(lambda e, x, i, w: grouped_moe_w4a16_mgpu(x, e, i, w))  # moe_fns argument order
+        mosaic_configs = {spec_: MgpuConfig(**parse_tiling(spec_)) for spec_ in args.mosaic_configs.split(",")}
     head_w = jax.jit(lambda k: jax.random.normal(k, (cfg.hidden_size, cfg.vocab_size), jnp.bfloat16))(
         jax.random.key(7))
     head_fn = jax.jit(lambda x, w: (x @ w).astype(jnp.float32))
@@ -301,14 +306,29 @@ def main():
         checks.append({"T": t, "what": f"moe {moe_impl} vs xla_touched (bf16 dequant)", "max_rel_err": err})
         if on_gpu:
             mrow["moe_wall_s"] = wall(moe_fns[moe_impl], p0["experts"], x, idx, w)
-            try:  # the Mosaic GPU grouped prototype, on weights converted to its layout once
-                ym, mrow["mosaic_s"] = measure(mosaic_fn, experts_mgpu, x, idx, w)
-                mrow["mosaic_wall_s"] = wall(mosaic_fn, experts_mgpu, x, idx, w)
-                merr = float(jnp.max(jnp.abs(ym.astype(jnp.float32) - ref.astype(jnp.float32)))
-                             / jnp.max(jnp.abs(ref.astype(jnp.float32))))
-                checks.append({"T": t, "what": "moe mosaic grouped vs xla_touched (bf16 dequant)", "max_rel_err": merr})
-            except Exception as e:  # noqa: BLE001 - a prototype failure must not lose the run
-                mrow["mosaic_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            sweep = {}
+            for name, mcfg in mosaic_configs.items():  # the Mosaic GPU grouped kernel, weights converted once
+                fn = jax.jit(lambda e, x, i, w, mcfg=mcfg: grouped_moe_w4a16_mgpu(x, e, i, w, config_up=mcfg,
+                                                                                    config_down=mcfg))
+                try:
+                    ym, sec = measure(fn, experts_mgpu, x, idx, w)
+                    merr = float(jnp.max(jnp.abs(ym.astype(jnp.float32) - ref.astype(jnp.float32)))
+                                 / jnp.max(jnp.abs(ref.astype(jnp.float32))))
+                    checks.append({"T": t, "what": f"moe mosaic {name} vs xla_touched (bf16 dequant)",
+                                   "max_rel_err": merr})
+                    sweep[name] = sec if merr < 3e-2 else f"WRONG (rel err {merr:.2e})"
+                except Exception as e:  # noqa: BLE001 - a failing tiling must not lose the run
+                    sweep[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            timed = {n: v for n, v in sweep.items() if isinstance(v, float)}
+            mrow["mosaic_sweep"] = sweep
+            if timed:
+                best = min(timed, key=timed.get)
+                mrow["mosaic_s"], mrow["mosaic_config"] = timed[best], best
+                mosaic_cfg = mosaic_configs[best]
+                mrow["mosaic_wall_s"] = wall(jax.jit(lambda e, x, i, w: grouped_moe_w4a16_mgpu(
+                    x, e, i, w, config_up=mosaic_cfg, config_down=mosaic_cfg)), experts_mgpu, x, idx, w)
+            else:
+                mrow["mosaic_error"] = "; ".join(f"{n}: {v}" for n, v in sweep.items())
         if not args.no_baselines:
             for impl in ("xla_touched", "xla_dense", "xla_gather"):
                 if time.time() - t_start > args.deadline_s:
@@ -356,6 +376,18 @@ def main():
     plot(result, stem + ".png")
     print(result["markdown"])
     print(f"wrote {stem}.json/.md/.png in {time.time() - t_start:.0f} s", flush=True)
+
+
+def parse_tiling(text: str) -> dict:
+    """"bn64:bk256:s4" -> {"block_n": 64, "block_k": 256, "max_concurrent_steps": 4}."""
+    fields = {"bn": "block_n", "bk": "block_k", "s": "max_concurrent_steps"}
+    out = {}
+    for part in text.split(":"):
+        key = part.rstrip("0123456789")
+        if key not in fields or not part[len(key):].isdigit():
+            raise SystemExit(f"bad Mosaic tiling {text!r}: want e.g. bn64:bk256:s4")
+        out[fields[key]] = int(part[len(key):])
+    return out
 
 
 def resummarize(path):
@@ -438,6 +470,14 @@ def summarize(meta, rows, moe_rows, checks, model, on_gpu, evaluate_budgets, sat
         md += ["", "(!) physically impossible, so NOT a valid measurement: " + "; ".join(flagged) + ". CUPTI "
                "summed kernel time misses kernels here (most likely those XLA launches from command buffers / CUDA "
                "graphs inside its while loops and conditionals); such times are lower bounds at best."]
+    sweeps = {t: m["mosaic_sweep"] for t, m in moe_rows.items() if m.get("mosaic_sweep")}
+    if sweeps and len(next(iter(sweeps.values()))) > 1:
+        names = list(next(iter(sweeps.values())))
+        md += ["", "Mosaic grouped kernel tilings (us; the Mosaic column above is the best):", "",
+               "| T | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for t, sw in sweeps.items():
+            md.append(f"| {t} | " + " | ".join(us(v) if isinstance(v, float) else str(v)[:40] for v in sw.values())
+                      + " |")
     if any("moe_wall_s" in m for m in moe_rows.values()):
         md += ["", "[wall ...]: median wall clock of the same jitted call (one dispatch included): an upper bound "
                "beside CUPTI's summed kernel time."]
