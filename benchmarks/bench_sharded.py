@@ -242,6 +242,29 @@ def bench_collective(mesh, hidden, token_counts, loops=50) -> list[dict]:
     return rows
 
 
+def bench_rounds(cfg, params, mesh, contexts, budgets, iters) -> list[dict]:
+    """One DDTree round stage by stage on the mesh (benchmarks/profile_round.py: AR step; draft; per budget
+    tree build, verify, accept + compact) with a random one-layer DFlash drafter at the target's width,
+    from a synthetic state at each committed context (random latent cache, no prefill). Wall clock."""
+    from benchmarks.profile_round import profile_stages, synthetic_state  # noqa: PLC0415
+    from kdtree_jax.ddtree import DFlashDraft  # noqa: PLC0415
+    from kdtree_jax.drafter import DrafterConfig, init_drafter_params  # noqa: PLC0415
+
+    dtype = params["embed_tokens"].dtype
+    dcfg = DrafterConfig.for_target(cfg, num_layers=1, block_size=16)
+    dparams = jax.jit(lambda key: init_drafter_params(dcfg, key, dtype))(jax.random.key(11))
+    draft_model = sharding.replicate(DFlashDraft(dcfg, dparams), mesh)
+    rows = []
+    for context in contexts:
+        state = synthetic_state(cfg, params, draft_model, context, max(budgets) + 32, jax.random.key(context))
+        cache, dstate, bonus = sharding.replicate(state, mesh)
+        with jax.set_mesh(mesh):
+            rows += profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, iters=iters,
+                                   kernels=False, label=f"S={context}")
+        del cache, dstate
+    return rows
+
+
 def bench_decode(cfg, params, mesh, batch, new_tokens, budget, repeats) -> list[dict]:
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(3, cfg.vocab_size, 16)) for _ in range(batch)]
@@ -292,6 +315,10 @@ def main(argv=None) -> dict:
                         help="after the mesh runs, time the verify forward on ONE device holding this many "
                              "layers (0: skip); the per-layer comparison with the sharded model")
     parser.add_argument("--skip-decode", action="store_true", help="skip the AR/DDTree generate timing")
+    parser.add_argument("--round-contexts", default="",
+                        help="committed contexts for the stage-by-stage DDTree round profile, e.g. 4096,32768 "
+                             "(default: skip it)")
+    parser.add_argument("--round-budgets", default="8,32,64,128", help="tree budgets of the round profile")
     parser.add_argument("--out", help="write the results as JSON here (rewritten after every stage), and a "
                                       ".md table + .png plot beside it at the end")
     parser.add_argument("--report", metavar="JSON", help="no measuring: write the .md/.png of a stored result")
@@ -334,6 +361,9 @@ def main(argv=None) -> dict:
     stage("moe_exchange", bench_moe_exchange, cfg, params, mesh, tokens, args.repeats)
     if not args.skip_decode:
         stage("decode", bench_decode, cfg, params, mesh, args.batch, args.new_tokens, args.budget, args.repeats)
+    if args.round_contexts:
+        stage("rounds", bench_rounds, cfg, params, mesh, [int(c) for c in args.round_contexts.split(",")],
+              [int(b) for b in args.round_budgets.split(",")], args.repeats)
     if args.single_gpu_layers:
         del params
         one = sharding.make_mesh({"expert": 1, "tensor": 1})
@@ -384,6 +414,16 @@ def report(path) -> dict:
         for d in r["decode"]:
             lines.append(f"| {d['method']} | {d.get('budget', '-')} | {d['tokens_per_s']:.1f} | {d['target_forwards']} | "
                          f"{d['same_tokens_as_ar']} |")
+    if r.get("rounds"):
+        lines += ["", "## One DDTree round, stage by stage (random one-layer drafter; wall us per jitted stage)", ""]
+        settings = list(dict.fromkeys(x["setting"] for x in r["rounds"]))
+        by = {(x["setting"], x["stage"]): x["wall_us"] for x in r["rounds"]}
+        stages = list(dict.fromkeys(x["stage"] for x in r["rounds"]))
+        lines += ["| stage | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
+        for st in stages:
+            lines.append(f"| {st} | " + " | ".join(f"{by.get((se, st), float('nan')):.0f}" for se in settings) + " |")
+        lines += ["", "Round = draft + build + verify + accept/compact (each jitted alone, so each includes one "
+                  "dispatch that the one-jit loop does not pay)."]
     Path(stem + ".md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib  # noqa: PLC0415

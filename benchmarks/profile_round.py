@@ -1,13 +1,16 @@
-"""Where one DDTree round's time goes on the GPU, for the shipped pair (or any target + drafter).
+"""Where one DDTree round's time goes, stage by stage, for the shipped pair (or any target + drafter).
 
   python benchmarks/profile_round.py --out DIR [--budgets 8 32 128]
 
 Each stage of a round (kdtree_jax/ddtree.py `_generate`'s loop body) is jitted alone on a real state
-(a held-out prompt prefilled) and measured two ways: CUPTI (summed kernel time and the number of
-kernels launched) and wall clock per call (median, dispatch included). The AR step (one cached forward
+(a held-out prompt prefilled) and measured two ways: wall clock per call (median, dispatch included) and,
+on one GPU, CUPTI (summed kernel time and the number of kernels launched). The AR step (one cached forward
 of one token) is measured the same way. A stage whose wall time far exceeds its kernel time is bound by
-launch latency, not by the GPU's work: with a model this small every stage is. Writes DIR/round_profile.json
-and DIR/round_profile.md.
+launch latency, not by the GPU's work: with a model this small every stage is. Writes
+DIR/round_profile.json and DIR/round_profile.md.
+
+`profile_stages` is also what benchmarks/bench_sharded.py runs on a device mesh (random K2.6-width
+weights, a random drafter, a synthetic state at a long context from `synthetic_state`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import sys
 import time
@@ -24,6 +26,94 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ASSETS = Path(__file__).resolve().parents[1] / "kdtree_jax" / "assets"
+
+
+def synthetic_state(cfg, params, draft_model, context: int, slack: int, key):
+    """A batch-1 decode state at committed context `context` without a prefill: random latent-cache rows
+    and drafter keys/values (stage timings do not depend on the values), lengths = context. Returns
+    (cache, drafter state, bonus token [1])."""
+    import jax
+    import jax.numpy as jnp
+
+    from kdtree_jax.model import init_cache
+
+    dtype = params["embed_tokens"].dtype
+    max_len = context + slack
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    cache = init_cache(cfg, 1, max_len, dtype)
+    cache = cache._replace(latent=jax.random.normal(k1, cache.latent.shape, jnp.float32).astype(dtype),
+                           lengths=jnp.full((1,), context, jnp.int32))
+    dstate = draft_model.init_state(1, max_len, dtype)
+    if hasattr(dstate, "keys"):  # a DrafterCache (an OracleDraft's state is a position counter)
+        dstate = dstate._replace(keys=jax.random.normal(k2, dstate.keys.shape, jnp.float32).astype(dtype),
+                                 values=jax.random.normal(k3, dstate.values.shape, jnp.float32).astype(dtype),
+                                 lengths=jnp.full((1,), context, jnp.int32))
+    bonus = jax.random.randint(k4, (1,), 3, cfg.vocab_size, jnp.int32)
+    return cache, dstate, bonus
+
+
+def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, iters: int, kernels: bool,
+                   label: str = "") -> list[dict]:
+    """Time the AR step and, for DFlash's chain and each DDTree budget, the round's stages (draft once,
+    then build / verify / accept + compact + drafter context). Call under `jax.set_mesh` for a mesh run;
+    kernels=True adds CUPTI kernel time and counts (one GPU only: CUPTI would sum every device's kernels)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kdtree_jax.ddtree import accept_path, compact_cache
+    from kdtree_jax.model import KVCache, forward_with_cache
+    from kdtree_jax.tree import build_chain, build_tree
+
+    if kernels:
+        from jax.experimental.mosaic.gpu import profiler
+    depth = draft_model.block_size - 1
+    layers = draft_model.hidden_layers
+    rows = []
+
+    def measure(name, fn, *a):
+        out = jax.block_until_ready(fn(*a))  # compile + warm-up
+        walls = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*a))
+            walls.append(time.perf_counter() - t0)
+        row = {"stage": name, "wall_us": statistics.median(walls) * 1e6}
+        if label:
+            row["setting"] = label
+        if kernels:
+            _, launched = profiler.measure(fn, aggregate=False, iterations=1)(*a)
+            launched = launched or []
+            row.update(kernel_us=sum(t for _, t in launched) * 1e3, kernels=len(launched))
+        print(row, flush=True)
+        rows.append(row)
+        return out
+
+    ar = jax.jit(lambda p, b, c: forward_with_cache(p, cfg, b[:, None], c.lengths[:, None], c)[0])
+    measure("AR step (1-token cached forward)", ar, params, bonus, cache)
+    draft = jax.jit(lambda dm, s, p, b, st: dm.draft(s, cfg, p, b, st))
+    logits = measure(f"draft (drafter forward, block of {draft_model.block_size})", draft, draft_model, dstate,
+                     params, bonus, cache.lengths)
+
+    def verify_fn(p, tree, c):
+        pos = c.lengths[:, None] + tree.depths
+        return forward_with_cache(p, cfg, tree.tokens, pos, c, visibility=tree.visible, hidden_layers=layers)
+
+    def finish_fn(dm, s, tree, logits, hidden, c):
+        posterior = jnp.argmax(logits, -1).astype(jnp.int32)
+        path, length, nb = accept_path(tree, posterior, depth)
+        latent = compact_cache(c.latent, c.lengths, path)
+        path_hidden = jnp.take_along_axis(hidden, path[:, :, None, None], axis=1)
+        path_pos = c.lengths[:, None] + jnp.arange(depth + 1, dtype=jnp.int32)[None]
+        return KVCache(latent, c.lengths + length), dm.extend(s, path_hidden, path_pos, length), nb
+
+    for name, build in [("dflash chain", lambda lg, b: build_chain(lg, root_tokens=b))] + [
+            (f"ddtree budget {b}", lambda lg, bn, b=b: build_tree(lg, b, root_tokens=bn)) for b in budgets]:
+        tree = measure(f"{name}: build", jax.jit(build), logits, bonus)
+        vlogits, hidden, vcache = measure(f"{name}: verify (T={tree.tokens.shape[1]})", jax.jit(verify_fn),
+                                          params, tree, cache)
+        measure(f"{name}: accept + compact + drafter context", jax.jit(finish_fn), draft_model, dstate, tree,
+                vlogits, hidden, vcache)
+    return rows
 
 
 def main() -> None:
@@ -41,28 +131,23 @@ def main() -> None:
     from tokenizers import Tokenizer
 
     import kdtree_jax as kj
-    from kdtree_jax.ddtree import accept_path, as_draft_model, compact_cache
+    from kdtree_jax.ddtree import as_draft_model
     from kdtree_jax.generate import prefill
-    from kdtree_jax.model import KVCache, forward_with_cache, init_cache
-    from kdtree_jax.tree import build_chain, build_tree
+    from kdtree_jax.model import init_cache
     from training.data import heldout_prompts
 
     jax.config.update("jax_default_matmul_precision", "highest")
-    on_gpu = jax.default_backend() == "gpu"
-    if on_gpu:
-        from jax.experimental.mosaic.gpu import profiler
     cfg, params = kj.load_checkpoint(args.target, expect_kind="target")
     dcfg, dparams = kj.load_checkpoint(args.drafter, expect_kind="drafter")
     draft_model = as_draft_model(cfg, (dcfg, dparams))
     prompt = heldout_prompts(Tokenizer.from_file(str(args.tokenizer)), 1, 64, seed=0)[0]
     tokens = jnp.asarray([prompt], jnp.int32)
     lengths = jnp.asarray([len(prompt)], jnp.int32)
-    depth = dcfg.block_size - 1
     max_len = len(prompt) + 64 + max(args.budgets) + 1
     layers = tuple(dcfg.target_layer_ids)
 
     @jax.jit
-    def setup(params, dparams_model, tokens, lengths):
+    def setup(params, dparams_model, tokens, lengths):  # the real state after a held-out prompt
         cache = init_cache(cfg, 1, max_len, params["embed_tokens"].dtype)
         logits, hidden, cache = prefill(params, cfg, tokens, lengths, cache, layers)
         state = dparams_model.init_state(1, max_len, params["embed_tokens"].dtype)
@@ -71,50 +156,8 @@ def main() -> None:
         return cache, state, jnp.argmax(logits, -1).astype(jnp.int32)
 
     cache, dstate, bonus = setup(params, draft_model, tokens, lengths)
-    start = cache.lengths
-
-    def measure(name, fn, *a):
-        out = jax.block_until_ready(fn(*a))  # compile + warm-up
-        walls = []
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*a))
-            walls.append(time.perf_counter() - t0)
-        row = {"stage": name, "wall_us": statistics.median(walls) * 1e6}
-        if on_gpu:
-            _, kernels = profiler.measure(fn, aggregate=False, iterations=1)(*a)
-            kernels = kernels or []
-            row.update(kernel_us=sum(t for _, t in kernels) * 1e3, kernels=len(kernels))
-        print(row, flush=True)
-        rows.append(row)
-        return out
-
-    rows = []
-    ar = jax.jit(lambda p, b, c: forward_with_cache(p, cfg, b[:, None], c.lengths[:, None], c)[0])
-    measure("AR step (1-token cached forward)", ar, params, bonus, cache)
-    draft = jax.jit(lambda dm, s, p, b, st: dm.draft(s, cfg, p, b, st))
-    logits = measure("draft (drafter forward, block of %d)" % dcfg.block_size, draft, draft_model, dstate, params,
-                     bonus, start)
-
-    def verify_fn(p, tree, c):
-        pos = c.lengths[:, None] + tree.depths
-        return forward_with_cache(p, cfg, tree.tokens, pos, c, visibility=tree.visible, hidden_layers=layers)
-
-    def finish_fn(dm, s, tree, logits, hidden, c):
-        posterior = jnp.argmax(logits, -1).astype(jnp.int32)
-        path, length, nb = accept_path(tree, posterior, depth)
-        latent = compact_cache(c.latent, c.lengths, path)
-        path_hidden = jnp.take_along_axis(hidden, path[:, :, None, None], axis=1)
-        path_pos = c.lengths[:, None] + jnp.arange(depth + 1, dtype=jnp.int32)[None]
-        return KVCache(latent, c.lengths + length), dm.extend(s, path_hidden, path_pos, length), nb
-
-    for label, build in [("dflash chain", lambda lg, b: build_chain(lg, root_tokens=b))] + [
-            (f"ddtree budget {b}", lambda lg, bn, b=b: build_tree(lg, b, root_tokens=bn)) for b in args.budgets]:
-        tree = measure(f"{label}: build", jax.jit(build), logits, bonus)
-        vlogits, hidden, vcache = measure(f"{label}: verify (T={tree.tokens.shape[1]})", jax.jit(verify_fn),
-                                          params, tree, cache)
-        measure(f"{label}: accept + compact + drafter context", jax.jit(finish_fn), draft_model, dstate, tree,
-                vlogits, hidden, vcache)
+    rows = profile_stages(cfg, params, draft_model, cache, dstate, bonus, args.budgets, iters=args.iters,
+                          kernels=jax.default_backend() == "gpu")
 
     dev = jax.devices()[0]
     meta = {"device": getattr(dev, "device_kind", dev.platform), "jax": jax.__version__,

@@ -223,6 +223,7 @@ def test_bench_sharded_runs_on_fake_devices(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_sharded.py"), "--tiny",
                            "--mesh", "expert=2,tensor=2", "--tokens", "1,5", "--new-tokens", "4", "--budget", "3",
                            "--verify-tokens", "1,5", "--context", "32", "--single-gpu-layers", "1",
+                           "--round-contexts", "24", "--round-budgets", "3",
                            "--repeats", "1", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=WORKER_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -237,5 +238,8 @@ def test_bench_sharded_runs_on_fake_devices(tmp_path):
     assert [v["tokens"] for v in result["verify"]] == [1, 5] and result["verify"][0]["layers"] == 2
     assert [v["layers"] for v in result["verify_single_device"]] == [1, 1]
     assert [c["tokens"] for c in result["collective"]] == [1, 5]
+    stages = {row["stage"] for row in result["rounds"]}
+    assert {"ddtree budget 3: build", "ddtree budget 3: verify (T=4)", "dflash chain: verify (T=16)"} <= stages
+    assert all(row["setting"] == "S=24" and row["wall_us"] > 0 for row in result["rounds"])
     table = out.with_suffix(".md").read_text()
     assert "| 5 | 32 |" in table and "MoE token exchange" in table
