@@ -229,10 +229,9 @@ def test_kernel_lowers_for_cuda_at_k26_shapes():
         assert text.count("xla.gpu.triton") == 2  # gate/up+SwiGLU and down+combine: two launches
 
 
-@pytest.mark.skipif(not ON_GPU, reason="native kernel test needs a GPU (CPU runs the interpret-mode tests)")
-@pytest.mark.parametrize("T", [1, 9, 33, 129])
-def test_kernel_native_gpu_k26_shapes(T):
-    """Native on the GPU at K2.6 expert shapes (E reduced to 64 to keep the float32 reference small)."""
+def _k26_native_problem(T):
+    """Random INT4 experts at K2.6 expert shapes (E reduced to 64 to keep the float32 reference small), routing,
+    x, and the XLA gather-then-dot result in float32."""
     E, D, I, k = 64, 7168, 2048, 8
     keys = jax.random.split(jax.random.key(T), 8)
     leaf = lambda key, n, kk: {  # noqa: E731
@@ -243,9 +242,24 @@ def test_kernel_native_gpu_k26_shapes(T):
     ids = jnp.argsort(jax.random.uniform(keys[3], (T, E)), axis=1)[:, :k].astype(jnp.int32)
     weights = jax.random.uniform(keys[4], (T, k), minval=0.05)
     x = jax.random.normal(keys[5], (T, D), jnp.bfloat16)
-    got = grouped_moe_w4a16(x, experts, ids, weights, impl="pallas")
     want = moe_w4a16_xla_gather(x, experts, ids, weights, dequant="f32")
-    assert _rel(got, np.asarray(want.astype(jnp.float32), np.float64)) < 3e-2
+    return x, experts, ids, weights, np.asarray(want.astype(jnp.float32), np.float64)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="native kernel test needs a GPU (CPU runs the interpret-mode tests)")
+@pytest.mark.parametrize("T", [1, 9, 33, 129])
+@pytest.mark.parametrize("kernel", ["triton", "mosaic"])
+def test_kernel_native_gpu_k26_shapes(T, kernel):
+    """Both grouped kernels natively on the GPU at K2.6 expert shapes (the Triton one, the model's default,
+    and the Mosaic GPU one of pallas_kernels/w4a16_mgpu/moe.py) against XLA gather-then-dot."""
+    x, experts, ids, weights, want = _k26_native_problem(T)
+    if kernel == "triton":
+        got = grouped_moe_w4a16(x, experts, ids, weights, impl="pallas")
+    else:
+        from pallas_kernels.w4a16_mgpu.moe import experts_to_mgpu_layout, grouped_moe_w4a16_mgpu
+
+        got = grouped_moe_w4a16_mgpu(x, experts_to_mgpu_layout(experts), ids, weights)
+    assert _rel(got, want) < 3e-2
 
 
 # ------------------------------------------------ the Mosaic GPU prototype (pallas_kernels/w4a16_mgpu/moe.py)
@@ -338,23 +352,3 @@ def test_mgpu_grouped_moe_lowers_for_cuda_at_k26_shapes():
                                                          S((T, 8), jnp.float32)).lower(
                 lowering_platforms=("cuda",)).as_text()
         assert re.findall(r"custom_call @(\w+)", text).count("mosaic_gpu_v2") == 3  # gate, up, down
-
-
-@pytest.mark.skipif(not ON_GPU, reason="native Mosaic GPU kernel needs a Hopper GPU (CPU runs interpret mode)")
-@pytest.mark.parametrize("T", [1, 9, 33, 129])
-def test_mgpu_grouped_moe_native_k26_shapes(T):
-    from pallas_kernels.w4a16_mgpu.moe import experts_to_mgpu_layout, grouped_moe_w4a16_mgpu
-
-    E, D, I, k = 64, 7168, 2048, 8
-    keys = jax.random.split(jax.random.key(T), 8)
-    leaf = lambda key, n, kk: {  # noqa: E731
-        "qweight": jax.random.randint(key, (E, n, kk // 4), -32768, 32768, jnp.int32).astype(jnp.int16),
-        "scale": (jax.random.uniform(keys[7], (E, n, kk // 32), minval=0.5, maxval=1.5) * 0.2 / np.sqrt(kk))
-        .astype(jnp.bfloat16)}
-    experts = {"gate": leaf(keys[0], I, D), "up": leaf(keys[1], I, D), "down": leaf(keys[2], D, I)}
-    ids = jnp.argsort(jax.random.uniform(keys[3], (T, E)), axis=1)[:, :k].astype(jnp.int32)
-    weights = jax.random.uniform(keys[4], (T, k), minval=0.05)
-    x = jax.random.normal(keys[5], (T, D), jnp.bfloat16)
-    got = grouped_moe_w4a16_mgpu(x, experts_to_mgpu_layout(experts), ids, weights)
-    want = moe_w4a16_xla_gather(x, experts, ids, weights, dequant="f32")
-    assert _rel(got, np.asarray(want.astype(jnp.float32), np.float64)) < 3e-2

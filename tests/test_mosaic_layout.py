@@ -1,6 +1,6 @@
 """Routed experts in the Mosaic GPU kernel layout (kj.to_mosaic_experts): exact conversion, the model's MoE
 on it (XLA fallback on CPU, the kernel in interpret mode), sharding rules, and what must refuse it.
-The kernel itself natively: tests/test_moe_w4a16_kernel.py::test_mgpu_grouped_moe_native_k26_shapes."""
+The kernel itself natively: tests/test_moe_w4a16_kernel.py::test_kernel_native_gpu_k26_shapes (kernel="mosaic")."""
 
 import warnings
 
