@@ -136,6 +136,22 @@ def test_generate_all_methods_compares_them(models, capsys):
     assert ar == [np.asarray(direct.tokens)[b, : int(direct.lengths[b])].tolist() for b in range(2)]
 
 
+def test_generate_mosaic_moe_gives_the_same_tokens(models, capsys):
+    """--mosaic-moe on the INT4 checkpoint (float32 here, so on a CPU its XLA path runs, said in a note):
+    the same greedy tokens as the canonical layout, and DDTree == AR on it."""
+    common = ["--checkpoint", models / "int4", "--prompt", "3 17 42 5", "--max-new-tokens", "5", "--no-warmup"]
+    rc, canonical, _ = run(["generate", *common], capsys)
+    assert rc == 0
+    rc, mosaic, err = run(["generate", *common, "--mosaic-moe"], capsys)
+    if jax.default_backend() == "gpu":  # the kernel itself runs there, and takes bf16 models only
+        assert rc == 2 and "takes bf16 activations" in err
+        return
+    assert rc == 0, err
+    assert "routed experts on the Mosaic GPU MoE kernel" in mosaic
+    assert "note: routed_moe_mosaic(impl='auto') on backend 'cpu'" in err
+    assert token_lines(mosaic) == token_lines(canonical)
+
+
 def test_generate_preset_samples_reproducibly_with_a_seed(capsys):
     argv = ["generate", "--preset", "tiny", "--layers", "1", "--temperature", "0.8", "--top-k", "20",
             "--top-p", "0.9", "--seed", "4", "--max-new-tokens", "4", "--no-warmup"]
@@ -222,6 +238,8 @@ BAD = [
     (["generate", "--checkpoint", "{target}", "--temperature", "1", "--top-k", "0"], "top_k must be an integer"),
     (["generate", "--checkpoint", "{target}", "--stop", "999"], "stop token 999 is outside the vocabulary"),
     (["generate", "--checkpoint", "{target}", "--method", "beam"], "invalid choice: 'beam'"),
+    (["generate", "--checkpoint", "{target}", "--mosaic-moe"],
+     "layers_1/moe/experts/gate is not INT4: quantize the experts first"),
     (["generate", "--preset", "tiny", "--layers", "1", "--max-new-tokens", "300"], "exceeds the model's max_position_embeddings"),
     (["generate", "--preset", "tiny", "--tokenizer", "{tmp}/tok.json"], "tokenizer file"),
     (["convert", "{tmp}/nope", "{tmp}/out"], "Hugging Face directory"),
