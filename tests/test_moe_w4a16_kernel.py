@@ -296,8 +296,9 @@ def test_mgpu_grouped_moe_interpret_matches_numpy(T, E, k, crowd, zero):
     x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
     cfg = MgpuConfig(block_n=64, block_k=64, a_operand="smem")
     try:
-        got = grouped_moe_w4a16_mgpu(x, experts_to_mgpu_layout(experts), ids, weights, config_up=cfg,
-                                     config_down=cfg, interpret=_mgpu_interpret())
+        got = jax.block_until_ready(grouped_moe_w4a16_mgpu(  # the interpreter runs at execution (async)
+            x, experts_to_mgpu_layout(experts), ids, weights, config_up=cfg, config_down=cfg,
+            interpret=_mgpu_interpret()))
         assert not get_races().races_found
     finally:
         _reset_mgpu_interpreter()
@@ -318,8 +319,9 @@ def test_mgpu_grouped_kernel_skips_unused_tiles_and_reuses_experts():
     x_rows = jnp.asarray(rng.standard_normal((4 * 8, 128)), jnp.bfloat16)
     w, s = to_mgpu_layout(leaf["qweight"], leaf["scale"])
     try:
-        y_t = grouped_w4a16_mgpu_kernel(x_rows, w, s, tile_expert, interpret=_mgpu_interpret(),
-                                        config=MgpuConfig(block_n=64, block_k=64, a_operand="smem"))
+        y_t = jax.block_until_ready(grouped_w4a16_mgpu_kernel(  # finish before the finally resets the interpreter
+            x_rows, w, s, tile_expert, interpret=_mgpu_interpret(),
+            config=MgpuConfig(block_n=64, block_k=64, a_operand="smem")))
     finally:
         _reset_mgpu_interpreter()
     assert y_t.shape == (4, 64, 8)

@@ -108,7 +108,8 @@ def test_model_routed_experts_kernel_interpret_matches_reference():
     xla = routed_moe_mosaic(x, mosaic, ids, weights, impl="xla")
     assert rel_err(xla, want) < 1e-2  # x is bf16; the reference dequantizes in float32
     try:
-        kernel = routed_moe_mosaic(x, mosaic, ids, weights, impl="pallas", interpret=True)
+        kernel = jax.block_until_ready(  # finish before the finally resets the interpreter
+            routed_moe_mosaic(x, mosaic, ids, weights, impl="pallas", interpret=True))
     finally:
         from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
 

@@ -54,7 +54,8 @@ def test_interpret_matches_reference(m, n, k, cfg):
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
     x, leaf, want = _problem(m, n, k, seed=m + n + k)
-    got = w4a16_matmul_mgpu(x, leaf, interpret=gpu_interpret_params(detect_races=True), config=cfg)
+    got = jax.block_until_ready(  # the interpreter runs at execution (async dispatch): wait before asking
+        w4a16_matmul_mgpu(x, leaf, interpret=gpu_interpret_params(detect_races=True), config=cfg))
     assert got.shape == (m, n) and got.dtype == jnp.bfloat16
     assert not get_races().races_found
     # bf16 dequantized weights (2^-9 relative) and a bf16 output bound the error.
