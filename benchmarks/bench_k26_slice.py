@@ -210,6 +210,10 @@ def main():
     if on_gpu:
         from jax.experimental.mosaic.gpu import profiler
 
+    def rel_err(got, want):
+        got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+        return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+
     def wall(f, *a):
         """Median wall seconds per call of jitted f (dispatch included: an upper bound next to CUPTI's)."""
         jax.block_until_ready(f(*a))
@@ -277,12 +281,15 @@ def main():
 
     slice_fn = jax.jit(slice_forward)
     if on_gpu:
+        from pallas_kernels.w4a16_mgpu import MgpuConfig
         from pallas_kernels.w4a16_mgpu.moe import experts_to_mgpu_layout, grouped_moe_w4a16_mgpu
 
-        from pallas_kernels.w4a16_mgpu import MgpuConfig
-
         experts_mgpu = jax.jit(experts_to_mgpu_layout)(p0["experts"])
-        mosaic_configs = {spec_: MgpuConfig(**parse_tiling(spec_)) for spec_ in args.mosaic_configs.split(",")}
+        mosaic_fns = {}  # tiling name -> jitted MoE in moe_fns' argument order
+        for spec_ in args.mosaic_configs.split(","):
+            mcfg = MgpuConfig(**parse_tiling(spec_))
+            mosaic_fns[spec_] = jax.jit(lambda e, x, i, w, mcfg=mcfg: grouped_moe_w4a16_mgpu(
+                x, e, i, w, config_up=mcfg, config_down=mcfg))
     head_w = jax.jit(lambda k: jax.random.normal(k, (cfg.hidden_size, cfg.vocab_size), jnp.bfloat16))(
         jax.random.key(7))
     head_fn = jax.jit(lambda x, w: (x @ w).astype(jnp.float32))
@@ -301,19 +308,15 @@ def main():
         mrow = {"T": t, "touched": touched}
         y, mrow["moe_s"] = measure(moe_fns[moe_impl], p0["experts"], x, idx, w)
         ref = moe_fns["xla_touched"](p0["experts"], x, idx, w)
-        err = float(jnp.max(jnp.abs(y.astype(jnp.float32) - ref.astype(jnp.float32)))
-                    / jnp.max(jnp.abs(ref.astype(jnp.float32))))
+        err = rel_err(y, ref)
         checks.append({"T": t, "what": f"moe {moe_impl} vs xla_touched (bf16 dequant)", "max_rel_err": err})
         if on_gpu:
             mrow["moe_wall_s"] = wall(moe_fns[moe_impl], p0["experts"], x, idx, w)
             sweep = {}
-            for name, mcfg in mosaic_configs.items():  # the Mosaic GPU grouped kernel, weights converted once
-                fn = jax.jit(lambda e, x, i, w, mcfg=mcfg: grouped_moe_w4a16_mgpu(x, e, i, w, config_up=mcfg,
-                                                                                    config_down=mcfg))
+            for name, fn in mosaic_fns.items():  # the Mosaic GPU grouped kernel, weights converted once
                 try:
                     ym, sec = measure(fn, experts_mgpu, x, idx, w)
-                    merr = float(jnp.max(jnp.abs(ym.astype(jnp.float32) - ref.astype(jnp.float32)))
-                                 / jnp.max(jnp.abs(ref.astype(jnp.float32))))
+                    merr = rel_err(ym, ref)
                     checks.append({"T": t, "what": f"moe mosaic {name} vs xla_touched (bf16 dequant)",
                                    "max_rel_err": merr})
                     sweep[name] = sec if merr < 3e-2 else f"WRONG (rel err {merr:.2e})"
@@ -324,9 +327,7 @@ def main():
             if timed:
                 best = min(timed, key=timed.get)
                 mrow["mosaic_s"], mrow["mosaic_config"] = timed[best], best
-                mosaic_cfg = mosaic_configs[best]
-                mrow["mosaic_wall_s"] = wall(jax.jit(lambda e, x, i, w: grouped_moe_w4a16_mgpu(
-                    x, e, i, w, config_up=mosaic_cfg, config_down=mosaic_cfg)), experts_mgpu, x, idx, w)
+                mrow["mosaic_wall_s"] = wall(mosaic_fns[best], experts_mgpu, x, idx, w)
             else:
                 mrow["mosaic_error"] = "; ".join(f"{n}: {v}" for n, v in sweep.items())
         if not args.no_baselines:

@@ -86,7 +86,7 @@ def main():
     from jax.experimental.mosaic.gpu import profiler
 
     from kdtree_jax import quant
-    from pallas_kernels.w4a16 import (BlockConfig, get_config, w4a16_matmul, w4a16_matmul_reference,
+    from pallas_kernels.w4a16 import (get_config, w4a16_matmul, w4a16_matmul_reference,
                                       w4a16_matmul_xla_bf16)
     from reference import int4 as ref
 

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import kdtree_jax as kj
 from helpers import random_params, rel_err
-from kdtree_jax import model, quant, sharding
+from kdtree_jax import quant, sharding
 from pallas_kernels.moe_w4a16 import MoEW4A16FallbackWarning
 
 CFG = kj.ModelConfig.tiny().replace(num_hidden_layers=3)  # layer 0 dense, layers 1-2 MoE

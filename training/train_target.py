@@ -12,7 +12,6 @@ Routing is DeepSeek-V3's auxiliary-loss-free scheme: after every step the router
 from __future__ import annotations
 
 import argparse
-import functools
 import time
 from pathlib import Path
 
