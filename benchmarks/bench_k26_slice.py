@@ -171,8 +171,8 @@ def main():
     ap.add_argument("--ts", default=",".join(map(str, TS)), help="tree sizes T (tokens verified), comma-separated")
     ap.add_argument("--ss", default=",".join(map(str, SS)), help="committed contexts S, comma-separated")
     ap.add_argument("--mosaic-configs", default="bn64:bk256:s4",
-                    help="Mosaic GPU grouped MoE tilings to time, comma-separated block_n:block_k:pipeline steps "
-                         "(e.g. bn64:bk256:s3,bn64:bk512:s4); the best is reported as the Mosaic column")
+                    help="Mosaic GPU grouped MoE tilings to time, comma-separated (MgpuConfig.parse: e.g. "
+                         "bn64:bk256:s3,bn64:bk512:s4); the best is reported as the Mosaic column")
     ap.add_argument("--no-baselines", action="store_true", help="skip the XLA MoE alternatives")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run at tiny width (XLA paths, wall clock)")
     ap.add_argument("--summarize", metavar="JSON",
@@ -287,7 +287,7 @@ def main():
         experts_mgpu = jax.jit(experts_to_mgpu_layout)(p0["experts"])
         mosaic_fns = {}  # tiling name -> jitted MoE in moe_fns' argument order
         for spec_ in args.mosaic_configs.split(","):
-            mcfg = MgpuConfig(**parse_tiling(spec_))
+            mcfg = MgpuConfig.parse(spec_)
             mosaic_fns[spec_] = jax.jit(lambda e, x, i, w, mcfg=mcfg: grouped_moe_w4a16_mgpu(
                 x, e, i, w, config_up=mcfg, config_down=mcfg))
     head_w = jax.jit(lambda k: jax.random.normal(k, (cfg.hidden_size, cfg.vocab_size), jnp.bfloat16))(
@@ -377,18 +377,6 @@ def main():
     plot(result, stem + ".png")
     print(result["markdown"])
     print(f"wrote {stem}.json/.md/.png in {time.time() - t_start:.0f} s", flush=True)
-
-
-def parse_tiling(text: str) -> dict:
-    """"bn64:bk256:s4" -> {"block_n": 64, "block_k": 256, "max_concurrent_steps": 4}."""
-    fields = {"bn": "block_n", "bk": "block_k", "s": "max_concurrent_steps"}
-    out = {}
-    for part in text.split(":"):
-        key = part.rstrip("0123456789")
-        if key not in fields or not part[len(key):].isdigit():
-            raise SystemExit(f"bad Mosaic tiling {text!r}: want e.g. bn64:bk256:s4")
-        out[fields[key]] = int(part[len(key):])
-    return out
 
 
 def resummarize(path):

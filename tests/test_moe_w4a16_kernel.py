@@ -306,8 +306,10 @@ def test_mgpu_grouped_moe_interpret_matches_numpy(T, E, k, crowd, zero):
     assert _rel(got, _numpy_moe(x, dense, ids, weights)) < 3e-2  # bf16 x, gate/up, hidden, down
 
 
-def test_mgpu_grouped_kernel_skips_unused_tiles_and_reuses_experts():
-    """grouped_w4a16_mgpu_kernel: tile t = expert tile_expert[t]; -1 tiles are skipped (never written)."""
+@pytest.mark.parametrize("block_k", [64, 128])
+def test_mgpu_grouped_kernel_skips_unused_tiles_and_reuses_experts(block_k):
+    """grouped_w4a16_mgpu_kernel: tile t = expert tile_expert[t]; -1 tiles are skipped (never written).
+    block_k 128: 4 scale groups per pipeline step, each its own register slice."""
     from pallas_kernels.w4a16 import w4a16_matmul_reference
     from pallas_kernels.w4a16_mgpu import MgpuConfig, to_mgpu_layout
     from pallas_kernels.w4a16_mgpu.kernel import grouped_w4a16_mgpu_kernel
@@ -321,7 +323,7 @@ def test_mgpu_grouped_kernel_skips_unused_tiles_and_reuses_experts():
     try:
         y_t = jax.block_until_ready(grouped_w4a16_mgpu_kernel(  # finish before the finally resets the interpreter
             x_rows, w, s, tile_expert, interpret=_mgpu_interpret(),
-            config=MgpuConfig(block_n=64, block_k=64, a_operand="smem")))
+            config=MgpuConfig(block_n=64, block_k=block_k, a_operand="smem")))
     finally:
         _reset_mgpu_interpreter()
     assert y_t.shape == (4, 64, 8)

@@ -30,11 +30,32 @@ class MgpuConfig:
     block_k: K per pipeline step, a multiple of 64 (an int4 row of 32 B is the smallest swizzle).
     max_concurrent_steps: pipeline depth (SMEM buffers in flight).
     a_operand: "registers" (the fast path: dequantized weights are wgmma register-A) or "smem" (stage them
-      in SMEM first; the only form jax 0.11's GPU interpret mode can simulate)."""
+      in SMEM first; the only form jax 0.11's GPU interpret mode can simulate).
+    Group scales: the dequantized [block_n, block_k] register tile is cut into static [block_n, 32] slices
+    (register subsets of the WGMMA layout: no data moves), each multiplied by its group's broadcast row."""
     block_n: int = 64
     block_k: int = 64
     max_concurrent_steps: int = 4
     a_operand: str = "registers"
+
+    @classmethod
+    def parse(cls, text: str) -> "MgpuConfig":
+        """A tiling written as colon-separated fields, e.g. "bn64:bk256:s4" or "bn128:bk128:s3:smem":
+        bnN block_n, bkN block_k, sN max_concurrent_steps, and the words registers / smem (a_operand).
+        Unnamed fields keep their defaults."""
+        numbers = {"bn": "block_n", "bk": "block_k", "s": "max_concurrent_steps"}
+        words = {"registers": "a_operand", "smem": "a_operand"}
+        fields = {}
+        for part in text.split(":"):
+            key = part.rstrip("0123456789")
+            if part in words:
+                fields[words[part]] = part
+            elif key in numbers and part[len(key):].isdigit():
+                fields[numbers[key]] = int(part[len(key):])
+            else:
+                raise ValueError(f"bad Mosaic tiling {text!r} (field {part!r}): want e.g. bn64:bk256:s4 or "
+                                 "bn64:bk128:s4:smem")
+        return cls(**fields)
 
 
 def _smem_transforms(minor_elems: int, dtype) -> tuple:
@@ -86,14 +107,13 @@ def _tile_matmul(config: MgpuConfig, k: int, mp: int):
             def step(_, w_smem, x_smem, s_smem):
                 w = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_UPCAST_4X)  # int4 [block_n, block_k]
                 w = plgpu.layout_cast(w, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
-                # Scale [block_n, block_k]: group g's row vector broadcast along K, picked by column.
-                col = plgpu.broadcasted_iota(jnp.int32, w.shape, 1, layout=plgpu.Layout.WGMMA)
-                sc = None
-                for g in range(groups):
-                    s = plgpu.load(s_smem.at[g], layout=plgpu.Layout.WGMMA.reduce(1))  # bf16 [block_n]
-                    s = lax.broadcast_in_dim(s, w.shape, [0])
-                    sc = s if sc is None else jnp.where(col >= g * GROUP_SIZE, s, sc)
-                w = w * sc
+                scales = [plgpu.load(s_smem.at[g], layout=plgpu.Layout.WGMMA.reduce(1))  # bf16 [block_n] each
+                          for g in range(groups)]
+                # Group g = columns [32 g, 32 g + 32): a static slice of the WGMMA tiling (8 columns per
+                # register tile) is a subset of each thread's registers, so this moves no data.
+                w = jnp.concatenate(
+                    [w[:, g * GROUP_SIZE:(g + 1) * GROUP_SIZE] * lax.broadcast_in_dim(s, (block_n, GROUP_SIZE), [0])
+                     for g, s in enumerate(scales)], axis=1)
                 if a_smem is None:
                     a = w  # register-A: the dequantized tile feeds wgmma straight from registers
                 else:

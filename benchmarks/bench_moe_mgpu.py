@@ -1,0 +1,175 @@
+"""The Mosaic GPU grouped INT4 MoE (pallas_kernels/w4a16_mgpu/moe.py) on one K2.6 layer's routed experts,
+on the H200: correctness against the XLA reference, then device-side time per variant against the
+touched-expert floor, with each variant's per-kernel breakdown, in one run.
+
+  python benchmarks/bench_moe_mgpu.py --ts 1,9,33,129 --variants bn64:bk256:s4,bn64:bk256:s4:select --out DIR
+
+A variant is a tiling for the gate/up launches, optionally "/" a tiling for the down launch
+(`MgpuConfig.parse`: e.g. "bn64:bk256:s4/bn64:bk128:s6"). The experts (E = 384, D = 7168, I = 2048) are
+random INT4 made on the device straight in the kernel layout; each token routes to 8 distinct uniformly
+random experts. Timing: CUPTI summed kernel time (`jax.experimental.mosaic.gpu.profiler.measure`, one window
+per iteration, median), the whole routed MoE including its XLA grouping and glue; the floor is the touched
+experts' INT4 + bf16-scale bytes at the copy bandwidth measured in this run (`kdtree_jax.budget`). Issue 7's
+T = 1 target counts the shared expert too: its bf16 XLA time and bytes are measured and added in the
+"layer" columns. A variant that fails to compile or disagrees with the reference is reported, never timed.
+Writes DIR/moe_mgpu.json and DIR/moe_mgpu.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"), help="folder for moe_mgpu.json/.md")
+    ap.add_argument("--ts", default="1,9,33,129", help="tokens T routed through the layer, comma-separated")
+    ap.add_argument("--variants", default="bn64:bk256:s4",
+                    help="comma-separated variants: UP_TILING[/DOWN_TILING] (MgpuConfig.parse), e.g. "
+                         "bn64:bk256:s4,bn64:bk256:s4:select,bn64:bk256:s4/bn64:bk128:s6")
+    ap.add_argument("--iters", type=int, default=7, help="timed iterations per point (median reported)")
+    ap.add_argument("--deadline-s", type=float, default=400.0, help="start no new T after this many seconds")
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental.mosaic.gpu import profiler
+
+    import kdtree_jax as kj
+    from kdtree_jax.budget import BF16_BYTES, CostModel
+    from pallas_kernels.w4a16_mgpu import MgpuConfig
+    from pallas_kernels.w4a16_mgpu.moe import grouped_moe_w4a16_mgpu, routed_moe_mosaic_reference
+
+    if jax.default_backend() != "gpu":
+        raise SystemExit("bench_moe_mgpu needs a Hopper GPU: CPU timings prove nothing")
+    t_start = time.time()
+    ts = [int(v) for v in args.ts.split(",")]
+    variants = {}
+    for spec in args.variants.split(","):
+        up, _, down = spec.partition("/")
+        variants[spec] = (MgpuConfig.parse(up), MgpuConfig.parse(down or up))
+    cfg = kj.ModelConfig.kimi_k26()
+    e, d, inter, top_k = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "timing": "CUPTI summed kernel time, one window per iteration, median",
+            "shape": {"experts": e, "hidden": d, "intermediate": inter, "top_k": top_k}}
+    print(json.dumps(meta), flush=True)
+
+    def measure(f, *a):
+        out = jax.block_until_ready(f(*a))
+        times = []
+        for _ in range(args.iters):
+            out, ms = profiler.measure(f, iterations=1)(*a)
+            times.append(ms)
+        _, kernels = profiler.measure(f, aggregate=False)(*a)
+        return out, statistics.median(times) * 1e-3, [(name[:60], ms * 1e3) for name, ms in kernels]
+
+    n = 512 * 1024 * 1024
+    big = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
+    _, copy_s, _ = measure(jax.jit(lambda a: a + 1), big)
+    del big
+    bandwidth = 2 * n * BF16_BYTES / copy_s
+    model = CostModel.from_config(cfg, bandwidth=bandwidth)
+    meta["copy_TBps"] = bandwidth / 1e12
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+
+    @jax.jit
+    def make_experts(key):
+        def leaf(k, n_out, k_in):
+            kw, ks = jax.random.split(k)
+            return {"w_i4": jax.random.randint(kw, (e, n_out, k_in), -8, 8, jnp.int8).astype(jnp.int4),
+                    "scale_t": jax.random.uniform(ks, (e, k_in // 32, n_out), jnp.float32, 0.004, 0.02
+                                                  ).astype(jnp.bfloat16)}
+        kg, ku, kd = jax.random.split(key, 3)
+        return {"gate": leaf(kg, inter, d), "up": leaf(ku, inter, d), "down": leaf(kd, d, inter)}
+
+    experts = jax.block_until_ready(make_experts(jax.random.key(1)))
+    shared = jax.jit(lambda k: [jax.random.normal(kk, shp, jnp.bfloat16) * 0.02 for kk, shp in
+                                zip(jax.random.split(k, 3), [(d, inter), (d, inter), (inter, d)])])(jax.random.key(2))
+    shared_fn = jax.jit(lambda x, w: (jax.nn.silu(x @ w[0]) * (x @ w[1])) @ w[2])
+    shared_floor = 3 * d * inter * BF16_BYTES / bandwidth
+    reference = jax.jit(lambda x, ex, ids, w: jax.lax.map(  # one token at a time: [k, N, K] f32 per step
+        lambda a: routed_moe_mosaic_reference(a[0][None], ex, a[1][None], a[2][None])[0], (x, ids, w)))
+    fns = {name: jax.jit(lambda x, ex, ids, w, up=up, down=down: grouped_moe_w4a16_mgpu(
+        x, ex, ids, w, config_up=up, config_down=down)) for name, (up, down) in variants.items()}
+
+    rows = []
+    for t in ts:
+        if time.time() - t_start > args.deadline_s:
+            print(f"deadline: skipping T={t} and later", flush=True)
+            break
+        kx, kr, kw = jax.random.split(jax.random.key(100 + t), 3)
+        x = jax.random.normal(kx, (t, d), jnp.bfloat16)
+        ids = jax.lax.top_k(jax.random.uniform(kr, (t, e)), top_k)[1].astype(jnp.int32)  # distinct per token
+        w = jax.random.uniform(kw, (t, top_k), jnp.float32, 0.1, 1.0)
+        w = w / jnp.sum(w, -1, keepdims=True) * cfg.routed_scaling_factor
+        touched = int(np.unique(np.asarray(ids)).size)
+        want = reference(x, experts, ids, w)
+        _, shared_s, _ = measure(shared_fn, x, shared)
+        row = {"T": t, "touched": touched, "floor_s": model.moe_floor(t, touched), "shared_s": shared_s,
+               "shared_floor_s": shared_floor, "variants": {}}
+        for name, fn in fns.items():
+            try:
+                got, sec, kernels = measure(fn, x, experts, ids, w)
+                got, ref = got.astype(jnp.float32), want
+                err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+                row["variants"][name] = ({"s": sec, "rel_err": err, "kernels": kernels} if err < 3e-2
+                                         else {"error": f"WRONG (rel err {err:.2e})"})
+            except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the run
+                row["variants"][name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+            v = row["variants"][name]
+            print(f"T={t} touched={touched} {name}: "
+                  + (f"{v['s'] * 1e6:.1f} us = {v['s'] / row['floor_s']:.2f}x floor, err {v['rel_err']:.1e}; "
+                     + ", ".join(f"{k} {us:.1f}" for k, us in v["kernels"]) if "s" in v else v["error"]), flush=True)
+        rows.append(row)
+
+    result = {"meta": meta, "rows": rows, "markdown": summarize(meta, rows, list(variants))}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "moe_mgpu.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(args.out, "moe_mgpu.md"), "w") as f:
+        f.write(result["markdown"])
+    print(result["markdown"], flush=True)
+
+
+def summarize(meta, rows, names) -> str:
+    us = lambda v: f"{v * 1e6:.1f}"  # noqa: E731
+    md = [f"# Mosaic GPU grouped INT4 MoE, one K2.6 layer ({meta['device']})", "",
+          f"{meta['date']}, JAX {meta['jax']}; {meta['timing']}; copy bandwidth {meta['copy_TBps']:.2f} TB/s. "
+          "Microseconds, routed experts with their grouping and glue; floor = touched experts' INT4 + scale "
+          "bytes. layer = routed + the shared expert (bf16 XLA), against routed + shared bytes.", "",
+          "| T | touched | floor | " + " | ".join(f"{n} | x floor" for n in names) + " | shared (floor) | "
+          "best layer x floor |", "|---" * (4 + 2 * len(names) + 1) + "|"]
+    for r in rows:
+        cells, best = [], None
+        for n in names:
+            v = r["variants"].get(n, {"error": "not run"})
+            if "s" in v:
+                cells += [us(v["s"]), f"{v['s'] / r['floor_s']:.2f}"]
+                best = v["s"] if best is None else min(best, v["s"])
+            else:
+                cells += [v["error"][:40], "-"]
+        layer = (f"{(best + r['shared_s']) / (r['floor_s'] + r['shared_floor_s']):.2f}" if best is not None else "-")
+        md.append(f"| {r['T']} | {r['touched']} | {us(r['floor_s'])} | " + " | ".join(cells)
+                  + f" | {us(r['shared_s'])} ({us(r['shared_floor_s'])}) | {layer} |")
+    md += ["", "Per-kernel breakdown (us, one call):", ""]
+    for r in rows:
+        for n in names:
+            v = r["variants"].get(n, {})
+            if "kernels" in v:
+                md.append(f"- T={r['T']} {n}: " + ", ".join(f"{k} {t:.1f}" for k, t in v["kernels"]))
+    return "\n".join(md) + "\n"
+
+
+if __name__ == "__main__":
+    main()
