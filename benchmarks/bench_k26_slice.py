@@ -8,8 +8,9 @@ Builds `--layers` MoE layers of ModelConfig.kimi_k26() (hidden 7168, 64 MLA head
 7168 -> 2048 -> 7168, bf16 attention / shared expert) with random weights drawn ON THE DEVICE inside jit,
 then, for every tree size T in {1, 9, 33, 65, 129} and committed context S in {4096, 32768}, times
   attention: the tree-attention kernel (absorbed MLA core over S + T latent rows, a random tree mask);
-  moe:       the grouped INT4 MoE kernel (routed experts, grouping included), and XLA's alternatives
-             in the same run: touched-experts loop, dense-all-experts, gather-then-dot (bf16 dequant);
+  moe:       the grouped INT4 MoE kernel the model runs (--moe: the Mosaic GPU one by default; routed
+             experts, grouping included), the other grouped kernel, and XLA's alternatives in the same
+             run: touched-experts loop, dense-all-experts, gather-then-dot (bf16 dequant);
   rest:      RMSNorms, q_a/q_b/kv_a, W_UK absorb, RoPE, W_UV, o_proj, router + top-8, shared expert;
   layer:     the whole slice forward divided by the number of layers (includes the glue);
   head:      the lm_head on T rows,
@@ -137,11 +138,15 @@ def post_attention(p, h, attn, cfg):
     return h, x, idx.astype(jnp.int32), w, shared
 
 
-def routed(experts, x, idx, w, impl, interpret=False):
+def routed(experts, x, idx, w, impl):
+    """The routed MoE by impl: "mosaic" (experts in the Mosaic layout), "triton", or an XLA alternative."""
     from pallas_kernels import moe_w4a16 as moe
+    from pallas_kernels.w4a16_mgpu.moe import grouped_moe_w4a16_mgpu
 
-    if impl == "pallas":
-        return moe.grouped_moe_w4a16(x, experts, idx, w, impl="pallas", interpret=interpret)
+    if impl == "mosaic":
+        return grouped_moe_w4a16_mgpu(x, experts, idx, w)
+    if impl == "triton":
+        return moe.grouped_moe_w4a16(x, experts, idx, w, impl="pallas")
     if impl == "xla_touched":
         return moe.moe_w4a16_xla_touched(x, experts, idx, w, dequant="bf16")
     if impl == "xla_dense":
@@ -170,9 +175,10 @@ def main():
     ap.add_argument("--deadline-s", type=float, default=520.0, help="stop starting new points after this")
     ap.add_argument("--ts", default=",".join(map(str, TS)), help="tree sizes T (tokens verified), comma-separated")
     ap.add_argument("--ss", default=",".join(map(str, SS)), help="committed contexts S, comma-separated")
-    ap.add_argument("--mosaic-configs", default="bn64:bk256:s4",
-                    help="Mosaic GPU grouped MoE tilings to time, comma-separated (MgpuConfig.parse: e.g. "
-                         "bn64:bk256:s3,bn64:bk512:s4); the best is reported as the Mosaic column")
+    ap.add_argument("--moe", choices=("mosaic", "triton"), default="mosaic",
+                    help="the grouped MoE kernel of the slice forward and the MoE column (the other one is timed "
+                         "beside it): mosaic = pallas_kernels/w4a16_mgpu (the model's on Hopper + bf16), triton = "
+                         "pallas_kernels/moe_w4a16 (default: %(default)s; tilings: benchmarks/bench_moe_mgpu.py)")
     ap.add_argument("--no-baselines", action="store_true", help="skip the XLA MoE alternatives")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run at tiny width (XLA paths, wall clock)")
     ap.add_argument("--summarize", metavar="JSON",
@@ -198,10 +204,12 @@ def main():
     if args.tiny:
         ts, ss = [t for t in ts if t <= 33] or [1], [64, 256]
     attn_impl = "pallas" if on_gpu else "xla"
-    moe_impl = "pallas" if on_gpu else "xla_touched"
+    moe_impl = args.moe if on_gpu else "xla_touched"
+    alt_impl = {"mosaic": "triton", "triton": "mosaic"}.get(moe_impl)
     meta = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "tiny": args.tiny, "layers": args.layers, "attention_impl": attn_impl, "moe_impl": moe_impl,
+            "alt_moe_impl": alt_impl,
             "timing": ("CUPTI summed kernel time, median" if on_gpu
                        else "CPU WALL CLOCK, median: NOT MEASUREMENTS, proves only that the script runs"),
             "config": {k: getattr(cfg, k) for k in ("hidden_size", "num_attention_heads", "n_routed_experts",
@@ -268,28 +276,28 @@ def main():
     post = jax.jit(lambda p, h, a: post_attention(p, h, a, cfg))
     attend = jax.jit(lambda q, cache, start, mask: tree_mla_attention(q, cache, start, mask, scale=scale,
                                                                       value_dim=c, impl=attn_impl))
-    moe_fns = {impl: jax.jit(lambda e, x, i, w, impl=impl: routed(e, x, i, w, impl))
-               for impl in ("pallas", "xla_touched", "xla_dense", "xla_gather")}
+    impls = (["mosaic", "triton"] if on_gpu else []) + ["xla_touched", "xla_dense", "xla_gather"]
+    moe_fns = {impl: jax.jit(lambda e, x, i, w, impl=impl: routed(e, x, i, w, impl)) for impl in impls}
+    mosaic_experts = []
+    if on_gpu:  # every layer's routed experts in the Mosaic kernel layout too (a load-time conversion)
+        from pallas_kernels.w4a16_mgpu.moe import experts_to_mgpu_layout
 
-    def slice_forward(layers, h, positions, cache, start, mask):
-        for p in layers:  # static unroll over the slice's layers (each its own weights)
+        to_mgpu = jax.jit(experts_to_mgpu_layout)
+        mosaic_experts = [to_mgpu(p["experts"]) for p in layers]
+
+    def experts_for(impl, layer):
+        return mosaic_experts[layer] if impl == "mosaic" else layers[layer]["experts"]
+
+    def slice_forward(layers, experts, h, positions, cache, start, mask):
+        for p, e in zip(layers, experts):  # static unroll over the slice's layers (each its own weights)
             q, _ = pre_attention(p, h, positions, cfg)
             a = tree_mla_attention(q, cache, start, mask, scale=scale, value_dim=c, impl=attn_impl)
             h, x, idx, w, shared = post_attention(p, h, a, cfg)
-            h = h + shared + routed(p["experts"], x, idx, w, moe_impl)
+            h = h + shared + routed(e, x, idx, w, moe_impl)
         return h
 
     slice_fn = jax.jit(slice_forward)
-    if on_gpu:
-        from pallas_kernels.w4a16_mgpu import MgpuConfig
-        from pallas_kernels.w4a16_mgpu.moe import experts_to_mgpu_layout, grouped_moe_w4a16_mgpu
-
-        experts_mgpu = jax.jit(experts_to_mgpu_layout)(p0["experts"])
-        mosaic_fns = {}  # tiling name -> jitted MoE in moe_fns' argument order
-        for spec_ in args.mosaic_configs.split(","):
-            mcfg = MgpuConfig.parse(spec_)
-            mosaic_fns[spec_] = jax.jit(lambda e, x, i, w, mcfg=mcfg: grouped_moe_w4a16_mgpu(
-                x, e, i, w, config_up=mcfg, config_down=mcfg))
+    slice_experts = [experts_for(moe_impl, layer) for layer in range(args.layers)]
     head_w = jax.jit(lambda k: jax.random.normal(k, (cfg.hidden_size, cfg.vocab_size), jnp.bfloat16))(
         jax.random.key(7))
     head_fn = jax.jit(lambda x, w: (x @ w).astype(jnp.float32))
@@ -306,30 +314,16 @@ def main():
         _, x, idx, w, _ = post(p0, h, a_rand)  # routing of realistic hidden states
         touched = int(jnp.unique(idx).size)
         mrow = {"T": t, "touched": touched}
-        y, mrow["moe_s"] = measure(moe_fns[moe_impl], p0["experts"], x, idx, w)
+        y, mrow["moe_s"] = measure(moe_fns[moe_impl], experts_for(moe_impl, 0), x, idx, w)
         ref = moe_fns["xla_touched"](p0["experts"], x, idx, w)
         err = rel_err(y, ref)
         checks.append({"T": t, "what": f"moe {moe_impl} vs xla_touched (bf16 dequant)", "max_rel_err": err})
         if on_gpu:
-            mrow["moe_wall_s"] = wall(moe_fns[moe_impl], p0["experts"], x, idx, w)
-            sweep = {}
-            for name, fn in mosaic_fns.items():  # the Mosaic GPU grouped kernel, weights converted once
-                try:
-                    ym, sec = measure(fn, experts_mgpu, x, idx, w)
-                    merr = rel_err(ym, ref)
-                    checks.append({"T": t, "what": f"moe mosaic {name} vs xla_touched (bf16 dequant)",
-                                   "max_rel_err": merr})
-                    sweep[name] = sec if merr < 3e-2 else f"WRONG (rel err {merr:.2e})"
-                except Exception as e:  # noqa: BLE001 - a failing tiling must not lose the run
-                    sweep[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-            timed = {n: v for n, v in sweep.items() if isinstance(v, float)}
-            mrow["mosaic_sweep"] = sweep
-            if timed:
-                best = min(timed, key=timed.get)
-                mrow["mosaic_s"], mrow["mosaic_config"] = timed[best], best
-                mrow["mosaic_wall_s"] = wall(mosaic_fns[best], experts_mgpu, x, idx, w)
-            else:
-                mrow["mosaic_error"] = "; ".join(f"{n}: {v}" for n, v in sweep.items())
+            mrow["moe_wall_s"] = wall(moe_fns[moe_impl], experts_for(moe_impl, 0), x, idx, w)
+            y_alt, mrow["alt_s"] = measure(moe_fns[alt_impl], experts_for(alt_impl, 0), x, idx, w)
+            checks.append({"T": t, "what": f"moe {alt_impl} vs xla_touched (bf16 dequant)",
+                           "max_rel_err": rel_err(y_alt, ref)})
+            mrow["alt_wall_s"] = wall(moe_fns[alt_impl], experts_for(alt_impl, 0), x, idx, w)
         if not args.no_baselines:
             for impl in ("xla_touched", "xla_dense", "xla_gather"):
                 if time.time() - t_start > args.deadline_s:
@@ -341,8 +335,7 @@ def main():
         moe_rows[t] = mrow
         print(f"T={t}: touched {touched}, moe {mrow['moe_s'] * 1e6:.1f} us, err {err:.2e}, "
               + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in mrow.items()
-                          if k.startswith(("xla", "mosaic")) and isinstance(v, float))
-              + (f", mosaic {mrow['mosaic_error']}" if "mosaic_error" in mrow else ""), flush=True)
+                          if k.startswith(("xla", "alt")) and isinstance(v, float)), flush=True)
 
         for s in ss:
             if time.time() - t_start > args.deadline_s:
@@ -356,7 +349,7 @@ def main():
             (q, _), pre_s = measure(pre, p0, h, positions)
             attn, attn_s = measure(attend, q, cache, start, mask)
             _, post_s = measure(post, p0, h, attn)
-            _, slice_s = measure(slice_fn, layers, h, positions, cache, start, mask)
+            _, slice_s = measure(slice_fn, layers, slice_experts, h, positions, cache, start, mask)
             row = {"T": t, "S": s, "touched": touched, "attention_s": attn_s, "moe_s": mrow["moe_s"],
                    "rest_s": pre_s + post_s, "layer_s": slice_s / args.layers, "head_s": mrow["head_s"],
                    "attention_floor_s": model.attention_floor(t, s),
@@ -387,6 +380,12 @@ def resummarize(path):
     with open(path) as f:
         stored = json.load(f)
     meta = stored["meta"]
+    for m in stored["moe"]:  # results written before the Mosaic kernel was the slice's: it was a side column
+        if "mosaic_s" in m:
+            m["alt_s"] = m.pop("mosaic_s")
+            if "mosaic_wall_s" in m:
+                m["alt_wall_s"] = m.pop("mosaic_wall_s")
+            meta["moe_impl"], meta["alt_moe_impl"] = "triton", "mosaic (prototype)"
     cfg = tiny_config() if meta["tiny"] else kj.ModelConfig.kimi_k26()
     model = CostModel.from_config(cfg, bandwidth=meta["copy_TBps"] * 1e12)
     result = summarize(meta, stored["rows"], {m["T"]: m for m in stored["moe"]}, stored["checks"], model,
@@ -433,40 +432,33 @@ def summarize(meta, rows, moe_rows, checks, model, on_gpu, evaluate_budgets, sat
                   f"{r['attention_s'] / r['attention_floor_s']:.2f} | {us(r['moe_s'])} | {us(r['moe_floor_s'])} | "
                   f"{r['moe_s'] / r['moe_floor_s']:.2f} | {us(r['rest_s'])} | {us(r['rest_floor_s'])} | "
                   f"{us(r['layer_s'])} | {us(r['glue_s'])} |")
-    md += ["", "## Routed MoE: grouped kernel vs XLA alternatives (us, same run)", "",
-           "| T | touched | kernel | floor | kernel / floor | target | XLA touched loop | XLA dense all | XLA gather "
-           "| Mosaic grouped (prototype) | floor x |",
+    alt = meta.get("alt_moe_impl")
+    md += ["", "## Routed MoE: grouped kernels vs XLA alternatives (us, same run)", "",
+           f"| T | touched | floor | {meta['moe_impl']} (the slice's) | x floor | target | {alt or '-'} | x floor "
+           "| XLA touched loop | XLA dense all | XLA gather |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     flagged = []
     for t, m in moe_rows.items():
         floor = model.moe_floor(t, m["touched"])
         target = 1.5 if t == 1 else 1.3
         cells = []
-        for key, t_fold in (("moe_s", False), ("xla_touched_s", True), ("xla_dense_s", None), ("xla_gather_s", False),
-                            ("mosaic_s", False)):
+        for key, t_fold in (("moe_s", False), ("alt_s", False), ("xla_touched_s", True), ("xla_dense_s", None),
+                            ("xla_gather_s", False)):
             if key not in m:
-                cells.append(m.get("mosaic_error", "-")[:60] if key == "mosaic_s" else "-")
+                cells.append("-")
                 continue
             why = "" if t_fold is None else implausible(model, t, m["touched"], m[key], t_fold)
             if why:
                 flagged.append(f"T={t} {key[:-2]}: {why}")
             wall_key = key[:-2] + "_wall_s"
             cells.append(us(m[key]) + (" (!)" if why else "") + (f" [wall {us(m[wall_key])}]" if wall_key in m else ""))
-        mosaic_x = f"{m['mosaic_s'] / floor:.2f}" if "mosaic_s" in m else "-"
-        md.append(f"| {t} | {m['touched']} | {cells[0]} | {us(floor)} | {m['moe_s'] / floor:.2f} | <= {target} | "
-                  + " | ".join(cells[1:]) + f" | {mosaic_x} |")
+        alt_x = f"{m['alt_s'] / floor:.2f}" if "alt_s" in m else "-"
+        md.append(f"| {t} | {m['touched']} | {us(floor)} | {cells[0]} | {m['moe_s'] / floor:.2f} | <= {target} | "
+                  f"{cells[1]} | {alt_x} | " + " | ".join(cells[2:]) + " |")
     if flagged:
         md += ["", "(!) physically impossible, so NOT a valid measurement: " + "; ".join(flagged) + ". CUPTI "
                "summed kernel time misses kernels here (most likely those XLA launches from command buffers / CUDA "
                "graphs inside its while loops and conditionals); such times are lower bounds at best."]
-    sweeps = {t: m["mosaic_sweep"] for t, m in moe_rows.items() if m.get("mosaic_sweep")}
-    if sweeps and len(next(iter(sweeps.values()))) > 1:
-        names = list(next(iter(sweeps.values())))
-        md += ["", "Mosaic grouped kernel tilings (us; the Mosaic column above is the best):", "",
-               "| T | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-        for t, sw in sweeps.items():
-            md.append(f"| {t} | " + " | ".join(us(v) if isinstance(v, float) else str(v)[:40] for v in sw.values())
-                      + " |")
     if any("moe_wall_s" in m for m in moe_rows.values()):
         md += ["", "[wall ...]: median wall clock of the same jitted call (one dispatch included): an upper bound "
                "beside CUPTI's summed kernel time."]
@@ -524,8 +516,11 @@ def summarize(meta, rows, moe_rows, checks, model, on_gpu, evaluate_budgets, sat
 
 
 def plot(result, path):
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        print("note: matplotlib is not installed (pip install -e '.[bench]'): no plot, the .md tables are written")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -18,7 +18,7 @@ from kdtree_jax.drafter import (DrafterCache, DrafterConfig, drafter_extend_cont
 from kdtree_jax.generate import GenerateOutput, generate
 from kdtree_jax.hf import HFCheckpointError, load_hf
 from kdtree_jax.model import KVCache, forward, forward_with_cache, init_cache, init_params
-from kdtree_jax.quantize import quantize, to_mosaic_experts
+from kdtree_jax.quantize import mosaic_moe_unsupported, quantize, to_mosaic_experts
 from kdtree_jax.tree import Tree, build_chain, build_tree
 
 __all__ = [
@@ -26,5 +26,5 @@ __all__ = [
     "HFCheckpointError", "KVCache", "ModelConfig", "OracleDraft", "Tree", "YarnScaling", "build_chain",
     "build_tree", "drafter_extend_context", "drafter_forward", "forward", "forward_with_cache", "generate",
     "init_cache", "init_drafter_cache", "init_drafter_params", "init_params", "load_checkpoint", "load_hf",
-    "quantize", "save_checkpoint", "to_mosaic_experts",
+    "mosaic_moe_unsupported", "quantize", "save_checkpoint", "to_mosaic_experts",
 ]

@@ -32,7 +32,7 @@ BF16_BYTES = 2
 
 
 # CostModel.calibrated(rows of benchmarks/results/k26_slice.json), rounded; see CostModel.measured_h200.
-MEASURED_H200 = {"bandwidth": 3.37e12, "attention_overhead": 3.68, "moe_overhead": 4.09, "rest_overhead": 1.62}
+MEASURED_H200 = {"bandwidth": 3.36e12, "attention_overhead": 3.68, "moe_overhead": 1.09, "rest_overhead": 1.63}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +96,8 @@ class CostModel:
     @classmethod
     def measured_h200(cls, **overrides) -> "CostModel":
         """Kimi K2.6 with the overheads measured on one H200 (benchmarks/results/k26_slice.json,
-        2026-11-30, JAX 0.11.2: Triton tree-attention and grouped MoE kernels, CUPTI kernel time) and
-        that run's copy bandwidth. tests/test_budget.py checks these against the committed JSON."""
+        2026-11-30, JAX 0.11.2: the Triton tree-attention kernel and the Mosaic GPU grouped MoE kernel,
+        CUPTI kernel time) and that run's copy bandwidth. tests/test_budget.py checks these against the committed JSON."""
         return cls(**{**MEASURED_H200, **overrides})
 
     # ------------------------------------------------------------------------------- sizes (bytes)

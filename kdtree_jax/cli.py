@@ -90,10 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "docs/sharding.md)")
     g.add_argument("--no-warmup", action="store_true", help="time the first call (compile time included) "
                    "instead of a second, compiled one")
-    g.add_argument("--mosaic-moe", action="store_true", help="run the INT4 routed experts with the Mosaic GPU "
-                   "grouped MoE kernel (Hopper, bf16 models; measured 2.5-3.8x faster than the default Triton "
-                   "kernel at K2.6 shapes): their layout is converted once after loading (kj.to_mosaic_experts). "
-                   "Without a GPU an XLA path runs instead, with a note")
+    g.add_argument("--moe-kernel", choices=("auto", "mosaic", "triton"), default="auto",
+                   help="kernel for the INT4 routed experts. mosaic: the Mosaic GPU grouped MoE kernel (Hopper, "
+                   "bf16; within 1.07-1.46x of its memory floor at K2.6 shapes, 3-4x faster than the Triton "
+                   "kernel), the experts' layout converted once after loading (kj.to_mosaic_experts); without a "
+                   "GPU an XLA path runs, with a note. triton: the Triton grouped kernel on the checkpoint "
+                   "layout (also float32 models). auto (default): mosaic where it can run (a Hopper GPU, bf16 "
+                   "params, INT4 experts with bf16 scales, expert dims multiples of 64), else triton")
     g.add_argument("--matmul-precision", choices=("highest", "default"), default="highest",
                    help="float32 matmul precision (default: %(default)s). On NVIDIA GPUs 'default' is TF32, "
                    "whose rounding differs between the AR step and the tree-shaped verify, so greedy DDTree "
@@ -263,6 +266,23 @@ def _load_model(args):
     return cfg, _random_target(cfg, args.seed, _dtype(dtype)), f"preset {args.preset} (random, seed {args.seed}, {dtype})"
 
 
+def _choose_moe_kernel(choice: str, cfg, params, model_desc: str):
+    """--moe-kernel: (params, description); mosaic converts the routed experts' layout (once)."""
+    import jax  # noqa: PLC0415
+
+    from kdtree_jax.quantize import mosaic_moe_unsupported, to_mosaic_experts  # noqa: PLC0415
+
+    if choice == "auto":
+        why = mosaic_moe_unsupported(params, cfg)
+        choice = "triton" if why else "mosaic"
+        if why and jax.default_backend() == "gpu":  # say why the fast kernel is not used where it could be
+            model_desc += f", routed experts not on the Mosaic GPU MoE kernel ({why})"
+    if choice == "triton":
+        return params, model_desc
+    params = to_mosaic_experts(params, cfg)  # a ValueError names the layer when the experts are not INT4
+    return params, model_desc + ", routed experts on the Mosaic GPU MoE kernel"
+
+
 def _load_drafter(args, cfg, methods):
     if not any(m in ("dflash", "ddtree") for m in methods):
         if args.drafter:
@@ -342,11 +362,7 @@ def cmd_generate(args) -> None:
 
         args.mesh = make_mesh(args.mesh)
     cfg, params, model_desc = _load_model(args)
-    if args.mosaic_moe:
-        from kdtree_jax.quantize import to_mosaic_experts  # noqa: PLC0415
-
-        params = to_mosaic_experts(params, cfg)  # a ValueError names the layer when the experts are not INT4
-        model_desc += ", routed experts on the Mosaic GPU MoE kernel"
+    params, model_desc = _choose_moe_kernel(args.moe_kernel, cfg, params, model_desc)
     prompts = _parse_prompts(args.prompt, tokenizer, cfg)
     drafter, drafter_desc = _load_drafter(args, cfg, methods)
     print(f"model: {model_desc}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "

@@ -62,6 +62,32 @@ def quantize(params: dict, cfg: ModelConfig, policy: str = "experts", scale_dtyp
     return out
 
 
+def mosaic_moe_unsupported(params: dict, cfg: ModelConfig, device=None) -> str | None:
+    """Why the model should not run its routed experts on the Mosaic GPU grouped kernel here, or None
+    when it should (what `kdtree-jax generate --moe-kernel auto` asks): the kernel needs a Hopper GPU
+    (`device`, default the first JAX device), bf16 activations (bf16 params), canonical INT4 routed
+    experts with bf16 scales (f32 scales would be rounded: different numbers than the Triton path) and
+    expert dims that are multiples of 64."""
+    from pallas_kernels.w4a16_mgpu.moe import shape_unsupported  # noqa: PLC0415 (kernels import this package)
+
+    device = device or jax.devices()[0]
+    if device.platform != "gpu" or not str(getattr(device, "compute_capability", "")).startswith("9."):
+        return f"needs a Hopper GPU (sm_90), this is {device.device_kind}"
+    if params["embed_tokens"].dtype != jnp.bfloat16:
+        return f"needs bf16 activations, the model runs in {params['embed_tokens'].dtype}"
+    moe_layers = [layer for layer in range(cfg.num_hidden_layers) if cfg.is_moe_layer(layer)]
+    if not moe_layers:
+        return "the model has no MoE layers"
+    for layer in moe_layers:
+        for weight in ("gate", "up", "down"):
+            leaf = params[f"layers_{layer}"]["moe"]["experts"][weight]
+            if not is_int4_leaf(leaf):
+                return "the routed experts are not canonical INT4 leaves"
+            if leaf["scale"].dtype != jnp.bfloat16:
+                return f"the INT4 scales are {leaf['scale'].dtype}, not bfloat16"
+    return shape_unsupported(cfg.hidden_size, cfg.moe_intermediate_size)
+
+
 def to_mosaic_experts(params: dict, cfg: ModelConfig) -> dict:
     """A copy of INT4 `params` whose routed experts are in the Mosaic GPU kernel layout (quant.is_mosaic_leaf):
     the model then runs its MoE with the Mosaic GPU grouped kernel (pallas_kernels/w4a16_mgpu/moe.py) on a
@@ -69,7 +95,10 @@ def to_mosaic_experts(params: dict, cfg: ModelConfig) -> dict:
     bf16 scales transposed to [E, K/32, N]); do it once after loading, not per call. Checkpoints keep the
     canonical layout: save the params you loaded, not these."""
     from pallas_kernels.w4a16_mgpu import to_mgpu_layout  # noqa: PLC0415 (kernels import this package)
+    from pallas_kernels.w4a16_mgpu.moe import shape_unsupported  # noqa: PLC0415
 
+    if (why := shape_unsupported(cfg.hidden_size, cfg.moe_intermediate_size)) is not None:
+        raise ValueError(f"the Mosaic GPU MoE kernel cannot run this model's experts: {why}")
     convert = jax.jit(to_mgpu_layout)
     out = jax.tree.map(lambda x: x, params, is_leaf=is_any_int4_leaf)  # a fresh nested-dict copy
     converted = 0

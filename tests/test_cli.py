@@ -43,13 +43,16 @@ def token_lines(out: str) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """A random 2-layer tiny target + drafter (block 4), and the INT4 fixture converted to float32."""
+    """A random 2-layer tiny target + drafter (block 4), the INT4 fixture converted to float32, and a random
+    2-layer tiny target with INT4 experts (float32, bf16 scales)."""
     root = tmp_path_factory.mktemp("cli")
     assert cli.main(["init", str(root / "target"), "--preset", "tiny", "--layers", "2", "--seed", "3"]) == 0
     assert cli.main(["init", str(root / "drafter"), "--drafter", "--target", str(root / "target"),
                      "--block-size", "4"]) == 0
     assert cli.main(["convert", str(FIXTURES / "hf_k2_int4"), str(root / "int4"), "--dtype", "float32",
                      "--no-progress"]) == 0
+    tiny = kj.ModelConfig.tiny().replace(num_hidden_layers=2)  # expert dims 192 / 64: the Mosaic kernel's too
+    kj.save_checkpoint(root / "int4_tiny", tiny, kj.quantize(kj.init_params(tiny, jax.random.key(3)), tiny))
     return root
 
 
@@ -137,12 +140,12 @@ def test_generate_all_methods_compares_them(models, capsys):
 
 
 def test_generate_mosaic_moe_gives_the_same_tokens(models, capsys):
-    """--mosaic-moe on the INT4 checkpoint (float32 here, so on a CPU its XLA path runs, said in a note):
-    the same greedy tokens as the canonical layout, and DDTree == AR on it."""
-    common = ["--checkpoint", models / "int4", "--prompt", "3 17 42 5", "--max-new-tokens", "5", "--no-warmup"]
+    """--moe-kernel mosaic on the INT4 checkpoint (float32 here, so on a CPU its XLA path runs, said in a
+    note): the same greedy tokens as the canonical layout (what auto picks here: no Hopper GPU)."""
+    common = ["--checkpoint", models / "int4_tiny", "--prompt", "3 17 42 5", "--max-new-tokens", "5", "--no-warmup"]
     rc, canonical, _ = run(["generate", *common], capsys)
-    assert rc == 0
-    rc, mosaic, err = run(["generate", *common, "--mosaic-moe"], capsys)
+    assert rc == 0 and "Mosaic GPU MoE kernel" not in canonical.splitlines()[0]
+    rc, mosaic, err = run(["generate", *common, "--moe-kernel", "mosaic"], capsys)
     if jax.default_backend() == "gpu":  # the kernel itself runs there, and takes bf16 models only
         assert rc == 2 and "takes bf16 activations" in err
         return
@@ -238,8 +241,10 @@ BAD = [
     (["generate", "--checkpoint", "{target}", "--temperature", "1", "--top-k", "0"], "top_k must be an integer"),
     (["generate", "--checkpoint", "{target}", "--stop", "999"], "stop token 999 is outside the vocabulary"),
     (["generate", "--checkpoint", "{target}", "--method", "beam"], "invalid choice: 'beam'"),
-    (["generate", "--checkpoint", "{target}", "--mosaic-moe"],
+    (["generate", "--checkpoint", "{target}", "--moe-kernel", "mosaic"],
      "layers_1/moe/experts/gate is not INT4: quantize the experts first"),
+    (["generate", "--checkpoint", "{int4}", "--moe-kernel", "mosaic"],
+     "the Mosaic GPU MoE kernel cannot run this model's experts: intermediate 32 not a multiple of 64"),
     (["generate", "--preset", "tiny", "--layers", "1", "--max-new-tokens", "300"], "exceeds the model's max_position_embeddings"),
     (["generate", "--preset", "tiny", "--tokenizer", "{tmp}/tok.json"], "tokenizer file"),
     (["convert", "{tmp}/nope", "{tmp}/out"], "Hugging Face directory"),

@@ -66,6 +66,33 @@ def test_bad_conversions_raise(int4_params, mosaic_params):
         kj.to_mosaic_experts({"layers_0": int4_params["layers_0"]}, dense_only)
 
 
+class _FakeDevice:
+    def __init__(self, platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200"):
+        self.platform, self.compute_capability, self.device_kind = platform, compute_capability, device_kind
+
+
+def test_mosaic_moe_unsupported_says_why(int4_params, mosaic_params):
+    """What `generate --moe-kernel auto` asks: None exactly for a Hopper GPU + bf16 + canonical INT4 experts
+    with bf16 scales and dims that are multiples of 64; otherwise the reason."""
+    why = kj.mosaic_moe_unsupported
+    hopper = _FakeDevice()
+    assert why(int4_params, CFG, hopper) is None
+    assert "needs a Hopper GPU" in why(int4_params, CFG, _FakeDevice(compute_capability="8.0", device_kind="A100"))
+    assert "needs a Hopper GPU" in why(int4_params, CFG, _FakeDevice(platform="cpu", compute_capability=None))
+    if jax.default_backend() == "cpu":
+        assert "needs a Hopper GPU" in why(int4_params, CFG)  # the default device: this CPU
+    assert "needs bf16 activations" in why(kj.quantize(random_params(CFG, seed=1), CFG), CFG, hopper)
+    f32_scales = kj.quantize(random_params(CFG, seed=1, dtype=jnp.bfloat16), CFG, scale_dtype=jnp.float32)
+    assert "scales are float32" in why(f32_scales, CFG, hopper)
+    assert "not canonical INT4" in why(random_params(CFG, seed=1, dtype=jnp.bfloat16), CFG, hopper)
+    assert "not canonical INT4" in why(mosaic_params, CFG, hopper)  # already converted
+    odd = CFG.replace(moe_intermediate_size=96)
+    odd_params = kj.quantize(random_params(odd, seed=1, dtype=jnp.bfloat16), odd)
+    assert "intermediate 96 not a multiple of 64" in why(odd_params, odd, hopper)
+    with pytest.raises(ValueError, match="intermediate 96 not a multiple of 64"):
+        kj.to_mosaic_experts(odd_params, odd)
+
+
 def test_model_forward_on_mosaic_experts_matches_canonical(int4_params, mosaic_params):
     """CPU: the XLA fallback of the Mosaic layout (loud) == the canonical INT4 path; tokens of greedy
     DDTree == AR on the converted params."""

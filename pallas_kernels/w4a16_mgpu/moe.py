@@ -33,16 +33,31 @@ def experts_to_mgpu_layout(experts: dict) -> dict:
             for name, leaf in experts.items()}
 
 
+def shape_unsupported(hidden: int, inter: int) -> str | None:
+    """Why experts of hidden -> inter -> hidden cannot run on the kernel, or None (both dims are N of one
+    launch, a multiple of block_n = 64, and K of another, a multiple of block_k >= 64)."""
+    bad = [f"{name} {dim}" for name, dim in (("hidden", hidden), ("intermediate", inter)) if dim % 64]
+    return f"{' and '.join(bad)} not a multiple of 64" if bad else None
+
+
+def default_config(k: int) -> MgpuConfig:
+    """block_n 64 (the wgmma M), the deepest block_k of 256 / 128 / 64 that divides K, 4 pipeline steps:
+    the fastest tiling measured at K2.6 shapes (benchmarks/results/moe_mgpu.md: bk512 and bn128 were
+    slower at every T, a shallower block_k for the down launch too)."""
+    return MgpuConfig(block_n=64, block_k=next(bk for bk in (256, 128, 64) if k % bk == 0))
+
+
 @functools.partial(jax.jit, static_argnames=("block_m", "config_up", "config_down", "interpret", "out_dtype"))
 def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Array, weights: jax.Array, *,
-                           block_m: int = 8, config_up: MgpuConfig = MgpuConfig(block_k=256),
-                           config_down: MgpuConfig = MgpuConfig(block_k=256), interpret=None,
+                           block_m: int = 8, config_up: MgpuConfig | None = None,
+                           config_down: MgpuConfig | None = None, interpret=None,
                            out_dtype=jnp.bfloat16) -> jax.Array:
     """sum_j weights[t, j] * SwiGLU_{expert_ids[t, j]}(x[t]) -> [T, D] in out_dtype (summed in float32).
 
     x bf16 [T, D]; experts_mgpu from `experts_to_mgpu_layout`; expert_ids [T, k] int32 in [0, E);
     weights [T, k] float (zero-weight choices are dropped: they touch nothing). block_m: rows per tile
-    (a multiple of 8, <= 256). interpret: None natively, or InterpretGPUParams (needs a_operand="smem")."""
+    (a multiple of 8, <= 256). config_up (gate and up launches) / config_down: tilings, by default
+    `default_config` of their K. interpret: None natively, or InterpretGPUParams (needs a_operand="smem")."""
     if x.ndim != 2 or x.dtype != jnp.bfloat16:
         raise ValueError(f"x must be bf16 [T, D], got {x.dtype} {x.shape}")
     if block_m % 8 or not 8 <= block_m <= 256:
@@ -52,6 +67,10 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
     if x.shape[1] != hidden or down_w.shape != (num_experts, hidden, inter) or up_w.shape != gate_w.shape:
         raise ValueError(f"expert shapes gate {gate_w.shape}, up {up_w.shape}, down {down_w.shape} do not fit "
                          f"x {x.shape}")
+    if (why := shape_unsupported(hidden, inter)) is not None:
+        raise ValueError(f"the Mosaic GPU MoE kernel cannot run these experts: {why}")
+    config_up = config_up or default_config(hidden)
+    config_down = config_down or default_config(inter)
     if expert_ids.shape != weights.shape or expert_ids.shape[0] != x.shape[0]:
         raise ValueError(f"expert_ids {expert_ids.shape} and weights {weights.shape} must both be [T, k], T={x.shape[0]}")
 

@@ -1,0 +1,178 @@
+"""Whole-model check of the Mosaic GPU grouped MoE kernel on the H200: the model with its routed experts
+on the Mosaic kernel (kj.to_mosaic_experts) against the same model on the Triton kernel (the checkpoint
+layout), and DDTree against AR on each (the central invariant: the tree verify sends T = 1 + budget
+tokens per row through the grouped path, AR one token per row).
+
+Two models, both bf16 (the Mosaic kernel's activations) with INT4 experts (bf16 scales):
+  shipped: the trained pair (kdtree_jax/assets) cast to bf16, held-out Python prompts. Trained
+           distributions are peaked, so token equality tests the arithmetic, not luck at near-ties.
+  k26:     a random K2.6-width model (hidden 7168, 64 MLA heads, experts 7168 -> 2048 -> 7168; fewer
+           layers and experts so that it builds in seconds). Random logits over 163840 tokens have
+           near-ties everywhere, so here token equality between numerically different paths is not
+           expected: the check is the logits (teacher-forced, rel err and top-1 agreement), the
+           Triton-vs-Triton DDTree control says what bf16 alone does, and the wall clock is the speed.
+
+  python benchmarks/check_mosaic_moe.py --out DIR          # H200
+  python benchmarks/check_mosaic_moe.py --tiny --out DIR   # CPU smoke run (XLA fallbacks): checks nothing
+
+Writes DIR/mosaic_moe_model.md / .json. Exit status 1 when a shipped-model check differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ASSETS = Path(__file__).resolve().parents[1] / "kdtree_jax" / "assets"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"), help="output folder")
+    ap.add_argument("--layers", type=int, default=4, help="k26 model: decoder layers, the first dense "
+                    "(default: %(default)s)")
+    ap.add_argument("--experts", type=int, default=64, help="k26 model: routed experts per MoE layer "
+                    "(default: %(default)s)")
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt (default: %(default)s)")
+    ap.add_argument("--budgets", default="8,32", help="DDTree budgets, comma-separated (default: %(default)s)")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run: 2 prompts, 8 tokens, the tiny config "
+                    "instead of K2.6 width (proves nothing)")
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import kdtree_jax as kj
+
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and not args.tiny:
+        raise SystemExit("check_mosaic_moe needs a Hopper GPU (use --tiny for a CPU smoke run)")
+    new_tokens = 8 if args.tiny else args.new_tokens
+    budgets = [int(b) for b in args.budgets.split(",")]
+    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "tiny": args.tiny,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "timing": "wall clock of one compiled generate call (one dispatch, the whole batch)"}
+    print(json.dumps(meta), flush=True)
+    bf16 = lambda tree: jax.tree.map(  # noqa: E731 - floating leaves to bf16 (INT4 words stay int16)
+        lambda a: a.astype(jnp.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+    def run(cfg, params, prompts, **kw):
+        call = lambda: kj.generate(cfg, params, prompts, max_new_tokens=new_tokens, stop_tokens=(), **kw)  # noqa: E731
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the CPU smoke run's fallback notes
+            jax.block_until_ready(call().tokens)  # compile
+            start = time.perf_counter()
+            out = call()
+            jax.block_until_ready(out.tokens)
+        seconds = time.perf_counter() - start
+        acc = np.asarray(out.acceptance_lengths)
+        return {"tokens": np.asarray(out.tokens), "tok_s": len(prompts) * new_tokens / seconds,
+                "acceptance": float(acc[acc > 0].mean()) if kw.get("method") == "ddtree" else None}
+
+    def compare(model, what, a, b, **extra):
+        same = (a["tokens"] == b["tokens"]).all(0)
+        row = {"model": model, "what": what, "same": bool(same.all()),
+               "first_diff": "-" if same.all() else int(same.argmin()),
+               "tok_s": {"a": a["tok_s"], "b": b["tok_s"]}, "acceptance": a["acceptance"], **extra}
+        print(row, flush=True)
+        return row
+
+    def invariant_rows(model, cfg, params, mosaic, drafter, prompts):
+        ar = {"triton": run(cfg, params, prompts), "mosaic": run(cfg, mosaic, prompts)}
+        rows = [compare(model, "AR: Mosaic vs Triton experts", ar["mosaic"], ar["triton"])]
+        for budget in budgets:
+            tree = run(cfg, mosaic, prompts, method="ddtree", drafter=drafter, tree_budget=budget)
+            rows.append(compare(model, f"DDTree b{budget} vs AR, Mosaic", tree, ar["mosaic"]))
+        tree = run(cfg, params, prompts, method="ddtree", drafter=drafter, tree_budget=budgets[-1])
+        rows.append(compare(model, f"DDTree b{budgets[-1]} vs AR, Triton (control)", tree, ar["triton"]))
+        return rows, ar
+
+    # ---- the trained pair, bf16
+    from tokenizers import Tokenizer  # noqa: PLC0415
+
+    from training.data import heldout_prompts  # noqa: PLC0415
+
+    cfg, params = kj.load_checkpoint(ASSETS / "target", expect_kind="target")
+    dcfg, dparams = kj.load_checkpoint(ASSETS / "drafter", expect_kind="drafter")
+    params, drafter = bf16(params), (dcfg, bf16(dparams))
+    prompts = heldout_prompts(Tokenizer.from_file(str(ASSETS / "tokenizer.json")), 2 if args.tiny else 8, 64)
+    rows, _ = invariant_rows("shipped", cfg, params, kj.to_mosaic_experts(params, cfg), drafter, prompts)
+    shipped_ok = all(r["same"] for r in rows)
+
+    # ---- K2.6 width, random
+    base = kj.ModelConfig.tiny() if args.tiny else kj.ModelConfig.kimi_k26()
+    cfg = base.replace(num_hidden_layers=args.layers, first_k_dense_replace=1,
+                       n_routed_experts=base.n_routed_experts if args.tiny else args.experts)
+    t0 = time.time()
+    params = kj.quantize(kj.init_params(cfg, jax.random.key(0), jnp.bfloat16), cfg)
+    mosaic = kj.to_mosaic_experts(params, cfg)
+    dcfg = kj.DrafterConfig.for_target(cfg, num_layers=1, block_size=8)
+    drafter = (dcfg, kj.init_drafter_params(dcfg, jax.random.key(1), jnp.bfloat16))
+    jax.block_until_ready((params, mosaic, drafter[1]))
+    meta["k26"] = {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "experts": cfg.n_routed_experts,
+                   "top_k": cfg.num_experts_per_tok, "moe_intermediate": cfg.moe_intermediate_size,
+                   "vocab": cfg.vocab_size, "build_s": time.time() - t0}
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, cfg.vocab_size - 2, size=n).tolist() for n in (5, 12, 9)]
+    k26_rows, ar = invariant_rows("k26", cfg, params, mosaic, drafter, prompts)
+    rows += k26_rows
+    # teacher-forced: both expert paths on the same sequence (prompt 0 + its Triton AR continuation)
+    seq = jnp.asarray([prompts[0] + ar["triton"]["tokens"][0].tolist()], jnp.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = np.asarray(jax.jit(lambda p, t: kj.forward(p, cfg, t))(params, seq), np.float32)[0]
+        got = np.asarray(jax.jit(lambda p, t: kj.forward(p, cfg, t))(mosaic, seq), np.float32)[0]
+    top2 = np.sort(want, axis=-1)[:, -2:]
+    agree = got.argmax(-1) == want.argmax(-1)
+    logits = {"positions": int(seq.shape[1]), "rel_err": float(np.abs(got - want).max() / np.abs(want).max()),
+              "top1_agreement": float(agree.mean()),
+              "median_top2_gap": float(np.median(top2[:, 1] - top2[:, 0])),
+              "max_abs_diff": float(np.abs(got - want).max()),
+              "gap_at_disagreements": [float(g) for g in (top2[:, 1] - top2[:, 0])[~agree]]}
+    print("k26 teacher-forced logits:", logits, flush=True)
+
+    write(args, meta, rows, logits, budgets)
+    return 0 if shipped_ok else 1
+
+
+def write(args, meta, rows, logits, budgets):
+    k = meta["k26"]
+    md = [f"# Mosaic GPU MoE kernel inside the model ({meta['device']}, JAX {meta['jax']}, {meta['date']})", "",
+          ("**CPU smoke run: checks nothing.**\n\n" if meta["tiny"] else "")
+          + "`python benchmarks/check_mosaic_moe.py` (budgets " + ", ".join(map(str, budgets)) + "). "
+          "Both models bf16 with INT4 routed experts (bf16 scales), no stop tokens; tok/s is the wall clock of "
+          "one compiled `generate` call for the whole batch (first column: the left path, second: the right).",
+          "", "- shipped: the trained pair cast to bf16, 8 held-out prompts of 64 tokens, batch 8.",
+          f"- k26: random, {k['layers']} layers (1 dense), hidden {k['hidden']}, {k['experts']} experts top-"
+          f"{k['top_k']} of {k['hidden']} -> {k['moe_intermediate']}, vocab {k['vocab']}; 3 random prompts "
+          "(5 / 12 / 9 tokens); random 1-layer drafter (block 8).", "",
+          "| model | check | same tokens | first differing step | tok/s (left) | tok/s (right) | acceptance |",
+          "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        md.append(f"| {r['model']} | {r['what']} | {'yes' if r['same'] else 'NO'} | {r['first_diff']} | "
+                  f"{r['tok_s']['a']:.1f} | {r['tok_s']['b']:.1f} | "
+                  + (f"{r['acceptance']:.2f}" if r["acceptance"] else "-") + " |")
+    md += ["", f"k26, teacher-forced logits over {logits['positions']} positions, Mosaic vs Triton experts: max "
+           f"rel err {logits['rel_err']:.2e} (max abs {logits['max_abs_diff']:.3f}), top-1 agreement "
+           f"{logits['top1_agreement']:.3f}; median top-1/top-2 gap {logits['median_top2_gap']:.3f}; gaps where "
+           "top-1 differs: " + (", ".join(f"{g:.4f}" for g in logits["gap_at_disagreements"]) or "none") + "."]
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, "mosaic_moe_model_tiny" if meta["tiny"] else "mosaic_moe_model")
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows, "logits": logits}, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(md) + "\n")
+    print("\n".join(md), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
