@@ -1,4 +1,5 @@
-"""Prototype Mosaic GPU W4A16 GEMM (Hopper). Not wired into any dispatcher; see docs/w4a16_mgpu.md."""
+"""Mosaic GPU W4A16 kernels (Hopper): the grouped INT4 MoE (`moe.py`, the model's on Hopper + bf16) and a
+dense GEMM prototype (`w4a16_matmul_mgpu`, not wired into any dispatcher); see docs/w4a16_mgpu.md."""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
-"""Mosaic GPU (plgpu) W4A16 group-32 GEMM prototype for Hopper: y[M, N] = x[M, K] @ dequant(W)^T.
+"""Mosaic GPU (plgpu) W4A16 group-32 GEMM for Hopper, y[M, N] = x[M, K] @ dequant(W)^T: a dense kernel
+(prototype) and the grouped one under the MoE (moe.py), sharing one inner loop.
 
 "Swap AB": the weights are the wgmma A operand (block_n output features per CTA) and the tokens are the
 narrow wgmma N dimension (M padded to a multiple of 8), so tiny decode batches waste no tensor-core rows.
 Grid: one CTA (one warpgroup) per block_n rows of W; inside it emit_pipeline streams, per K step, an int4
 [block_n, block_k] weight tile, a bf16 [Mp, block_k] activation tile and the bf16 [block_k/32, block_n]
 scales into SMEM with TMA. The warpgroup loads the int4 tile with the WGMMA_UPCAST_4X layout, casts
-int4 -> bf16 (Mosaic's fast PRMT cast), multiplies by the per-32-column scale (each group's row vector
-broadcast along K, chosen per column by an iota select) and issues wgmma with A from registers (or, for
+int4 -> bf16 (Mosaic's fast PRMT cast), multiplies each 32-column group (a static register slice) by its
+scale row broadcast along K, and issues wgmma with A from registers (or, for
 GPU interpret mode, staged through SMEM) and B = the transposed activation tile, accumulating f32.
 block_k >= 64 because the smallest TMA swizzle Mosaic accepts is 32 B (= 64 int4).
 """
@@ -68,7 +69,8 @@ def to_mgpu_layout(qweight: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax
     """Leaf layout -> kernel layout: int16 [..., N, K/4] (nibble q+8) -> jnp.int4 [..., N, K]; scale
     [..., N, K/32] -> bf16 [..., K/32, N] (leading dims, e.g. experts, carried along).
 
-    Done per call in this prototype; a real integration would store these layouts in the checkpoint.
+    A load-time conversion for the routed experts (kdtree_jax.quantize.to_mosaic_experts); the dense
+    prototype's wrapper still does it per call.
     """
     *lead, n, nwords = qweight.shape
     shifts = jnp.arange(4, dtype=jnp.int32) * 4

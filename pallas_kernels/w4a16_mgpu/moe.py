@@ -1,11 +1,13 @@
-"""Prototype grouped INT4 MoE on the Mosaic GPU W4A16 kernel (Hopper): the routed experts' SwiGLU for
-T tokens routed top-k, reading each touched expert's weights once and never an untouched one.
+"""The grouped INT4 MoE on the Mosaic GPU W4A16 kernel (Hopper): the routed experts' SwiGLU for T tokens
+routed top-k, reading each touched expert's weights once and never an untouched one. The model's routed
+MoE on Hopper GPUs for bf16 models (kdtree_jax.quantize.mosaic_moe_unsupported says when).
 
-The same device-side grouping as the Triton kernels (`pallas_kernels.moe_w4a16.group_assignments`:
-assignments sorted by expert into block_m-row tiles, a tile -> expert table, -1 for unused tiles),
-then three launches of `grouped_w4a16_mgpu_kernel` (gate, up, down; tokens are the wgmma N dimension,
-so block_m = 8 wastes nothing at decode sizes) with the SwiGLU, the combine weights and the per-token
-sum in XLA between them. Roundings follow the Triton path (gate/up/down outputs rounded to bf16).
+T > 1: the same device-side grouping as the Triton kernels (`pallas_kernels.moe_w4a16.group_assignments`:
+assignments sorted by expert into block_m-row tiles, a tile -> expert table, -1 for unused tiles);
+T = 1 (a decode step): one tile per choice, no sort. Then three launches of `grouped_w4a16_mgpu_kernel`
+(gate, up, down; tokens are the wgmma N dimension, so block_m = 8 wastes nothing at decode sizes) with the
+SwiGLU, the combine weights and the per-token sum in XLA between them. Roundings follow the Triton path
+(gate/up/down outputs rounded to bf16).
 
 `routed_moe_mosaic` is what the model calls for routed experts in this layout
 (`kdtree_jax.quantize.to_mosaic_experts`): the kernel on a GPU, an XLA dequantize-then-dot of the chosen
