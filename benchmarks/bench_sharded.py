@@ -52,14 +52,25 @@ def int4_expert_meta(cfg) -> dict:
                                              for w in ("gate", "up", "down")}}}
 
 
-def abstract_params(cfg, dtype=jnp.bfloat16):
-    return checkpoint._abstract_target(cfg, dtype, int4_expert_meta(cfg))
+def abstract_params(cfg, dtype=jnp.bfloat16, moe_layout="canonical"):
+    """ShapeDtypeStructs of an INT4-expert target; moe_layout "mosaic": the routed experts in the Mosaic
+    GPU kernel's layout (kdtree_jax.quant.is_mosaic_leaf), as kj.to_mosaic_experts would leave them."""
+    abstract = checkpoint._abstract_target(cfg, dtype, int4_expert_meta(cfg))
+    if moe_layout == "mosaic":
+        for layer in range(cfg.num_hidden_layers):
+            if cfg.is_moe_layer(layer):
+                experts = abstract[f"layers_{layer}"]["moe"]["experts"]
+                for w, leaf in experts.items():
+                    *lead, n, words = leaf["qweight"].shape
+                    experts[w] = {"w_i4": jax.ShapeDtypeStruct((*lead, n, 4 * words), jnp.int4),
+                                  "scale_t": jax.ShapeDtypeStruct((*lead, words // 8, n), jnp.bfloat16)}
+    return abstract
 
 
-def random_params_on_mesh(cfg, mesh, dtype=jnp.bfloat16):
+def random_params_on_mesh(cfg, mesh, dtype=jnp.bfloat16, moe_layout="canonical"):
     """Random INT4-expert params generated inside one jit straight into their shardings: no device and
-    no host ever holds the whole model."""
-    abstract = abstract_params(cfg, dtype)
+    no host ever holds the whole model. moe_layout: as in `abstract_params`."""
+    abstract = abstract_params(cfg, dtype, moe_layout)
     shardings = sharding.param_shardings(cfg, abstract, mesh)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
 
@@ -71,8 +82,10 @@ def random_params_on_mesh(cfg, mesh, dtype=jnp.bfloat16):
             if name.endswith("qweight"):
                 bits = jax.random.bits(key, leaf.shape, jnp.uint16)
                 leaves.append(jax.lax.bitcast_convert_type(bits, jnp.int16))
-            elif name.endswith("scale"):  # q in [-8, 7] times this: unit-scale outputs
-                k_in = leaf.shape[-1] * 32
+            elif name.endswith("w_i4"):
+                leaves.append(jax.random.randint(key, leaf.shape, -8, 8, jnp.int8).astype(jnp.int4))
+            elif name.endswith(("scale", "scale_t")):  # q in [-8, 7] times this: unit-scale outputs
+                k_in = (leaf.shape[-1] if name.endswith("scale") else leaf.shape[-2]) * 32
                 leaves.append(jnp.full(leaf.shape, 1.0 / (4.0 * math.sqrt(k_in)), leaf.dtype))
             elif name.endswith("norm"):
                 leaves.append(jnp.ones(leaf.shape, leaf.dtype))
@@ -319,6 +332,9 @@ def main(argv=None) -> dict:
                         help="committed contexts for the stage-by-stage DDTree round profile, e.g. 4096,32768 "
                              "(default: skip it)")
     parser.add_argument("--round-budgets", default="8,32,64,128", help="tree budgets of the round profile")
+    parser.add_argument("--moe-kernel", choices=("auto", "mosaic", "triton"), default="auto",
+                        help="routed experts in the Mosaic GPU kernel's layout (mosaic) or the checkpoint's "
+                             "(triton: the Triton kernel); auto: mosaic on a Hopper GPU, else triton")
     parser.add_argument("--out", help="write the results as JSON here (rewritten after every stage), and a "
                                       ".md table + .png plot beside it at the end")
     parser.add_argument("--report", metavar="JSON", help="no measuring: write the .md/.png of a stored result")
@@ -330,14 +346,22 @@ def main(argv=None) -> dict:
     sizes = dict(mesh.shape)
     stats = jax.devices()[0].memory_stats() or {}
     hbm = args.hbm_gib * 2**30 if args.hbm_gib else float(stats.get("bytes_limit", 141e9))
+    device = jax.devices()[0]
+    hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
+    moe_layout = "mosaic" if args.moe_kernel == "mosaic" or (args.moe_kernel == "auto" and hopper) else "canonical"
+
+    def tiny_params(cfg, on):
+        params = kj.quantize(init_params(cfg, jax.random.key(0)), cfg)
+        return sharding.shard_params(cfg, kj.to_mosaic_experts(params, cfg) if moe_layout == "mosaic" else params, on)
+
     if args.tiny:
         cfg = kj.ModelConfig.tiny().replace(num_hidden_layers=2)
-        params = sharding.shard_params(cfg, kj.quantize(init_params(cfg, jax.random.key(0)), cfg), mesh)
+        params = tiny_params(cfg, mesh)
     else:
         reserve = args.batch * (16 + args.new_tokens + args.budget + 1) * 4  # cache rows, with slack
         layers = args.layers or layers_that_fit(sizes, hbm, reserve)
         cfg = k26_width(layers)
-        params = random_params_on_mesh(cfg, mesh)
+        params = random_params_on_mesh(cfg, mesh, moe_layout=moe_layout)
     plan = memory_plan(cfg, sizes, hbm)
     print(f"{jax.devices()[0].device_kind} x{mesh.devices.size}, mesh {sharding.describe(mesh)}: "
           f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.n_routed_experts} experts; params "
@@ -349,7 +373,8 @@ def main(argv=None) -> dict:
               "mesh": sharding.describe(mesh), "jax": jax.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "timing": "wall clock of one jitted call after a compile call, median of repeats",
-              "config": cfg.to_dict(), "memory": plan}
+              "config": cfg.to_dict(), "memory": plan,
+              "moe_kernel": "mosaic" if moe_layout == "mosaic" else "triton (or its XLA fallback off GPU)"}
 
     def stage(name, fn, *fn_args):
         result[name] = fn(*fn_args)
@@ -369,8 +394,7 @@ def main(argv=None) -> dict:
         one = sharding.make_mesh({"expert": 1, "tensor": 1})
         cfg1 = kj.ModelConfig.tiny().replace(num_hidden_layers=args.single_gpu_layers) if args.tiny else \
             k26_width(args.single_gpu_layers)
-        params1 = (sharding.shard_params(cfg1, kj.quantize(init_params(cfg1, jax.random.key(0)), cfg1), one)
-                   if args.tiny else random_params_on_mesh(cfg1, one))
+        params1 = tiny_params(cfg1, one) if args.tiny else random_params_on_mesh(cfg1, one, moe_layout=moe_layout)
         print(f"one device: {cfg1.num_hidden_layers} layers", flush=True)
         stage("verify_single_device", bench_verify, cfg1, params1, one, verify_tokens, args.context, args.repeats)
     if args.out:
@@ -388,7 +412,8 @@ def report(path) -> dict:
     lines = [f"# Sharded verify: {r['devices']} x {r['device']}, mesh {r['mesh']}", "",
              f"{r['date']}, JAX {r['jax']}; {r['timing']}. K2.6 width (hidden {r['config']['hidden_size']}, "
              f"{r['config']['n_routed_experts']} INT4 experts), {r['config']['num_hidden_layers']} layers sharded: "
-             f"{gib:.1f} GiB of params per device; random weights made on the devices.", "",
+             f"{gib:.1f} GiB of params per device; random weights made on the devices; routed MoE kernel: "
+             f"{r.get('moe_kernel', 'triton')}.", "",
              "## Verify forward (T tree tokens over S committed rows), per layer", "",
              "| T | S | sharded: ms / layer | one device: ms / layer | sharded speedup per layer | "
              "MoE psum (us, once per MoE layer) | psum share of the sharded layer |", "|---|---|---|---|---|---|---|"]

@@ -6,11 +6,13 @@ restored onto a mesh equals the unsharded restore, the CLI's --mesh, and the ben
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -19,10 +21,17 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import kdtree_jax as kj
-from kdtree_jax import sharding
+from kdtree_jax import quant, sharding
 from kdtree_jax.sharding import MeshError
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_bench_sharded():
+    spec = importlib.util.spec_from_file_location("bench_sharded", ROOT / "benchmarks" / "bench_sharded.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 TINY = kj.ModelConfig.tiny()
 WORKER_TIMEOUT_S = 900
 
@@ -214,6 +223,26 @@ def test_cli_mesh(sharded_results):
                                                    "but only 8 are available (cpu)")
     bad = sharded_results[("checkpoint", "cli_mesh_not_dividing")][0]
     assert bad["status"] == 2 and "n_routed_experts=8 is not divisible by expert=3" in bad["error"]
+
+
+def test_bench_sharded_builds_mosaic_layout_params_on_a_mesh():
+    """bench_sharded.random_params_on_mesh(moe_layout="mosaic"): the routed experts made straight in the Mosaic
+    kernel's layout, sharded by its rules; the model runs on them (here the loud XLA fallback of that layout)."""
+    bench = _load_bench_sharded()
+    cfg = kj.ModelConfig.tiny().replace(num_hidden_layers=2)
+    mesh = sharding.make_mesh({"expert": 1, "tensor": 1})
+    params = bench.random_params_on_mesh(cfg, mesh, jnp.float32, moe_layout="mosaic")
+    gate = params["layers_1"]["moe"]["experts"]["gate"]
+    assert quant.is_mosaic_leaf(gate) and gate["w_i4"].dtype == jnp.int4
+    assert gate["w_i4"].shape == (cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size)
+    assert gate["scale_t"].shape == (cfg.n_routed_experts, cfg.hidden_size // 32, cfg.moe_intermediate_size)
+    assert float(jnp.abs(gate["w_i4"].astype(jnp.float32)).max()) == 8.0  # q in [-8, 7], not a constant
+    assert bench.abstract_params(cfg, moe_layout="mosaic")["layers_1"]["moe"]["experts"]["down"]["w_i4"].shape == \
+        (cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logits = kj.forward(params, cfg, jnp.asarray([[3, 4, 5]], jnp.int32))
+    assert bool(jnp.isfinite(logits).all())
 
 
 def test_bench_sharded_runs_on_fake_devices(tmp_path):
