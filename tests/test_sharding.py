@@ -26,14 +26,15 @@ from kdtree_jax.sharding import MeshError
 
 ROOT = Path(__file__).resolve().parents[1]
 
+TINY = kj.ModelConfig.tiny()
+WORKER_TIMEOUT_S = 900
+
 
 def _load_bench_sharded():
     spec = importlib.util.spec_from_file_location("bench_sharded", ROOT / "benchmarks" / "bench_sharded.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-TINY = kj.ModelConfig.tiny()
-WORKER_TIMEOUT_S = 900
 
 
 # ------------------------------------------------------------------------------------ in process
@@ -227,11 +228,12 @@ def test_cli_mesh(sharded_results):
 
 def test_bench_sharded_builds_mosaic_layout_params_on_a_mesh():
     """bench_sharded.random_params_on_mesh(moe_layout="mosaic"): the routed experts made straight in the Mosaic
-    kernel's layout, sharded by its rules; the model runs on them (here the loud XLA fallback of that layout)."""
+    kernel's layout, sharded by its rules; the model runs on them (bf16: the kernel on a GPU, its loud XLA
+    fallback here)."""
     bench = _load_bench_sharded()
     cfg = kj.ModelConfig.tiny().replace(num_hidden_layers=2)
     mesh = sharding.make_mesh({"expert": 1, "tensor": 1})
-    params = bench.random_params_on_mesh(cfg, mesh, jnp.float32, moe_layout="mosaic")
+    params = bench.random_params_on_mesh(cfg, mesh, jnp.bfloat16, moe_layout="mosaic")
     gate = params["layers_1"]["moe"]["experts"]["gate"]
     assert quant.is_mosaic_leaf(gate) and gate["w_i4"].dtype == jnp.int4
     assert gate["w_i4"].shape == (cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size)
