@@ -2,7 +2,7 @@
 on the H200: correctness against the XLA reference, then device-side time per variant against the
 touched-expert floor, with each variant's per-kernel breakdown, in one run.
 
-  python benchmarks/bench_moe_mgpu.py --ts 1,9,33,129 --variants bn64:bk256:s4,bn64:bk256:s4:select --out DIR
+  python benchmarks/bench_moe_mgpu.py --ts 1,9,33,129 --variants bn64:bk256:s4,bn64:bk512:s4 --out DIR
 
 A variant is a tiling for the gate/up launches, optionally "/" a tiling for the down launch
 (`MgpuConfig.parse`: e.g. "bn64:bk256:s4/bn64:bk128:s6"). The experts (E = 384, D = 7168, I = 2048) are
@@ -34,7 +34,7 @@ def main():
     ap.add_argument("--ts", default="1,9,33,129", help="tokens T routed through the layer, comma-separated")
     ap.add_argument("--variants", default="bn64:bk256:s4",
                     help="comma-separated variants: UP_TILING[/DOWN_TILING] (MgpuConfig.parse), e.g. "
-                         "bn64:bk256:s4,bn64:bk256:s4:select,bn64:bk256:s4/bn64:bk128:s6")
+                         "bn64:bk256:s4,bn128:bk256:s3,bn64:bk256:s4/bn64:bk128:s6")
     ap.add_argument("--iters", type=int, default=7, help="timed iterations per point (median reported)")
     ap.add_argument("--deadline-s", type=float, default=400.0, help="start no new T after this many seconds")
     args = ap.parse_args()

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
 import kdtree_jax as kj  # noqa: E402
-from kdtree_jax import checkpoint, sharding  # noqa: E402
+from kdtree_jax import checkpoint, quant, sharding  # noqa: E402
 from kdtree_jax.ddtree import OracleDraft  # noqa: E402
 from kdtree_jax.model import _routed_experts_f32, moe_sharded, route  # noqa: E402
 from kdtree_jax.layers import swiglu  # noqa: E402
@@ -334,7 +334,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--round-budgets", default="8,32,64,128", help="tree budgets of the round profile")
     parser.add_argument("--moe-kernel", choices=("auto", "mosaic", "triton"), default="auto",
                         help="routed experts in the Mosaic GPU kernel's layout (mosaic) or the checkpoint's "
-                             "(triton: the Triton kernel); auto: mosaic on a Hopper GPU, else triton")
+                             "(triton: the Triton kernel); auto: mosaic where it can run (kj.mosaic_moe_unsupported: a "
+                             "Hopper GPU, bf16), else triton")
     parser.add_argument("--out", help="write the results as JSON here (rewritten after every stage), and a "
                                       ".md table + .png plot beside it at the end")
     parser.add_argument("--report", metavar="JSON", help="no measuring: write the .md/.png of a stored result")
@@ -346,13 +347,13 @@ def main(argv=None) -> dict:
     sizes = dict(mesh.shape)
     stats = jax.devices()[0].memory_stats() or {}
     hbm = args.hbm_gib * 2**30 if args.hbm_gib else float(stats.get("bytes_limit", 141e9))
-    device = jax.devices()[0]
-    hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
-    moe_layout = "mosaic" if args.moe_kernel == "mosaic" or (args.moe_kernel == "auto" and hopper) else "canonical"
+    def use_mosaic(cfg, params) -> bool:  # auto: where the kernel can run (the K2.6 params are bf16, bf16 scales)
+        return args.moe_kernel == "mosaic" or (args.moe_kernel == "auto" and kj.mosaic_moe_unsupported(params, cfg)
+                                               is None)
 
     def tiny_params(cfg, on):
         params = kj.quantize(init_params(cfg, jax.random.key(0)), cfg)
-        return sharding.shard_params(cfg, kj.to_mosaic_experts(params, cfg) if moe_layout == "mosaic" else params, on)
+        return sharding.shard_params(cfg, kj.to_mosaic_experts(params, cfg) if use_mosaic(cfg, params) else params, on)
 
     if args.tiny:
         cfg = kj.ModelConfig.tiny().replace(num_hidden_layers=2)
@@ -361,7 +362,9 @@ def main(argv=None) -> dict:
         reserve = args.batch * (16 + args.new_tokens + args.budget + 1) * 4  # cache rows, with slack
         layers = args.layers or layers_that_fit(sizes, hbm, reserve)
         cfg = k26_width(layers)
+        moe_layout = "mosaic" if use_mosaic(cfg, abstract_params(cfg)) else "canonical"
         params = random_params_on_mesh(cfg, mesh, moe_layout=moe_layout)
+    mosaic = quant.is_mosaic_leaf(params[f"layers_{cfg.first_k_dense_replace}"]["moe"]["experts"]["gate"])
     plan = memory_plan(cfg, sizes, hbm)
     print(f"{jax.devices()[0].device_kind} x{mesh.devices.size}, mesh {sharding.describe(mesh)}: "
           f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.n_routed_experts} experts; params "
@@ -374,7 +377,7 @@ def main(argv=None) -> dict:
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "timing": "wall clock of one jitted call after a compile call, median of repeats",
               "config": cfg.to_dict(), "memory": plan,
-              "moe_kernel": "mosaic" if moe_layout == "mosaic" else "triton (or its XLA fallback off GPU)"}
+              "moe_kernel": "mosaic" if mosaic else "triton (or its XLA fallback off GPU)"}
 
     def stage(name, fn, *fn_args):
         result[name] = fn(*fn_args)
@@ -394,7 +397,8 @@ def main(argv=None) -> dict:
         one = sharding.make_mesh({"expert": 1, "tensor": 1})
         cfg1 = kj.ModelConfig.tiny().replace(num_hidden_layers=args.single_gpu_layers) if args.tiny else \
             k26_width(args.single_gpu_layers)
-        params1 = tiny_params(cfg1, one) if args.tiny else random_params_on_mesh(cfg1, one, moe_layout=moe_layout)
+        params1 = (tiny_params(cfg1, one) if args.tiny else
+                   random_params_on_mesh(cfg1, one, moe_layout="mosaic" if mosaic else "canonical"))
         print(f"one device: {cfg1.num_hidden_layers} layers", flush=True)
         stage("verify_single_device", bench_verify, cfg1, params1, one, verify_tokens, args.context, args.repeats)
     if args.out:

@@ -18,7 +18,9 @@ kernel's batch invariance (a token alone vs among 33: the AR step's and the veri
   python benchmarks/check_mosaic_moe.py --out DIR          # H200
   python benchmarks/check_mosaic_moe.py --tiny --out DIR   # CPU smoke run (XLA fallbacks): checks nothing
 
-Writes DIR/mosaic_moe_model.md / .json. Exit status 1 when a shipped-model check differs.
+Writes DIR/mosaic_moe_model.md / .json. Exit status 1 when the Mosaic path is less faithful to float32
+than the Triton one on the trained model (top-1 agreement with float32 lower by more than 1 point): token
+streams of two bf16 paths part at near-ties anyway, so token equality is reported, not required.
 """
 
 from __future__ import annotations
@@ -113,9 +115,10 @@ def main():
     prompts = heldout_prompts(Tokenizer.from_file(str(ASSETS / "tokenizer.json")), 2 if args.tiny else 8, 64)
     mosaic = kj.to_mosaic_experts(params, cfg)
     rows, ar = invariant_rows("shipped", cfg, params, mosaic, drafter, prompts)
-    shipped_ok = rows[0]["same"]  # Mosaic vs Triton AR; the DDTree rows are bf16 arithmetic (see the control)
     seqs = jnp.concatenate([jnp.asarray(prompts, jnp.int32), jnp.asarray(ar["triton"]["tokens"])], 1)
     logits = {"shipped": teacher_forced(cfg, {"mosaic": mosaic, "triton": params}, cast(params, jnp.float32), seqs)}
+    shipped = logits["shipped"]
+    shipped_ok = shipped["mosaic"]["top1_vs_f32"] >= shipped["triton"]["top1_vs_f32"] - 0.01
 
     # ---- K2.6 width, random
     base = kj.ModelConfig.tiny() if args.tiny else kj.ModelConfig.kimi_k26()

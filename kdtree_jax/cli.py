@@ -266,8 +266,9 @@ def _load_model(args):
     return cfg, _random_target(cfg, args.seed, _dtype(dtype)), f"preset {args.preset} (random, seed {args.seed}, {dtype})"
 
 
-def _choose_moe_kernel(choice: str, cfg, params, model_desc: str):
-    """--moe-kernel: (params, description); mosaic converts the routed experts' layout (once)."""
+def _choose_moe_kernel(choice: str, cfg, params, model_desc: str, mesh=None):
+    """--moe-kernel: (params, description); mosaic converts the routed experts' layout (once, and places
+    the converted leaves on the mesh's shardings so that no generate call moves them again)."""
     import jax  # noqa: PLC0415
 
     from kdtree_jax.quantize import mosaic_moe_unsupported, to_mosaic_experts  # noqa: PLC0415
@@ -280,6 +281,10 @@ def _choose_moe_kernel(choice: str, cfg, params, model_desc: str):
     if choice == "triton":
         return params, model_desc
     params = to_mosaic_experts(params, cfg)  # a ValueError names the layer when the experts are not INT4
+    if mesh is not None:
+        from kdtree_jax.sharding import shard_params  # noqa: PLC0415
+
+        params = shard_params(cfg, params, mesh)
     return params, model_desc + ", routed experts on the Mosaic GPU MoE kernel"
 
 
@@ -362,7 +367,7 @@ def cmd_generate(args) -> None:
 
         args.mesh = make_mesh(args.mesh)
     cfg, params, model_desc = _load_model(args)
-    params, model_desc = _choose_moe_kernel(args.moe_kernel, cfg, params, model_desc)
+    params, model_desc = _choose_moe_kernel(args.moe_kernel, cfg, params, model_desc, args.mesh)
     prompts = _parse_prompts(args.prompt, tokenizer, cfg)
     drafter, drafter_desc = _load_drafter(args, cfg, methods)
     print(f"model: {model_desc}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "

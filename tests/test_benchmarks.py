@@ -3,6 +3,7 @@ regenerates the committed H200 tables exactly (so a change to the summary cannot
 results it describes). The measurements themselves only come from the GPU."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -12,10 +13,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+CPU = dict(os.environ, JAX_PLATFORMS="cpu")  # the CPU paths, also on a machine with a GPU
 
 
-def _run(*argv, cwd=ROOT):
-    proc = subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True, timeout=600)
+def _run(*argv):
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=CPU, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
@@ -35,7 +37,8 @@ def test_k26_slice_summary_reproduces_the_committed_tables(tmp_path, name):
     assert (tmp_path / f"{name}.md").read_text() == (RESULTS / f"{name}.md").read_text()
 
 
-def test_moe_mgpu_refuses_a_cpu():
-    proc = subprocess.run([sys.executable, "benchmarks/bench_moe_mgpu.py", "--ts", "1"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+def test_moe_mgpu_refuses_a_cpu(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/bench_moe_mgpu.py", "--ts", "1", "--out", str(tmp_path)],
+                          cwd=ROOT, env=CPU, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "needs a Hopper GPU: CPU timings prove nothing" in proc.stderr
+    assert not list(tmp_path.iterdir())

@@ -144,7 +144,7 @@ def test_generate_mosaic_moe_gives_the_same_tokens(models, capsys):
     note): the same greedy tokens as the canonical layout (what auto picks here: no Hopper GPU)."""
     common = ["--checkpoint", models / "int4_tiny", "--prompt", "3 17 42 5", "--max-new-tokens", "5", "--no-warmup"]
     rc, canonical, _ = run(["generate", *common], capsys)
-    assert rc == 0 and "Mosaic GPU MoE kernel" not in canonical.splitlines()[0]
+    assert rc == 0 and "routed experts on the Mosaic GPU MoE kernel" not in canonical.splitlines()[0]
     rc, mosaic, err = run(["generate", *common, "--moe-kernel", "mosaic"], capsys)
     if jax.default_backend() == "gpu":  # the kernel itself runs there, and takes bf16 models only
         assert rc == 2 and "takes bf16 activations" in err

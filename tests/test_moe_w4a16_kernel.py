@@ -262,7 +262,7 @@ def test_kernel_native_gpu_k26_shapes(T, kernel):
     assert _rel(got, want) < 3e-2
 
 
-# ------------------------------------------------ the Mosaic GPU prototype (pallas_kernels/w4a16_mgpu/moe.py)
+# ------------------------------------ the Mosaic GPU grouped MoE kernel (pallas_kernels/w4a16_mgpu/moe.py)
 def _mgpu_interpret():
     from pallas_kernels.w4a16_mgpu import gpu_interpret_params
 
@@ -336,7 +336,8 @@ def test_mgpu_grouped_kernel_skips_unused_tiles_and_reuses_experts(block_k):
 
 
 def test_mgpu_grouped_moe_lowers_for_cuda_at_k26_shapes():
-    """The register-A prototype lowers (Mosaic GPU) for an abstract H200 at K2.6 expert shapes."""
+    """The grouped MoE (register-A wgmma, the default tilings) lowers for an abstract H200 at K2.6 expert
+    shapes."""
     import re
 
     from jax._src.mesh import AbstractDevice

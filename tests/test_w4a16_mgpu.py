@@ -1,5 +1,5 @@
-"""Prototype Mosaic GPU W4A16 kernel (pallas_kernels.w4a16_mgpu) vs the plain-jnp float32 reference
-(pallas_kernels.w4a16.w4a16_matmul_reference).
+"""Mosaic GPU W4A16 kernels (pallas_kernels.w4a16_mgpu): the dense prototype vs the plain-jnp float32
+reference (pallas_kernels.w4a16.w4a16_matmul_reference), and the tiling config the grouped MoE shares.
 
 On CPU the kernel body runs in Mosaic GPU interpret mode (simulated threads, SMEM, TMA, barriers, with the
 race detector on); the register-A path, which that interpreter cannot run, is covered by the CUDA lowering
@@ -113,3 +113,20 @@ def test_value_errors():
         w4a16_matmul_mgpu(x[:, :32], leaf, interpret=True)
     with pytest.raises(ValueError, match="keys qweight, scale"):
         w4a16_matmul_mgpu(x, {"qweight": leaf["qweight"]}, interpret=True)
+
+
+def test_config_parse_and_the_moe_default_tiling():
+    from pallas_kernels.w4a16_mgpu.moe import default_config, shape_unsupported
+
+    assert MgpuConfig.parse("bn128:bk256:s3:smem") == MgpuConfig(block_n=128, block_k=256, max_concurrent_steps=3,
+                                                                a_operand="smem")
+    assert MgpuConfig.parse("bk512") == MgpuConfig(block_k=512)  # unnamed fields keep their defaults
+    for bad in ("bn64:bk", "bn64:select", "xx64", ""):
+        with pytest.raises(ValueError, match="bad Mosaic tiling"):
+            MgpuConfig.parse(bad)
+    # the measured best at K2.6 shapes: block_n 64 and the deepest block_k dividing K
+    assert default_config(7168) == MgpuConfig(block_n=64, block_k=256)
+    assert default_config(2048).block_k == 256 and default_config(192).block_k == 64
+    assert default_config(384).block_k == 128
+    assert shape_unsupported(7168, 2048) is None
+    assert shape_unsupported(7168, 96) == "intermediate 96 not a multiple of 64"
