@@ -15,7 +15,7 @@ from kdtree_jax.config import ConfigError, ModelConfig, YarnScaling
 from kdtree_jax.ddtree import DFlashDraft, OracleDraft
 from kdtree_jax.drafter import (DrafterCache, DrafterConfig, drafter_extend_context, drafter_forward,
                                 init_drafter_cache, init_drafter_params)
-from kdtree_jax.generate import GenerateOutput, generate
+from kdtree_jax.generate import GenerateOutput, MoEKernelPerformanceWarning, generate
 from kdtree_jax.hf import HFCheckpointError, load_hf
 from kdtree_jax.model import KVCache, forward, forward_with_cache, init_cache, init_params
 from kdtree_jax.quantize import mosaic_moe_unsupported, quantize, to_mosaic_experts
@@ -26,5 +26,5 @@ __all__ = [
     "HFCheckpointError", "KVCache", "ModelConfig", "OracleDraft", "Tree", "YarnScaling", "build_chain",
     "build_tree", "drafter_extend_context", "drafter_forward", "forward", "forward_with_cache", "generate",
     "init_cache", "init_drafter_cache", "init_drafter_params", "init_params", "load_checkpoint", "load_hf",
-    "mosaic_moe_unsupported", "quantize", "save_checkpoint", "to_mosaic_experts",
+    "MoEKernelPerformanceWarning", "mosaic_moe_unsupported", "quantize", "save_checkpoint", "to_mosaic_experts",
 ]

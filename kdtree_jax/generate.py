@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from typing import NamedTuple, Sequence
 
 import jax
@@ -19,6 +20,20 @@ from kdtree_jax.config import ModelConfig
 from kdtree_jax.model import KVCache, Params, check_tokens, forward_with_cache, init_cache
 
 METHODS = ("ar", "dflash", "ddtree")
+
+
+class MoEKernelPerformanceWarning(UserWarning):
+    """generate() got canonical INT4 routed experts where the faster Mosaic GPU MoE kernel could run them."""
+
+
+def _note_faster_moe_kernel(cfg: ModelConfig, params: Params) -> None:
+    from kdtree_jax.quantize import mosaic_moe_unsupported  # noqa: PLC0415 (cheap: the device check is first)
+
+    if mosaic_moe_unsupported(params, cfg) is None:
+        warnings.warn("the routed experts run on the Triton MoE kernel; on this Hopper GPU the Mosaic GPU kernel "
+                      "runs them 3.5-3.8x faster at K2.6 shapes: params = kj.to_mosaic_experts(params, cfg) once "
+                      "after loading (what `kdtree-jax generate` does by default)", MoEKernelPerformanceWarning,
+                      stacklevel=3)
 
 
 class GenerateOutput(NamedTuple):
@@ -238,6 +253,7 @@ def generate(cfg: ModelConfig, params: Params, prompts, max_new_tokens: int = 64
         key = jax.random.key(0)
     tokens, lengths = prepare_prompts(cfg, prompts)
     stops = resolve_stop_tokens(cfg, stop_tokens)
+    _note_faster_moe_kernel(cfg, params)
     if mesh is not None:
         mesh = sharding.make_mesh(mesh)
         params = sharding.shard_params(cfg, params, mesh)  # checks the mesh divides the model

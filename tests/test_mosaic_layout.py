@@ -2,6 +2,7 @@
 on it (XLA fallback on CPU, the kernel in interpret mode), sharding rules, and what must refuse it.
 The kernel itself natively: tests/test_moe_w4a16_kernel.py::test_kernel_native_gpu_k26_shapes (kernel="mosaic")."""
 
+import importlib
 import warnings
 
 import jax
@@ -91,6 +92,20 @@ def test_mosaic_moe_unsupported_says_why(int4_params, mosaic_params):
     assert "intermediate 96 not a multiple of 64" in why(odd_params, odd, hopper)
     with pytest.raises(ValueError, match="intermediate 96 not a multiple of 64"):
         kj.to_mosaic_experts(odd_params, odd)
+
+
+def test_generate_notes_the_faster_kernel_where_it_could_run(int4_params, monkeypatch):
+    """kj.generate on canonical INT4 experts says when the Mosaic kernel could run them (mosaic_moe_unsupported
+    is None: tested above for every reason it is not), and not here on a CPU."""
+    prompts = [[5, 17, 3]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        warnings.simplefilter("error", kj.MoEKernelPerformanceWarning)
+        kj.generate(CFG, int4_params, prompts, max_new_tokens=2)  # this CPU: no note
+    quantize_module = importlib.import_module("kdtree_jax.quantize")  # kj.quantize is the function
+    monkeypatch.setattr(quantize_module, "mosaic_moe_unsupported", lambda params, cfg, device=None: None)  # "a Hopper GPU"
+    with pytest.warns(kj.MoEKernelPerformanceWarning, match="kj.to_mosaic_experts"):
+        kj.generate(CFG, int4_params, prompts, max_new_tokens=2)
 
 
 def test_model_forward_on_mosaic_experts_matches_canonical(int4_params, mosaic_params):
