@@ -8,6 +8,7 @@ called directly (tokens).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -153,6 +154,22 @@ def test_generate_mosaic_moe_gives_the_same_tokens(models, capsys):
     assert "routed experts on the Mosaic GPU MoE kernel" in mosaic
     assert "note: routed_moe_mosaic(impl='auto') on backend 'cpu'" in err
     assert token_lines(mosaic) == token_lines(canonical)
+
+
+def test_moe_kernel_auto_follows_mosaic_moe_unsupported(models, capsys, monkeypatch):
+    """Where kj.mosaic_moe_unsupported says the kernel can run (faked here), auto converts the experts, and
+    an explicit --moe-kernel triton keeps them without kj.generate's note that Mosaic would be faster."""
+    quantize_module = importlib.import_module("kdtree_jax.quantize")  # kj.quantize is the function
+    monkeypatch.setattr(quantize_module, "mosaic_moe_unsupported", lambda params, cfg, device=None: None)
+    common = ["--checkpoint", models / "int4_tiny", "--prompt", "3 17 42 5", "--max-new-tokens", "3", "--no-warmup"]
+    rc, auto, _ = run(["generate", *common], capsys)
+    assert rc == 0 and "routed experts on the Mosaic GPU MoE kernel" in auto.splitlines()[0]
+    rc, triton, err = run(["generate", *common, "--moe-kernel", "triton"], capsys)
+    assert rc == 0 and "Mosaic GPU MoE kernel" not in triton.splitlines()[0]
+    assert "kj.to_mosaic_experts" not in err
+    params = kj.load_checkpoint(models / "int4_tiny")[1]
+    with pytest.warns(kj.MoEKernelPerformanceWarning):  # the library call does say it
+        kj.generate(kj.load_checkpoint(models / "int4_tiny")[0], params, [[3, 17]], max_new_tokens=1)
 
 
 def test_generate_preset_samples_reproducibly_with_a_seed(capsys):
