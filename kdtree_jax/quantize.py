@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.quant import (GROUP_SIZE, SCALE_DTYPES, int4_leaf_from_dense, is_any_int4_leaf, is_int4_leaf,
                               is_mosaic_leaf)
+from kdtree_jax.sharding import leaf_spec
 
 POLICIES = {
     "experts": ("experts",),
@@ -92,8 +94,10 @@ def to_mosaic_experts(params: dict, cfg: ModelConfig) -> dict:
     """A copy of INT4 `params` whose routed experts are in the Mosaic GPU kernel layout (quant.is_mosaic_leaf):
     the model then runs its MoE with the Mosaic GPU grouped kernel (pallas_kernels/w4a16_mgpu/moe.py) on a
     GPU, bf16 activations only. A one-time pass over the expert weights (same bytes: int4 [E, N, K] plus
-    bf16 scales transposed to [E, K/32, N]); do it once after loading, not per call. Checkpoints keep the
-    canonical layout: save the params you loaded, not these."""
+    bf16 scales transposed to [E, K/32, N]); do it once after loading, not per call. Experts sharded over a
+    mesh stay on it, placed by the Mosaic layout's sharding rules (kdtree_jax.sharding.leaf_spec), so no
+    generate(mesh=...) call moves them again. Checkpoints keep the canonical layout: save the params you
+    loaded, not these."""
     from pallas_kernels.w4a16_mgpu import to_mgpu_layout  # noqa: PLC0415 (kernels import this package)
     from pallas_kernels.w4a16_mgpu.moe import shape_unsupported  # noqa: PLC0415
 
@@ -113,8 +117,13 @@ def to_mosaic_experts(params: dict, cfg: ModelConfig) -> dict:
                 raise ValueError(f"{where} is already in the Mosaic layout")
             if not is_int4_leaf(leaf):
                 raise ValueError(f"{where} is not INT4: quantize the experts first (kj.quantize)")
-            w_i4, scale_t = convert(leaf["qweight"], leaf["scale"])
-            experts[weight] = {"w_i4": w_i4, "scale_t": scale_t}
+            converted_leaf = dict(zip(("w_i4", "scale_t"), convert(leaf["qweight"], leaf["scale"])))
+            placed = getattr(leaf["qweight"], "sharding", None)
+            if isinstance(placed, NamedSharding):  # keep it on its mesh, in the layout's own shardings
+                specs = leaf_spec((f"layers_{layer}", "moe", "experts", weight), converted_leaf)
+                converted_leaf = {k: jax.device_put(v, NamedSharding(placed.mesh, specs[k]))
+                                  for k, v in converted_leaf.items()}
+            experts[weight] = converted_leaf
             converted += 1
     if not converted:
         raise ValueError("the model has no MoE layers: nothing to convert")

@@ -144,6 +144,13 @@ def checkpoint_job() -> None:
         emit(job="checkpoint", check="mosaic_on_mesh",
              equal=bool(np.array_equal(np.asarray(split.tokens), np.asarray(one.tokens))),
              scale_t_shard=list(w.addressable_shards[0].data.shape), scale_t=list(w.shape))
+        # converting experts that already live on the mesh keeps them there, in the layout's shardings
+        converted = kj.to_mosaic_experts(restored, cfg)
+        want = sharding.param_shardings(cfg, converted, mesh)
+        experts = [(a, s) for a, s in zip(jax.tree.leaves(converted["layers_1"]["moe"]["experts"]),
+                                          jax.tree.leaves(want["layers_1"]["moe"]["experts"]))]
+        emit(job="checkpoint", check="mosaic_conversion_keeps_the_mesh", leaves=len(experts),
+             same_shardings=all(a.sharding == s for a, s in experts))
 
         def run_cli(*extra):
             stdout, stderr = io.StringIO(), io.StringIO()

@@ -213,6 +213,8 @@ def test_mosaic_expert_layout_on_a_mesh(sharded_results):
     assert run["equal"]
     e, groups, d = run["scale_t"]  # down: [E, I/32, D] on mesh expert=2, tensor=2 (I split over tensor)
     assert run["scale_t_shard"] == [e // 2, groups // 2, d]
+    kept = sharded_results[("checkpoint", "mosaic_conversion_keeps_the_mesh")][0]
+    assert kept["leaves"] == 6 and kept["same_shardings"]  # gate/up/down x (w_i4, scale_t)
 
 
 def test_cli_mesh(sharded_results):
