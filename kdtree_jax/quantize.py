@@ -77,12 +77,12 @@ def mosaic_moe_unsupported(params: dict, cfg: ModelConfig, device=None) -> str |
         return f"needs a Hopper GPU (sm_90), this is {device.device_kind}"
     if params["embed_tokens"].dtype != jnp.bfloat16:
         return f"needs bf16 activations, the model runs in {params['embed_tokens'].dtype}"
-    moe_layers = [layer for layer in range(cfg.num_hidden_layers) if cfg.is_moe_layer(layer)]
+    moe_layers = [name for name, _ in _targets(params, cfg, "experts")]
     if not moe_layers:
         return "the model has no MoE layers"
-    for layer in moe_layers:
+    for name in moe_layers:
         for weight in ("gate", "up", "down"):
-            leaf = params[f"layers_{layer}"]["moe"]["experts"][weight]
+            leaf = params[name]["moe"]["experts"][weight]
             if not is_int4_leaf(leaf):
                 return "the routed experts are not canonical INT4 leaves"
             if leaf["scale"].dtype != jnp.bfloat16:
@@ -106,13 +106,11 @@ def to_mosaic_experts(params: dict, cfg: ModelConfig) -> dict:
     convert = jax.jit(to_mgpu_layout)
     out = jax.tree.map(lambda x: x, params, is_leaf=is_any_int4_leaf)  # a fresh nested-dict copy
     converted = 0
-    for layer in range(cfg.num_hidden_layers):
-        if not cfg.is_moe_layer(layer):
-            continue
-        experts = out[f"layers_{layer}"]["moe"]["experts"]
+    for name, _ in _targets(out, cfg, "experts"):
+        experts = out[name]["moe"]["experts"]
         for weight in ("gate", "up", "down"):
             leaf = experts[weight]
-            where = f"layers_{layer}/moe/experts/{weight}"
+            where = f"{name}/moe/experts/{weight}"
             if is_mosaic_leaf(leaf):
                 raise ValueError(f"{where} is already in the Mosaic layout")
             if not is_int4_leaf(leaf):
@@ -120,7 +118,7 @@ def to_mosaic_experts(params: dict, cfg: ModelConfig) -> dict:
             converted_leaf = dict(zip(("w_i4", "scale_t"), convert(leaf["qweight"], leaf["scale"])))
             placed = getattr(leaf["qweight"], "sharding", None)
             if isinstance(placed, NamedSharding):  # keep it on its mesh, in the layout's own shardings
-                specs = leaf_spec((f"layers_{layer}", "moe", "experts", weight), converted_leaf)
+                specs = leaf_spec((name, "moe", "experts", weight), converted_leaf)
                 converted_leaf = {k: jax.device_put(v, NamedSharding(placed.mesh, specs[k]))
                                   for k, v in converted_leaf.items()}
             experts[weight] = converted_leaf
