@@ -178,3 +178,12 @@ def test_sampling_is_deterministic_for_a_seed(shipped):
     first = run(3)
     assert run(3) == first
     assert run(4) != first  # a different seed gives another sample (24 tokens at temperature 1)
+
+
+def test_shipped_greedy_tokens_are_pinned(greedy_runs):
+    """The shipped pair's greedy tokens on the held-out prompts equal the recorded golden (written by the
+    engine before the structure refactor): refactors must not change a single token."""
+    golden = json.loads((Path(__file__).parent / "fixtures" / "shipped_greedy_tokens.json").read_text())
+    assert golden["new_tokens"] == NEW_TOKENS
+    assert _rows(greedy_runs["ar"]) == golden["greedy_tokens"]
+    assert _rows(greedy_runs["ddtree64"]) == golden["greedy_tokens"]
