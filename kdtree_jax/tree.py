@@ -92,10 +92,10 @@ def _one_tree(top_lp: jax.Array, top_tok: jax.Array, root_token: jax.Array, budg
         tokens.append(top_tok[d][idx % k])
 
     # Step 3a: subtree sizes inside the kept forest, bottom-up.
-    sizes = [None] * depth_count
-    sizes[-1] = jnp.ones((per_depth[-1],), jnp.int32)
+    sizes = [jnp.ones((per_depth[-1],), jnp.int32)]  # built deepest first, then reversed
     for d in range(depth_count - 2, -1, -1):
-        sizes[d] = 1 + jnp.zeros((per_depth[d],), jnp.int32).at[parent_pos[d + 1]].add(sizes[d + 1])
+        sizes.append(1 + jnp.zeros((per_depth[d],), jnp.int32).at[parent_pos[d + 1]].add(sizes[-1]))
+    sizes.reverse()
     # Step 3b: preorder index (root excluded) = parent's + 1 + sizes of earlier siblings. Children are
     # grouped by parent in parent order, so "earlier siblings" = all earlier nodes of this depth minus
     # the subtrees below earlier parents (sum of their size - 1).
