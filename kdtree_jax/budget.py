@@ -59,7 +59,7 @@ class CostModel:
     bandwidth: float = 3.37e12  # bytes / s
     peak_flops: float = 823e12  # FLOP / s
     # Overhead factors = time / floor. Defaults: the issue's targets (TO BE MEASURED by the slice bench).
-    attention_overhead: float = 1.5  # the tree-attention targets (docs/kernels.md) are 1.4-2x their floors
+    attention_overhead: float = 1.5  # the tree-attention targets (docs/kernels.md) are 1.2-2.2x their floors
     moe_overhead: float = 1.3  # issue 7: grouped INT4 MoE within 1.3x of the touched-expert floor
     rest_overhead: float = 1.2  # bf16 XLA GEMMs at ~4 TB/s of weights (docs/kernels.md): assumed
     head_overhead: float = 1.1
