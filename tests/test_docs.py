@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # does not name them itself.
 OUTSIDE_PATHS = ("../" + "shared", "/" + "work/", "/" + "root/", "/" + "home/")
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")  # [text](target "title")
-_FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+_FENCE = re.compile(r"^(```|~~~).*?^\1", re.DOTALL | re.MULTILINE)
 
 
 def tracked_files(*patterns: str) -> list[Path]:
@@ -40,7 +40,7 @@ def relative_links(text: str) -> list[str]:
     text = _FENCE.sub("", text)
     targets = []
     for target in _LINK.findall(text):
-        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I) or target.startswith("#"):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE) or target.startswith("#"):
             continue  # http:, https:, mailto: ... or a heading of the same page
         targets.append(target.split("#", 1)[0])
     return targets
