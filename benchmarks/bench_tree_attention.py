@@ -1,6 +1,6 @@
 """Benchmark: tree-masked MLA attention kernel vs XLA vs the physical floor (H200).
 
-Shapes (kernels.md): K2 attention, H = 64, c = 512, r = 64, B = 1, S in {4096, 32768} committed
+Shapes (docs/kernels.md): K2 attention, H = 64, c = 512, r = 64, B = 1, S in {4096, 32768} committed
 rows, T in {1, 33, 129} tree tokens (random trees). For every shape:
   1. correctness of the kernel vs `tree_mla_attention_reference` (float32, HIGHEST) on fresh inputs;
   2. device time (CUPTI, `jax.experimental.mosaic.gpu.profiler.measure`, all kernels of the call:
@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels.tree_attention import BlockConfig, pick_config, tree_mla_attention_reference  # noqa: E402
 from pallas_kernels.tree_attention.kernel import tree_attention_pallas  # noqa: E402
 
-COPY_BW = 3.4e12  # bytes/s, measured device copy on the H200 (kernels.md)
+COPY_BW = 3.4e12  # bytes/s, measured device copy on the H200 (docs/kernels.md)
 PEAK_FLOPS = 800e12  # bf16 dense, measured 8192^3 matmul is 823 TFLOP/s
 # --plan tune: candidates per (S, T), from the first sweep (docs/tree_attention.md).
 _L = dict(rescale_threshold=8.0)

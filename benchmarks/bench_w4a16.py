@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 
 SHAPES = [(7168, 18432), (7168, 2048), (18432, 7168), (2048, 7168)]  # (K, N), targets first
 MS = [1, 8, 16, 32, 64, 128]
-COPY_TBPS = 3.4e12  # measured device copy bandwidth on the H200 (kernels.md); also re-measured below
+COPY_TBPS = 3.4e12  # measured device copy bandwidth on the H200 (docs/kernels.md); also re-measured below
 PEAK_FLOPS = 800e12
 
 

@@ -13,8 +13,8 @@ floor). The floors follow docs/k26_verify_cost.md:
   attention: absorbed MLA, reads S * 1152 bytes of latent cache, 2 * H * T * (S + T) * (576 + 512) FLOPs;
   moe:       routed experts, reads E * (1 - (1 - k / E)^T) touched experts * 24.8 MB (INT4 + bf16 scales);
   rest:      bf16 attention projections + shared expert + router (~296 MB per layer, ~flat in T).
-The overhead factors and fixed costs are slots: the defaults are the issue's H200 targets and
-kernels.md's measured machine figures, NOT measurements of this engine; `CostModel.calibrated` fills
+The overhead factors and fixed costs are slots: the defaults are the issue's H200 targets and the
+H200 machine figures of docs/kernels.md, NOT measurements of this engine; `CostModel.calibrated` fills
 them from benchmarks/bench_k26_slice.py results, and `CostModel.measured_h200()` is that calibration
 for the committed H200 run (docs/k26_verify_cost.md).
 """
@@ -55,13 +55,13 @@ class CostModel:
     moe_intermediate: int = 2048
     dense_intermediate: int = 18432
     num_shared_experts: int = 1
-    # Machine (kernels.md, H200, measured there): device copy bandwidth and bf16 dense matmul peak.
+    # Machine (H200, docs/kernels.md): device copy bandwidth and bf16 dense matmul peak.
     bandwidth: float = 3.37e12  # bytes / s
     peak_flops: float = 823e12  # FLOP / s
     # Overhead factors = time / floor. Defaults: the issue's targets (TO BE MEASURED by the slice bench).
-    attention_overhead: float = 1.5  # kernels.md tree-attention targets are 1.4-2x their floors
+    attention_overhead: float = 1.5  # the tree-attention targets (docs/kernels.md) are 1.2-2.2x their floors
     moe_overhead: float = 1.3  # issue 7: grouped INT4 MoE within 1.3x of the touched-expert floor
-    rest_overhead: float = 1.2  # bf16 XLA GEMMs at ~4 TB/s of weights (kernels.md): assumed
+    rest_overhead: float = 1.2  # bf16 XLA GEMMs at ~4 TB/s of weights (docs/kernels.md): assumed
     head_overhead: float = 1.1
     layer_fixed_seconds: float = 0.0  # launch gaps per layer inside one jit (to be measured)
     # Drafter: a DFlash drafter at the target's width (assumed shape, to be measured).
@@ -286,7 +286,7 @@ def choose_tree_budget(context_len: int, acceptance_profile: Mapping[int, float]
 def saturating_profile(max_acceptance: float, half_budget: float,
                        budgets=(1, 2, 4, 8, 16, 32, 64, 128)) -> dict[int, float]:
     """An illustrative acceptance profile tau(B) = 1 + (max - 1) * B / (B + half_budget), capped at
-    1 + B: acceptance grows with the budget and saturates (DDTree paper, ddtree.md). For docs and
+    1 + B: acceptance grows with the budget and saturates (the DDTree paper, arXiv 2604.12989). For docs and
     tests; real advice should use a measured profile."""
     if not (math.isfinite(max_acceptance) and max_acceptance >= 1) or not half_budget > 0:
         raise ValueError(f"want max_acceptance >= 1 and half_budget > 0, got {max_acceptance}, {half_budget}")

@@ -92,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "instead of a second, compiled one")
     g.add_argument("--moe-kernel", choices=("auto", "mosaic", "triton"), default="auto",
                    help="kernel for the INT4 routed experts. mosaic: the Mosaic GPU grouped MoE kernel (Hopper, "
-                   "bf16; within 1.07-1.46x of its memory floor at K2.6 shapes, 3.5-3.8x faster than the Triton "
-                   "kernel), the experts' layout converted once after loading (kj.to_mosaic_experts); without a "
+                   "bf16; the fastest MoE path measured: docs/kernels.md), the experts' layout converted once after "
+                   "loading (kj.to_mosaic_experts); without a "
                    "GPU an XLA path runs, with a note. triton: the Triton grouped kernel on the checkpoint "
                    "layout (also float32 models). auto (default): mosaic where it can run (a Hopper GPU, bf16 "
                    "params, INT4 experts with bf16 scales, expert dims multiples of 64), else triton")

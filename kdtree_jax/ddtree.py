@@ -1,4 +1,4 @@
-"""DDTree (and DFlash) speculative decoding: the whole decode loop in one `jax.jit` (docs: ddtree.md).
+"""DDTree (and DFlash) speculative decoding: the whole decode loop in one `jax.jit` (docs/ddtree.md).
 
 One round, all shapes static (T = 1 + tree budget):
   draft    the drafter reads the context features of the committed tokens and proposes L = block-1

@@ -1,4 +1,4 @@
-"""The DFlash-style block-diffusion drafter (arXiv 2602.06036) used by DDTree (docs/ddtree.md step 1).
+"""The DFlash-style block-diffusion drafter (arXiv 2602.06036) used by DDTree (docs/ddtree.md, the draft stage).
 
 One forward pass drafts `block_size - 1` future tokens at once. The block holds the target's embeddings of
 [bonus token, mask, mask, ...]; its queries attend to the drafter's keys/values of

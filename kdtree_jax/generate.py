@@ -31,7 +31,7 @@ def _note_faster_moe_kernel(cfg: ModelConfig, params: Params) -> None:
 
     if mosaic_moe_unsupported(params, cfg) is None:
         warnings.warn("the routed experts run on the Triton MoE kernel; on this Hopper GPU the Mosaic GPU kernel "
-                      "runs them 3.5-3.8x faster at K2.6 shapes: params = kj.to_mosaic_experts(params, cfg) once "
+                      "runs them faster (docs/kernels.md): params = kj.to_mosaic_experts(params, cfg) once "
                       "after loading (what `kdtree-jax generate` does by default)", MoEKernelPerformanceWarning,
                       stacklevel=3)
 

@@ -2,8 +2,8 @@
 
 `load_hf(path, dtype)` reads `config.json` and the safetensors shards (through
 `model.safetensors.index.json`, or a single `model.safetensors`) with the `safetensors` library and
-returns `(ModelConfig, params)` in the tree of docs/params.md. File names and layouts follow
-docs/k2-architecture.md §2-§3:
+returns `(ModelConfig, params)` in the tree of docs/params.md. File names and layouts follow the
+public checkpoints (Hugging Face transformers `models/deepseek_v3`, compressed-tensors; docs/int4.md):
 
 - HF Linear weights are [out, in]; ours are [in, out], so every linear weight is transposed. The
   params tree keeps `kv_a` whole (columns [0, c) = latent, [c, c+r) = k_pe) and `kv_b` with HF's

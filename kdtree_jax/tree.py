@@ -1,4 +1,4 @@
-"""DDTree draft-tree construction on device (ddtree.md step 2): traceable, static budget, batched.
+"""DDTree draft-tree construction on device (docs/ddtree.md, the build stage): traceable, static budget, batched.
 
 `build_tree` returns the same nodes in the same order as the best-first heap of `reference/tree.py`:
 the `budget` highest-scoring rank tuples, ordered by score (descending), exact ties by lexicographic

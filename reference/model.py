@@ -1,7 +1,9 @@
 """NumPy float64 reference of the DeepSeek-V3 / Kimi-K2 text model: the ground truth of every test.
 
 Written for clarity, not speed: plain NumPy, loops over heads / tokens / experts where that reads better.
-It follows docs/k2-architecture.md §4 step by step and imports nothing from the engine except the config
+It follows the public DeepSeek-V3 definition step by step (github.com/deepseek-ai/DeepSeek-V3
+`inference/model.py`; Hugging Face transformers `models/deepseek_v3/modeling_deepseek_v3.py`) and
+imports nothing from the engine except the config
 (the reference must stay independent of the code it checks). Params are the tree of docs/params.md:
 linear weights are [in, out], so a linear map is `x @ W`.
 
@@ -80,7 +82,7 @@ def swiglu(x: np.ndarray, gate: Any, up: Any, down: Any) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------- YaRN
 def _get_mscale(scale: float, mscale: float) -> float:
-    """DeepSeek `yarn_get_mscale` (§4.7): 1 for scale <= 1, else 0.1 * mscale * ln(scale) + 1."""
+    """DeepSeek `yarn_get_mscale`: 1 for scale <= 1, else 0.1 * mscale * ln(scale) + 1."""
     if scale <= 1.0:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0
@@ -132,7 +134,7 @@ def yarn_attention_factor(cfg: ModelConfig) -> float:
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
-    """qk_head_dim^-1/2 * get_mscale(s, mscale_all_dim)^2 (§4.8); the same in the absorbed form."""
+    """qk_head_dim^-1/2 * get_mscale(s, mscale_all_dim)^2 (DeepSeek-V3's MLA scale); the same in the absorbed form."""
     scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
     rs = cfg.rope_scaling
     if rs is not None:
@@ -153,7 +155,7 @@ def rope_cos_sin(cfg: ModelConfig, positions) -> tuple[np.ndarray, np.ndarray]:
 
 
 def apply_rope_interleaved(x: np.ndarray, positions, cfg: ModelConfig) -> np.ndarray:
-    """Rotate adjacent pairs (x[2i], x[2i+1]) by positions * inv_freq[i] (§4.6).
+    """Rotate adjacent pairs (x[2i], x[2i+1]) by positions * inv_freq[i] (DeepSeek-V3 `apply_rotary_emb`).
 
     x [..., T, r]; positions [T] (or broadcastable to x.shape[:-1]). Returns float64 [..., T, r].
     """
@@ -177,7 +179,7 @@ def _softmax(s: np.ndarray) -> np.ndarray:
 
 
 def mla_naive(p_attn: Mapping, cfg: ModelConfig, x: np.ndarray, positions) -> np.ndarray:
-    """Multi-head latent attention in the naive form (§4.4), causal over one sequence.
+    """Multi-head latent attention in the naive form (DeepSeek-V3 `attn_impl="naive"`), causal over one sequence.
 
     x [T, D] (the input-normed residual, tokens in order), positions [T] int -> [T, D].
     Token t attends to tokens j <= t.
@@ -229,7 +231,7 @@ def mla_naive(p_attn: Mapping, cfg: ModelConfig, x: np.ndarray, positions) -> np
 
 # -------------------------------------------------------------------------------------------- MoE
 def moe_route(p_moe: Mapping, cfg: ModelConfig, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """noaux_tc routing (§4.9). x [T, D] -> (expert indices [T, k] int, combine weights [T, k] float64).
+    """noaux_tc routing (DeepSeek-V3 `Gate`). x [T, D] -> (expert indices [T, k] int, combine weights [T, k] float64).
 
     Indices are in order of decreasing biased score. The bias only chooses; the weights are the
     unbiased sigmoid scores of the chosen experts, normalised (norm_topk_prob) and scaled.

@@ -1,4 +1,4 @@
-"""DDTree tree construction, the plain way: a best-first max-heap over rank tuples (ddtree.md step 2).
+"""DDTree tree construction, the plain way: a best-first max-heap over rank tuples (docs/ddtree.md, the build stage).
 
 This is the ground truth for `kdtree_jax.tree`. It is deliberately naive: Python `heapq`, one example at a
 time, arithmetic in the dtype of the log-probs it is given (float64 from `heap_tree_from_logits`; hand it

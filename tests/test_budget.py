@@ -14,11 +14,11 @@ def test_floors_match_hand_arithmetic_at_k26_width():
     # One expert: 3 projections of 7168 x 2048 at 0.5 byte + a bf16 scale per 32 weights.
     assert K26.expert_bytes == pytest.approx(3 * 7168 * 2048 * 0.5625)
     assert K26.expert_bytes / 1e6 == pytest.approx(24.77, abs=0.01)
-    # Touched experts: kernels.md's figures (T=8: ~60, T=32: ~188, T=129: ~359).
+    # Touched experts (docs/kernels.md): T=8: ~60, T=32: ~188, T=129: ~359.
     assert K26.touched_experts(1) == pytest.approx(8.0)
     for t, want in ((8, 60), (32, 188), (129, 359)):
         assert abs(K26.touched_experts(t) - want) < 1.5
-    # MLA attention floors of kernels.md: S=32768 T=1 ~9 us (memory); S=4096 T=33 ~24 us; S=4096 T=129 ~96 us.
+    # MLA attention floors (docs/kernels.md): S=32768 T=1 ~11 us (memory); S=4096 T=33 ~23 us; S=4096 T=129 ~92 us.
     assert K26.attention_floor(1, 32768) * 1e6 == pytest.approx(11.2, abs=0.5)  # 37.7 MB / 3.37 TB/s
     assert K26.attention_floor(33, 4096) * 1e6 == pytest.approx(2 * 64 * 33 * 4129 * 1088 / 823e6, rel=1e-9)
     assert 20 < K26.attention_floor(33, 4096) * 1e6 < 30

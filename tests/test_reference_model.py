@@ -2,7 +2,7 @@
 rotations, the MLA absorbed-form identity, hand-built routing examples, causality.
 
 Nothing here compares the reference with itself: each test has an independent expectation (a number
-from docs/k2-architecture.md, a hand computation, or a second formulation written out in the test).
+from the public DeepSeek-V3 / Kimi K2 definitions, a hand computation, or a second formulation written out in the test).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def deepseek_v3_rope() -> ModelConfig:
         mscale=1.0, mscale_all_dim=1.0))
 
 
-# ----------------------------------------------------------------------------------- YaRN (§4.7/8)
+# -------------------------------------------------------------------------------------------- YaRN
 def test_yarn_correction_dims_match_published_values():
     k26 = ModelConfig.kimi_k26()
     assert ref.yarn_correction_dim(k26, 1) == pytest.approx(19.1646, abs=1e-4)
@@ -130,7 +130,7 @@ def test_no_rope_scaling_gives_plain_rope():
     assert ref.softmax_scale(cfg) == 48 ** -0.5
 
 
-# ------------------------------------------------------------------------------------ RoPE (§4.6)
+# ------------------------------------------------------------------------------------------- RoPE
 def test_rope_rotates_adjacent_pairs():
     cfg = TINY
     x = np.zeros(16)
@@ -198,9 +198,9 @@ def test_dict_leaf_is_refused_by_dense_linear():
         ref.swiglu(np.ones((1, 4)), {"packed": np.zeros(1)}, np.ones((4, 2)), np.ones((2, 4)))
 
 
-# ---------------------------------------------------------------------------------- MLA (§4.4/5)
+# ------------------------------------------------------------------------------------------- MLA
 def test_mla_naive_equals_absorbed_form():
-    """§4.5: per head, q_nope.k_nope == q_lat.c_kv with q_lat = W_UK q_nope, and the values are
+    """The absorbed form: per head, q_nope.k_nope == q_lat.c_kv with q_lat = W_UK q_nope, and the values are
     W_UV applied to the attention-weighted latent. An MQA over the 80-wide [c_kv ; k_pe] latent,
     written out here independently, must reproduce the naive MLA output."""
     cfg, p = TINY, make_params(TINY, seed=3)["layers_0"]["attn"]
@@ -253,7 +253,7 @@ def test_mla_without_q_lora_runs():
     assert out.shape == (3, cfg.hidden_size) and np.all(np.isfinite(out))
 
 
-# ------------------------------------------------------------------------------------ MoE (§4.9)
+# ------------------------------------------------------------------------------------------- MoE
 def _logit(p):
     return np.log(p / (1 - p))
 
