@@ -117,16 +117,19 @@ def test_relative_paths_load(saved, tmp_path, monkeypatch):
 def test_checkpoint_written_on_another_platform_loads(saved, tmp_path):
     """Orbax stores each array's save-time device ("cpu:0" for the shipped pair); restoring without an
     explicit target sharding on another platform fails with "Topology mismatch" (seen on the H200).
-    Simulate a GPU-written checkpoint by rewriting the stored device to cuda:0."""
+    Simulate a checkpoint written on the other platform by rewriting the stored device: cpu:0 -> cuda:0
+    on a CPU host, cuda:0 -> cpu:0 on a GPU host."""
     path, params = saved
-    copy = tmp_path / "from_gpu"
+    here = "cuda:0" if jax.default_backend() == "gpu" else "cpu:0"
+    other = "cpu:0" if here == "cuda:0" else "cuda:0"
+    copy = tmp_path / "from_other_platform"
     shutil.copytree(path, copy)
     rewritten = 0
     for f in copy.rglob("_sharding"):
         text = f.read_text()
-        f.write_text(text.replace("cpu:0", "cuda:0"))
-        rewritten += "cpu:0" in text
-    assert rewritten > 0
+        f.write_text(text.replace(here, other))
+        rewritten += here in text
+    assert rewritten > 0, f"no stored sharding names {here}"
     cfg, loaded = kj.load_checkpoint(copy)
     assert cfg == SMALL
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
