@@ -152,7 +152,7 @@ def main():
     import jax.numpy as jnp
 
     import kdtree_jax as kj
-    from benchmarks.common import Timer, metadata
+    from benchmarks.common import Timer, copy_bandwidth, metadata
     from benchmarks.cost_model import CostModel, evaluate_budgets, saturating_profile
     from benchmarks.xla_baselines import MOE_BASELINES
     from kdtree_jax import attention, model as kmodel
@@ -186,15 +186,10 @@ def main():
         return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
 
     # ---- copy bandwidth in this run (the floors' denominator)
-    n = (512 if on_gpu else 4) * 1024 * 1024
-    big = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
-    copy_s = timer(jax.jit(lambda a: a + 1), big).seconds
-    bandwidth = 2 * big.size * 2 / copy_s
-    del big
+    bandwidth = copy_bandwidth(timer, (512 if on_gpu else 4) * 1024 * 1024)
     meta["copy_TBps"] = bandwidth / 1e12
     full = full_config(args.tiny)
     cost = CostModel.from_config(full, bandwidth=bandwidth) if on_gpu else CostModel.from_config(full)
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
 
     # ---- weights on device: the model's params, and its routed experts in the Mosaic layout too
     t0 = time.time()

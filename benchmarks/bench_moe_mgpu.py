@@ -41,7 +41,7 @@ def main():
     import numpy as np
 
     import kdtree_jax as kj
-    from benchmarks.common import Timer, metadata, write_results
+    from benchmarks.common import Timer, copy_bandwidth, metadata, write_results
     from benchmarks.cost_model import BF16_BYTES, CostModel
     from pallas_kernels.w4a16_mgpu import MgpuConfig
     from pallas_kernels.w4a16_mgpu.moe import grouped_moe_w4a16_mgpu, routed_moe_mosaic_reference
@@ -65,14 +65,9 @@ def main():
         timing = timer(f, *a)
         return timing.out, timing.device_s, [(name[:60], s * 1e6) for name, s in timing.kernels]
 
-    n = 512 * 1024 * 1024
-    big = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
-    _, copy_s, _ = measure(jax.jit(lambda a: a + 1), big)
-    del big
-    bandwidth = 2 * n * BF16_BYTES / copy_s
+    bandwidth = copy_bandwidth(timer)
     model = CostModel.from_config(cfg, bandwidth=bandwidth)
     meta["copy_TBps"] = bandwidth / 1e12
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
 
     @jax.jit
     def make_experts(key):

@@ -83,7 +83,7 @@ def main():
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.common import Timer, metadata, write_json, write_results
+    from benchmarks.common import Timer, copy_bandwidth, metadata, write_json, write_results
     from benchmarks.xla_baselines import w4a16_matmul_xla
     from kdtree_jax import quant
     from pallas_kernels.w4a16 import get_config, w4a16_matmul, w4a16_matmul_reference
@@ -102,12 +102,8 @@ def main():
         return timing.out, timing.device_s * 1e6
 
     # ---- copy bandwidth, measured in this run
-    big = jax.random.normal(jax.random.key(0), (512 * 1024 * 1024,), jnp.bfloat16)  # 1 GiB
-    _, copy_us = measure(jax.jit(lambda a: a + 1), big)
-    copy_bps = 2 * big.size * 2 / (copy_us * 1e-6)
-    del big
+    copy_bps = copy_bandwidth(timer)  # 1 GiB of bf16
     meta["copy_TBps_measured"] = copy_bps / 1e12
-    print(f"copy bandwidth: {copy_bps / 1e12:.2f} TB/s", flush=True)
 
     # ---- correctness (native), vs float64 NumPy on moderate shapes and the jnp reference on big ones
     checks = []

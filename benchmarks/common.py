@@ -156,6 +156,20 @@ class Timer:
         return Timing(out, statistics.median(walls), median, runs[(len(runs) - 1) // 2])
 
 
+def copy_bandwidth(timer: Timer, elements: int = 512 * 1024 * 1024) -> float:
+    """Bytes per second of a device copy in this run (x + 1 over `elements` bf16 values: one read and one
+    write each), timed by `timer`; the denominator of the memory floors. Prints it."""
+    import jax
+    import jax.numpy as jnp
+
+    big = jax.random.normal(jax.random.key(0), (elements,), jnp.bfloat16)
+    seconds = timer(jax.jit(lambda a: a + 1), big).seconds
+    del big
+    bandwidth = 2 * elements * 2 / seconds
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    return bandwidth
+
+
 # ---------------------------------------------------------------------------------------------- writer
 def write_json(stem: str | Path, meta: dict, data: dict) -> Path:
     """<stem>.json = {"meta": meta, **data} (also for a partial result rewritten as a run goes)."""

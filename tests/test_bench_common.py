@@ -101,6 +101,11 @@ def test_timer_on_cpu_returns_positive_wall_times_and_the_output():
     assert timing.seconds == timing.wall_s and float(timing.out) == float(np.sum(np.arange(64.0) ** 2))
 
 
+def test_copy_bandwidth_on_cpu_is_positive_and_finite(capsys):
+    bandwidth = common.copy_bandwidth(common.Timer(2), elements=1 << 16)
+    assert 0 < bandwidth < float("inf") and "copy bandwidth" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("iters", [0, 2.5])
 def test_timer_refuses_a_bad_iteration_count(iters):
     with pytest.raises(ValueError, match="iters"):
