@@ -135,7 +135,8 @@ def main():
     scale = 1.0 / math.sqrt(192)  # K2: 1/sqrt(qk_nope + rope) (yarn mscale aside)
 
     meta = metadata(H=H, c=c, r=r, B=1, dtype=str(jnp.dtype(dtype)), smoke=args.smoke,
-                    method="CUPTI profiler.measure, median of 5, n_buf input sets per program", timer=timer.method)
+                    method=("SMOKE RUN: wall clock of one call, meaningless" if args.smoke else
+                            "CUPTI profiler.measure, median of 5, n_buf input sets per program"), timer=timer.method)
     results = dict(shapes=[])
     stem = os.path.join(args.out, "tree_attention_h200")
 
