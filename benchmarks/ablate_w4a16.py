@@ -2,14 +2,13 @@
 the tuned kernel and a wider sweep; the same Pallas-Triton loop on bf16 weights (skeleton ceiling);
 the same loop on the int4 bytes without unpacking (load + dot ceiling at int4 byte volume).
 
-  python benchmarks/ablate_w4a16.py --out DIR    (GPU only; writes DIR/w4a16_ablation.json)
+  python benchmarks/ablate_w4a16.py --out DIR    (GPU only; writes DIR/w4a16_ablation.json and .md with the
+  run's metadata; timing: benchmarks/common.py Timer)
 """
 
 import argparse
 import functools
-import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -19,8 +18,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as pltriton  # noqa: E402
-from jax.experimental.mosaic.gpu import profiler  # noqa: E402
 
+from benchmarks.common import Timer, metadata, write_results  # noqa: E402
 from pallas_kernels.w4a16 import BlockConfig, get_config, w4a16_matmul  # noqa: E402
 
 
@@ -55,6 +54,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = ap.parse_args()
+    if jax.default_backend() != "gpu":
+        raise SystemExit("ablate_w4a16 needs a GPU: CPU timings prove nothing")
     k, n, m = 7168, 18432, 16
     key = jax.random.key(0)
     kq, ks, kx, kb = jax.random.split(key, 4)
@@ -64,12 +65,13 @@ def main():
     w_bf16 = (jax.random.normal(kb, (n, k), jnp.float32) * 0.02).astype(jnp.bfloat16)
     wbytes_int4 = n * k // 2 + n * (k // 32) * 2
 
-    def measure(f, *a):
-        f(*a)
-        _, t = profiler.measure(f, iterations=7)(*a)
-        return statistics.median(t) * 1e3
+    timer = Timer(7)
 
-    res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "k": k, "n": n, "m": m, "rows": []}
+    def measure(f, *a):  # device microseconds
+        return timer(f, *a).device_s * 1e6
+
+    meta = metadata(timer=timer.method, k=k, n=n, m=m)
+    res = {"rows": []}
 
     def record(name, us, nbytes):
         res["rows"].append({"name": name, "us": us, "TBps": nbytes / (us * 1e-6) / 1e12})
@@ -96,9 +98,10 @@ def main():
                 record(f"skeleton {name} bn{bn} bk{bk} w{warps} st{stages}", measure(f, xin, w), nbytes)
             except Exception as e:  # noqa: BLE001
                 print("FAILED skeleton", name, bn, bk, type(e).__name__, str(e)[:150], flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "w4a16_ablation.json"), "w") as fh:
-        json.dump(res, fh, indent=1)
+    md = [f"# What limits the W4A16 Triton kernel ({meta['device']}): K={k}, N={n}, M={m}", "",
+          "| variant | us | TB/s |", "|---|---|---|"]
+    md += [f"| {r['name']} | {r['us']:.1f} | {r['TBps']:.2f} |" for r in res["rows"]]
+    write_results(os.path.join(args.out, "w4a16_ablation"), meta, res, "\n".join(md))
 
 
 if __name__ == "__main__":

@@ -10,16 +10,13 @@ For each model (the tiny preset and a mid-size config) at batch 1:
     precision "highest"; bf16 models can leave the AR path at near-ties, see results/README).
 
 Usage:  python benchmarks/bench_decode.py [--quick] [--out benchmarks/results]
+Writes <out>/decode_<platform>.json and .md with the run's metadata (benchmarks/common.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -30,6 +27,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kdtree_jax as kj  # noqa: E402
+from benchmarks.common import Timer, metadata, write_results  # noqa: E402
 from kdtree_jax.model import forward_with_cache, init_cache  # noqa: E402
 
 MID = kj.ModelConfig(
@@ -44,13 +42,9 @@ MID = kj.ModelConfig(
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:
-    out = jax.block_until_ready(fn())  # compile + warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+    """(median wall seconds of fn(), its output): the wall clock around one generate dispatch."""
+    timing = Timer(repeats, device=False)(fn)
+    return timing.wall_s, timing.out
 
 
 def python_loop_decode(cfg, params, prompt, new_tokens):
@@ -128,10 +122,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per variant (median reported)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="results folder")
     args = parser.parse_args(argv)
-    device = jax.devices()[0]
-    meta = dict(device=device.device_kind, platform=device.platform, jax=jax.__version__,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                attention_impl=_attention_impl(), batch=1, new_tokens=args.new_tokens)
+    meta = metadata(attention_impl=_attention_impl(), batch=1, new_tokens=args.new_tokens)
     models = [("tiny", kj.ModelConfig.tiny(), jnp.float32, [4, 16, 64], 8)]
     if not args.quick:
         models.append(("mid", MID, jnp.bfloat16, [4, 16, 32, 64, 128], 16))
@@ -139,11 +130,9 @@ def main(argv=None):
     for name, cfg, dtype, budgets, block in models:
         new_tokens = 16 if args.quick else args.new_tokens
         rows += bench_model(name, cfg, dtype, budgets, new_tokens, 2 if args.quick else args.repeats, block)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = "decode_" + ("quick_" if args.quick else "") + device.platform
-    (args.out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    stem = "decode_" + ("quick_" if args.quick else "") + meta["platform"]
     table = render(meta, rows)
-    (args.out / f"{stem}.md").write_text(table)
+    write_results(args.out / stem, meta, {"rows": rows}, table)
     print(table)
 
 

@@ -10,18 +10,16 @@ prompt and sums. Greedy outputs of every method are checked token for token agai
     python benchmarks/bench_e2e.py --out benchmarks/results --tag cpu            # ~15 min on 2 CPU cores
     python benchmarks/bench_e2e.py --out benchmarks/results --tag h200 --num-prompts 16 --max-new-tokens 128
 
-Writes <out>/e2e_<tag>.json, .md (table + device, JAX version, date) and .png (acceptance length and
-speedup against the budget).
+Writes <out>/e2e_<tag>.json, .md (table + the run's metadata: device, JAX, date, git commit, command) and
+.png (acceptance length and speedup against the budget), through benchmarks/common.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import warnings
@@ -33,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kdtree_jax as kj  # noqa: E402
+from benchmarks.common import Timer, metadata, write_results  # noqa: E402
 from kdtree_jax.attention import describe_impl as describe_attention  # noqa: E402
 from pallas_kernels.tree_attention import TreeAttentionFallbackWarning  # noqa: E402
 from pallas_kernels.w4a16 import W4A16FallbackWarning  # noqa: E402
@@ -57,16 +56,12 @@ def run_config(cfg, params, drafter, prompts, batch, method, budget, temperature
     if method == "ddtree":
         kwargs["tree_budget"] = budget
     seconds, tokens, forwards, accept, outputs = 0.0, 0, 0, [], []
+    timer = Timer(repeats, device=False)  # wall clock around one dispatch (compile + warm-up call first)
     for g, group in enumerate(groups):
         key = jax.random.key(1000 + g)
-        call = lambda: kj.generate(cfg, params, group, key=key, **kwargs)  # noqa: E731
-        jax.block_until_ready(call())  # compile (first group) + warm-up
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(call())
-            times.append(time.perf_counter() - t0)
-        seconds += statistics.median(times)
+        timing = timer(lambda: kj.generate(cfg, params, group, key=key, **kwargs))
+        out = timing.out
+        seconds += timing.wall_s
         lengths = np.asarray(out.lengths)
         tokens += int(lengths.sum())
         forwards += int(out.num_target_forwards) * len(group)  # a forward serves the whole batch
@@ -122,12 +117,7 @@ def main() -> None:
     dcfg, dparams = kj.load_checkpoint(args.drafter, expect_kind="drafter")
     drafter = (dcfg, dparams)
     prompts = load_prompts(tok, args.num_prompts, args.prompt_tokens)
-    device = jax.devices()[0]
-    kind = getattr(device, "device_kind", "")
-    meta = dict(device=device.platform if kind.lower() == device.platform else f"{device.platform} {kind}".strip(),
-                host=f"{platform.machine()}, {os.cpu_count()} CPU cores", jax=jax.__version__,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                target=str(args.target), drafter=str(args.drafter), num_prompts=args.num_prompts,
+    meta = metadata(host=f"{platform.machine()}, {os.cpu_count()} CPU cores", target=str(args.target), drafter=str(args.drafter), num_prompts=args.num_prompts,
                 prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                 block_size=dcfg.block_size, matmul_precision=args.matmul_precision,
                 attention=describe_attention())
@@ -158,25 +148,22 @@ def main() -> None:
                 print(f"{batch:>5} {temperature:>4g} {method:>7} {budget or '-':>6} {row['mean_acceptance']:>7.2f} "
                       f"{row['forwards_per_token']:>8.3f} {row['tokens_per_s']:>9.1f} {row['speedup']:>7.2f}x  {same}",
                       flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"e2e_{args.tag}"
     meta["skipped_past_deadline"] = skipped
     if skipped:
         print(f"INCOMPLETE: {len(skipped)} points not run (past --deadline-s {args.deadline_s:g})", flush=True)
-    Path(f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows,
-                                                "invariant_failures": invariant_failures}, indent=1))
-    write_markdown(Path(f"{stem}.md"), meta, rows)
-    plot(Path(f"{stem}.png"), meta, rows, args.budgets)
-    print(f"wrote {stem}.json/.md/.png; greedy invariant " +
+    write_results(stem, meta, {"rows": rows, "invariant_failures": invariant_failures}, markdown(meta, rows),
+                  plot=lambda path: plot(path, meta, rows, args.budgets))
+    print("greedy invariant " +
           ("held everywhere" if not invariant_failures else f"FAILED for {invariant_failures}"))
     if invariant_failures:
         raise SystemExit(1)
 
 
 def merge(paths: list[Path], stem: Path) -> None:
-    """Rows of several runs in one table and plot; the first run's meta, with every run's date listed."""
+    """Rows of several runs in one table and plot; the first run's meta, with every run's date listed and the
+    merge's own record under "merged_by"."""
     runs = [json.loads(p.read_text()) for p in paths]
-    stem.parent.mkdir(parents=True, exist_ok=True)
     keys = ("device", "jax", "num_prompts", "prompt_tokens", "max_new_tokens", "block_size", "matmul_precision")
     for p, run in zip(paths[1:], runs[1:]):
         differ = [k for k in keys if run["meta"].get(k) != runs[0]["meta"].get(k)]
@@ -189,19 +176,20 @@ def merge(paths: list[Path], stem: Path) -> None:
             if point not in seen:
                 seen.add(point)
                 rows.append(r)
-    meta = dict(runs[0]["meta"], merged_from=[str(p) for p in paths], dates=[r["meta"]["date"] for r in runs])
+    meta = dict(runs[0]["meta"], merged_from=[str(p) for p in paths], dates=[r["meta"]["date"] for r in runs],
+                merged_by=metadata())
     done = {(r["batch"], r["temperature"], r["method"], r["budget"]) for r in rows}
     skipped = {(q["batch"], q["temperature"], q["method"], q["budget"]): q for run in runs
                for q in run["meta"].get("skipped_past_deadline", [])}
     meta["skipped_past_deadline"] = [q for point, q in skipped.items() if point not in done]
     failures = [f for run in runs for f in run["invariant_failures"]]
-    Path(f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "invariant_failures": failures}, indent=1))
-    write_markdown(Path(f"{stem}.md"), meta, rows)
-    plot(Path(f"{stem}.png"), meta, rows, sorted({r["budget"] for r in rows if r["budget"]}))
-    print(f"wrote {stem}.json/.md/.png from {len(paths)} runs, {len(rows)} points")
+    budgets = sorted({r["budget"] for r in rows if r["budget"]})
+    write_results(stem, meta, {"rows": rows, "invariant_failures": failures}, markdown(meta, rows),
+                  plot=lambda path: plot(path, meta, rows, budgets))
+    print(f"merged {len(paths)} runs, {len(rows)} points")
 
 
-def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
+def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [f"# End-to-end decode: AR vs DFlash vs DDTree ({meta['device']})", "",
              f"{meta['date']}, JAX {meta['jax']}, host {meta['host']}; {meta['num_prompts']} held-out prompts of "
              f"{meta['prompt_tokens']} tokens, {meta['max_new_tokens']} new tokens each, block size "
@@ -220,12 +208,11 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
         lines += ["", f"INCOMPLETE: {len(meta['skipped_past_deadline'])} points not run (past the deadline): "
                   + ", ".join(f"batch {p['batch']} T={p['temperature']:g} {p['method']} {p['budget'] or ''}".strip()
                               for p in meta["skipped_past_deadline"])]
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def plot(path: Path, meta: dict, rows: list[dict], budgets) -> None:
-    import matplotlib  # noqa: PLC0415
-    matplotlib.use("Agg")
+    """Acceptance length and speedup against the budget (called by benchmarks.common.write_png)."""
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))

@@ -4,33 +4,36 @@
   python benchmarks/bench_k26_slice.py --tiny --out DIR      # CPU smoke run (< 1 min): NOT measurements
   python benchmarks/bench_k26_slice.py --summarize DIR/k26_slice.json   # rebuild tables/plot, no GPU
 
-Builds `--layers` MoE layers of ModelConfig.kimi_k26() (hidden 7168, 64 MLA heads, 384 INT4 experts of
-7168 -> 2048 -> 7168, bf16 attention / shared expert) with random weights drawn ON THE DEVICE inside jit,
-then, for every tree size T in {1, 9, 33, 65, 129} and committed context S in {4096, 32768}, times
-  attention: the tree-attention kernel (absorbed MLA core over S + T latent rows, a random tree mask);
-  moe:       the grouped INT4 MoE kernel the model runs (--moe: the Mosaic GPU one by default; routed
-             experts, grouping included), the other grouped kernel, and XLA's alternatives in the same
-             run: touched-experts loop, dense-all-experts, gather-then-dot (bf16 dequant);
-  rest:      RMSNorms, q_a/q_b/kv_a, W_UK absorb, RoPE, W_UV, o_proj, router + top-8, shared expert;
+The slice is the model itself: `--layers` MoE decoder layers of ModelConfig.kimi_k26() (hidden 7168, 64 MLA
+heads, 384 INT4 experts of 7168 -> 2048 -> 7168, bf16 attention / shared expert), their params shaped by the
+model's own init and quantize (random values drawn ON THE DEVICE), run by kdtree_jax.model.DecoderLayer. For
+every tree size T in {1, 9, 33, 65, 129} and committed context S in {4096, 32768} it times
+  attention: the model's attention core (kdtree_jax.attention.mla_attention: the tree-attention kernel on a
+             GPU) over S + T latent rows with a random tree mask;
+  moe:       the model's routed experts (kdtree_jax.model.routed_experts: with the experts in the Mosaic
+             layout (--moe mosaic, the default) the Mosaic GPU kernel, in the checkpoint layout the Triton
+             one; the other one is timed beside it), grouping included, and XLA's alternatives in the same
+             run (benchmarks/xla_baselines.py): touched-experts loop, dense-all-experts, gather-then-dot;
+  rest:      the decoder layer with its attention core and routed experts stood in for by trivial functions
+             (RMSNorms, q_a/q_b/kv_a, W_UK absorb, RoPE, W_UV, o_proj, router + top-8, shared expert);
   layer:     the whole slice forward divided by the number of layers (includes the glue);
-  head:      the lm_head on T rows,
-against floors from kdtree_jax.budget (bytes / copy bandwidth measured in this run, or FLOPs / peak;
+  head:      the model's lm_head on T rows,
+against floors from benchmarks/cost_model.py (bytes / copy bandwidth measured in this run, or FLOPs / peak;
 the MoE floor from the experts actually touched). It then extrapolates to 61 layers, states the
 per-round cost of DDTree verification vs one autoregressive step and the break-even acceptance
 length per budget, and calibrates the budget cost model.
 
-Timing (GPU): CUPTI summed kernel time (`jax.experimental.mosaic.gpu.profiler.measure`), median of
---iters after a warm-up. On CPU (--tiny) it is wall clock and says so: CPU numbers prove nothing.
-Writes DIR/k26_slice.json, DIR/k26_slice.md and DIR/k26_slice.png.
+Timing (benchmarks/common.py Timer): on a GPU CUPTI summed kernel time, one window per call, median of
+--iters after a warm-up, with the wall clock beside it for the MoE columns. On CPU (--tiny) it is wall
+clock and says so: CPU numbers prove nothing. Writes DIR/k26_slice.json, DIR/k26_slice.md and
+DIR/k26_slice.png, each with the run's metadata (device, JAX, date, git commit, command).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
+import contextlib
 import os
-import statistics
 import sys
 import time
 
@@ -53,107 +56,63 @@ def tiny_config():
         v_head_dim=32, vocab_size=1024, bos_token_id=1, eos_token_id=(2,), pad_token_id=3, mask_token_id=4)
 
 
-# ------------------------------------------------------------------------------------ weights on device
-def make_layer(key, cfg):
-    """One MoE layer's params at cfg's width, drawn on the device (call under jit)."""
+def full_config(tiny: bool):
+    """The whole model the slice stands for (the extrapolation's layer counts): K2.6, or the tiny stand-in."""
+    import kdtree_jax as kj
+
+    return tiny_config() if tiny else kj.ModelConfig.kimi_k26()
+
+
+def slice_config(tiny: bool, layers: int):
+    """full_config cut to `layers` decoder layers, all of them MoE layers."""
+    if layers < 1:
+        raise SystemExit(f"--layers must be >= 1, got {layers}")
+    return full_config(tiny).replace(num_hidden_layers=layers, first_k_dense_replace=0)
+
+
+# ------------------------------------------------------------------------------------------- the slice
+def slice_params(cfg, dtype, key):
+    """The model's params tree for cfg (its own init's shapes, routed experts INT4 by its own quantize),
+    random values drawn on the device."""
     import jax
-    import jax.numpy as jnp
 
-    d, h, e, i = cfg.hidden_size, cfg.num_attention_heads, cfg.n_routed_experts, cfg.moe_intermediate_size
-    c, r, dn, dv, qr = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.q_lora_rank
-    keys = iter(jax.random.split(key, 32))
+    import kdtree_jax as kj
+    from benchmarks.common import random_params
 
-    def dense(*shape, fan_in=None):
-        fan_in = fan_in or shape[-2]
-        return (jax.random.normal(next(keys), shape, jnp.bfloat16) * (1.0 / np.sqrt(fan_in))).astype(jnp.bfloat16)
-
-    def int4(n, k):  # random nibbles (int16 words), scales so that W has std ~ 1/sqrt(k)
-        words = jax.lax.bitcast_convert_type(jax.random.bits(next(keys), (e, n, k // 4), jnp.uint16), jnp.int16)
-        scale = jax.random.uniform(next(keys), (e, n, k // 32), jnp.float32, 0.5, 1.5) / (4.6 * np.sqrt(k))
-        return {"qweight": words, "scale": scale.astype(jnp.bfloat16)}
-
-    return {
-        "in_norm": 1.0 + 0.1 * jax.random.normal(next(keys), (d,), jnp.float32),
-        "post_norm": 1.0 + 0.1 * jax.random.normal(next(keys), (d,), jnp.float32),
-        "q_a": dense(d, qr), "q_norm": jnp.ones((qr,), jnp.float32), "q_b": dense(qr, h * (dn + r)),
-        "kv_a": dense(d, c + r), "kv_norm": jnp.ones((c,), jnp.float32),
-        "w_uk": dense(h, dn, c, fan_in=dn), "w_uv": dense(h, c, dv, fan_in=c), "o": dense(h * dv, d),
-        "router": dense(d, e).astype(jnp.float32), "router_bias": 0.01 * jax.random.normal(next(keys), (e,)),
-        "shared": {"gate": dense(d, i), "up": dense(d, i), "down": dense(i, d)},
-        "experts": {"gate": int4(i, d), "up": int4(i, d), "down": int4(d, i)},
-    }
+    abstract = jax.eval_shape(lambda k: kj.quantize(kj.init_params(cfg, k, dtype), cfg), jax.random.key(0))
+    return random_params(abstract, key)
 
 
-# ------------------------------------------------------------------------------------------ layer parts
-def _rms(x, w, eps=1e-5):
-    import jax.numpy as jnp
+def decoder_layer(cfg, layer: int, params, h, positions, cache, start, visibility):
+    """The model's decoder layer `layer` on h [1, T, D] over the latent cache [1, S, c + r] (rows from
+    start [1] on are the tree's), visibility [1, T, T] -> h [1, T, D]."""
+    from kdtree_jax.model import DecoderLayer
 
-    xf = x.astype(jnp.float32)
-    return (xf * jnp.reciprocal(jnp.sqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)) * w).astype(x.dtype)
-
-
-def _rope(x, positions, theta=50000.0):
-    """Interleaved-pair RoPE on the last dim of x [..., T, (H,) r] (positions [T])."""
-    import jax.numpy as jnp
-
-    r = x.shape[-1]
-    inv = theta ** (-jnp.arange(0, r, 2, dtype=jnp.float32) / r)
-    ang = positions.astype(jnp.float32)[:, None] * inv  # [T, r/2]
-    if x.ndim == 3:
-        ang = ang[:, None, :]
-    cos, sin = jnp.cos(ang), jnp.sin(ang)
-    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], r // 2, 2)
-    a, b = pairs[..., 0], pairs[..., 1]
-    return jnp.stack([a * cos - b * sin, a * sin + b * cos], -1).reshape(x.shape).astype(x.dtype)
+    module = DecoderLayer(cfg, layer, params["embed_tokens"].dtype)
+    out, _ = module.apply({"params": params[f"layers_{layer}"]}, h, positions, cache, start, visibility)
+    return out
 
 
-def pre_attention(p, h, positions, cfg):
-    """h [T, D] -> (q [1, T, H, c + r] absorbed query, new latent rows [T, c + r])."""
-    import jax.numpy as jnp
+@contextlib.contextmanager
+def attention_and_routed_moe_stood_in():
+    """While a function is traced: the model's attention core and routed experts are replaced by functions
+    that do (almost) no work but keep their inputs alive, so that XLA keeps everything around them ("rest")."""
+    from kdtree_jax import attention, model
 
-    hh, c, r, dn = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
-    x = _rms(h, p["in_norm"])
-    q = (_rms(x @ p["q_a"], p["q_norm"]) @ p["q_b"]).reshape(-1, hh, dn + r)  # [T, H, dn + r]
-    q_lat = jnp.einsum("thn,hnc->thc", q[..., :dn], p["w_uk"])  # [T, H, c]
-    q_full = jnp.concatenate([q_lat, _rope(q[..., dn:], positions)], -1)[None]  # [1, T, H, c + r]
-    kv = x @ p["kv_a"]  # [T, c + r]
-    latent = jnp.concatenate([_rms(kv[:, :c], p["kv_norm"]), _rope(kv[:, c:], positions)], -1)
-    return q_full, latent
+    def attend(q, cache, start, visibility, *, scale, value_dim):  # [B, T, H, c + r] -> its latent part
+        del cache, start, visibility, scale
+        return q[..., :value_dim]
 
+    def routed(x, experts, idx, weights):  # keeps the router's top-k alive through the weights
+        del experts, idx
+        return x * weights.sum(-1, keepdims=True).astype(x.dtype)
 
-def post_attention(p, h, attn, cfg):
-    """attn [1, T, H, c] -> (h after o_proj residual, normed x, routing idx/weights, shared expert out)."""
-    import jax
-    import jax.numpy as jnp
-
-    o = jnp.einsum("thc,hcv->thv", attn[0], p["w_uv"]).reshape(h.shape[0], -1) @ p["o"]  # [T, D]
-    h = h + o
-    x = _rms(h, p["post_norm"])
-    scores = jax.nn.sigmoid(x.astype(jnp.float32) @ p["router"])  # [T, E]
-    _, idx = jax.lax.top_k(scores + p["router_bias"], cfg.num_experts_per_tok)
-    w = jnp.take_along_axis(scores, idx, 1)
-    w = w / jnp.sum(w, -1, keepdims=True) * cfg.routed_scaling_factor  # [T, k]
-    s = p["shared"]
-    shared = (jax.nn.silu(x @ s["gate"]) * (x @ s["up"])) @ s["down"]
-    return h, x, idx.astype(jnp.int32), w, shared
-
-
-def routed(experts, x, idx, w, impl):
-    """The routed MoE by impl: "mosaic" (experts in the Mosaic layout), "triton", or an XLA alternative."""
-    from pallas_kernels import moe_w4a16 as moe
-    from pallas_kernels.w4a16_mgpu.moe import grouped_moe_w4a16_mgpu
-
-    if impl == "mosaic":
-        return grouped_moe_w4a16_mgpu(x, experts, idx, w)
-    if impl == "triton":
-        return moe.grouped_moe_w4a16(x, experts, idx, w, impl="pallas")
-    if impl == "xla_touched":
-        return moe.moe_w4a16_xla_touched(x, experts, idx, w, dequant="bf16")
-    if impl == "xla_dense":
-        return moe.moe_w4a16_xla_dense(x, experts, idx, w, dequant="bf16")
-    if impl == "xla_gather":
-        return moe.moe_w4a16_xla_gather(x, experts, idx, w, dequant="bf16")
-    raise ValueError(f"unknown MoE impl {impl!r}")
+    saved = attention.mla_attention, model.routed_experts
+    attention.mla_attention, model.routed_experts = attend, routed
+    try:
+        yield
+    finally:
+        attention.mla_attention, model.routed_experts = saved
 
 
 def random_tree_mask(rng, t):
@@ -177,8 +136,9 @@ def main():
     ap.add_argument("--ss", default=",".join(map(str, SS)), help="committed contexts S, comma-separated")
     ap.add_argument("--moe", choices=("mosaic", "triton"), default="mosaic",
                     help="the grouped MoE kernel of the slice forward and the MoE column (the other one is timed "
-                         "beside it): mosaic = pallas_kernels/w4a16_mgpu (the model's on Hopper + bf16), triton = "
-                         "pallas_kernels/moe_w4a16 (default: %(default)s; tilings: benchmarks/bench_moe_mgpu.py)")
+                         "beside it): mosaic = the routed experts in the Mosaic GPU layout (the model's on Hopper + "
+                         "bf16), triton = in the checkpoint layout (default: %(default)s; tilings: "
+                         "benchmarks/bench_moe_mgpu.py)")
     ap.add_argument("--no-baselines", action="store_true", help="skip the XLA MoE alternatives")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run at tiny width (XLA paths, wall clock)")
     ap.add_argument("--summarize", metavar="JSON",
@@ -192,115 +152,76 @@ def main():
     import jax.numpy as jnp
 
     import kdtree_jax as kj
-    from kdtree_jax.budget import CostModel, evaluate_budgets, saturating_profile
-    from pallas_kernels.tree_attention import tree_mla_attention
+    from benchmarks.common import Timer, copy_bandwidth, metadata
+    from benchmarks.cost_model import CostModel, evaluate_budgets, saturating_profile
+    from benchmarks.xla_baselines import MOE_BASELINES
+    from kdtree_jax import attention, model as kmodel
+    from kdtree_jax.layers import rms_norm
+    from kdtree_jax.linear import linear
 
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and not args.tiny:
         raise SystemExit("bench_k26_slice needs a GPU (use --tiny for a CPU smoke run, which measures nothing)")
-    cfg = tiny_config() if args.tiny else kj.ModelConfig.kimi_k26()
+    cfg = slice_config(args.tiny, args.layers)
     ts = [int(v) for v in args.ts.split(",")]
     ss = [int(v) for v in args.ss.split(",")]
     if args.tiny:
         ts, ss = [t for t in ts if t <= 33] or [1], [64, 256]
-    attn_impl = "pallas" if on_gpu else "xla"
+    # Off a GPU the model's routed experts run its XLA touched-experts fallback.
     moe_impl = args.moe if on_gpu else "xla_touched"
     alt_impl = {"mosaic": "triton", "triton": "mosaic"}.get(moe_impl)
-    meta = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "tiny": args.tiny, "layers": args.layers, "attention_impl": attn_impl, "moe_impl": moe_impl,
-            "alt_moe_impl": alt_impl,
-            "timing": ("CUPTI summed kernel time, median" if on_gpu
-                       else "CPU WALL CLOCK, median: NOT MEASUREMENTS, proves only that the script runs"),
-            "config": {k: getattr(cfg, k) for k in ("hidden_size", "num_attention_heads", "n_routed_experts",
-                                                   "num_experts_per_tok", "moe_intermediate_size", "kv_lora_rank")}}
-    print(json.dumps(meta), flush=True)
-    if on_gpu:
-        from jax.experimental.mosaic.gpu import profiler
+    timer = Timer(args.iters)
+    meta = metadata(
+        tiny=args.tiny, layers=args.layers, attention_impl=attention.describe_impl(),
+        moe_impl=moe_impl, alt_moe_impl=alt_impl,
+        timing=("CUPTI summed kernel time, median" if on_gpu
+                else "CPU WALL CLOCK, median: NOT MEASUREMENTS, proves only that the script runs"),
+        timer=timer.method,
+        config={k: getattr(cfg, k) for k in ("hidden_size", "num_attention_heads", "n_routed_experts",
+                                             "num_experts_per_tok", "moe_intermediate_size", "kv_lora_rank")})
+    print(meta, flush=True)
 
     def rel_err(got, want):
         got, want = got.astype(jnp.float32), want.astype(jnp.float32)
         return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
 
-    def wall(f, *a):
-        """Median wall seconds per call of jitted f (dispatch included: an upper bound next to CUPTI's)."""
-        jax.block_until_ready(f(*a))
-        times = []
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*a))
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    def measure(f, *a):
-        """Median seconds per call of jitted f (CUPTI on GPU; wall clock on CPU)."""
-        out = jax.block_until_ready(f(*a))  # compile + warm-up
-        if on_gpu:
-            # One CUPTI window per iteration: a multi-iteration window insists that every iteration
-            # launches the same kernels, which XLA's data-dependent loops (xla_touched) do not.
-            times = []
-            for _ in range(args.iters):
-                out, ms = profiler.measure(f, iterations=1)(*a)
-                if ms is None:
-                    raise RuntimeError("no kernels were launched")
-                times.append(ms)
-            return out, statistics.median(times) * 1e-3
-        times = []
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*a))
-            times.append(time.perf_counter() - t0)
-        return out, statistics.median(times)
-
     # ---- copy bandwidth in this run (the floors' denominator)
-    n = (512 if on_gpu else 4) * 1024 * 1024
-    big = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
-    _, copy_s = measure(jax.jit(lambda a: a + 1), big)
-    bandwidth = 2 * big.size * 2 / copy_s
-    del big
+    bandwidth = copy_bandwidth(timer, (512 if on_gpu else 4) * 1024 * 1024)
     meta["copy_TBps"] = bandwidth / 1e12
-    model = CostModel.from_config(cfg, bandwidth=bandwidth) if on_gpu else CostModel.from_config(cfg)
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    full = full_config(args.tiny)
+    cost = CostModel.from_config(full, bandwidth=bandwidth) if on_gpu else CostModel.from_config(full)
 
-    # ---- weights on device
+    # ---- weights on device: the model's params, and its routed experts in the Mosaic layout too
     t0 = time.time()
-    layers = [jax.jit(make_layer, static_argnums=1)(jax.random.key(100 + l), cfg) for l in range(args.layers)]
-    jax.block_until_ready(layers)
+    params = slice_params(cfg, jnp.bfloat16, jax.random.key(100))
+    mosaic = kj.to_mosaic_experts(params, cfg) if on_gpu else None  # a load-time conversion
+    jax.block_until_ready((params, mosaic))
     meta["build_s"] = time.time() - t0
     print(f"built {args.layers} layers on device in {meta['build_s']:.1f} s", flush=True)
-    p0 = layers[0]
-    scale = 0.3 / np.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-    c = cfg.kv_lora_rank
+    by_impl = {"mosaic": mosaic, "triton": params, "xla_touched": params}  # whose routed experts each impl runs
+    p0 = params["layers_0"]
+    c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
 
-    pre = jax.jit(lambda p, h, pos: pre_attention(p, h, pos, cfg))
-    post = jax.jit(lambda p, h, a: post_attention(p, h, a, cfg))
-    attend = jax.jit(lambda q, cache, start, mask: tree_mla_attention(q, cache, start, mask, scale=scale,
-                                                                      value_dim=c, impl=attn_impl))
-    impls = (["mosaic", "triton"] if on_gpu else []) + ["xla_touched", "xla_dense", "xla_gather"]
-    moe_fns = {impl: jax.jit(lambda e, x, i, w, impl=impl: routed(e, x, i, w, impl)) for impl in impls}
-    mosaic_experts = []
-    if on_gpu:  # every layer's routed experts in the Mosaic kernel layout too (a load-time conversion)
-        from pallas_kernels.w4a16_mgpu.moe import experts_to_mgpu_layout
+    def experts(tree):
+        return tree["layers_0"]["moe"]["experts"]
 
-        to_mgpu = jax.jit(experts_to_mgpu_layout)
-        mosaic_experts = [to_mgpu(p["experts"]) for p in layers]
+    attend = jax.jit(lambda q, cache, start, mask: attention.mla_attention(
+        q, cache, start, mask, scale=cfg.softmax_scale, value_dim=c))
+    routed = jax.jit(kmodel.routed_experts)  # the model's: which kernel runs follows the experts' layout
+    baselines = {impl: jax.jit(fn) for impl, fn in MOE_BASELINES.items()}
 
-    def experts_for(impl, layer):
-        return mosaic_experts[layer] if impl == "mosaic" else layers[layer]["experts"]
-
-    def slice_forward(layers, experts, h, positions, cache, start, mask):
-        for p, e in zip(layers, experts):  # static unroll over the slice's layers (each its own weights)
-            q, _ = pre_attention(p, h, positions, cfg)
-            a = tree_mla_attention(q, cache, start, mask, scale=scale, value_dim=c, impl=attn_impl)
-            h, x, idx, w, shared = post_attention(p, h, a, cfg)
-            h = h + shared + routed(e, x, idx, w, moe_impl)
+    def slice_forward(tree, h, positions, cache, start, mask):
+        for layer in range(cfg.num_hidden_layers):  # static unroll: each layer its own weights
+            h = decoder_layer(cfg, layer, tree, h, positions, cache, start, mask)
         return h
 
+    def rest_fn(*a):  # the first layer compiled with the stand-ins (a fresh jit: no cached real trace)
+        with attention_and_routed_moe_stood_in():
+            return jax.jit(lambda tree, *b: decoder_layer(cfg, 0, tree, *b)).lower(*a).compile()
+
     slice_fn = jax.jit(slice_forward)
-    slice_experts = [experts_for(moe_impl, layer) for layer in range(args.layers)]
-    head_w = jax.jit(lambda k: jax.random.normal(k, (cfg.hidden_size, cfg.vocab_size), jnp.bfloat16))(
-        jax.random.key(7))
-    head_fn = jax.jit(lambda x, w: (x @ w).astype(jnp.float32))
+    head_fn = jax.jit(lambda x, w: linear(x, w).astype(jnp.float32))
+    head_w = params["lm_head"]
 
     rng = np.random.default_rng(0)
     rows, moe_rows, checks = [], {}, []
@@ -308,30 +229,32 @@ def main():
         if time.time() - t_start > args.deadline_s:
             print(f"deadline: skipping T={t} and later", flush=True)
             break
-        h = jax.random.normal(jax.random.key(t), (t, cfg.hidden_size), jnp.bfloat16)
-        # ---- MoE at this T (independent of S): the kernel, XLA alternatives, a native check
-        a_rand = jax.random.normal(jax.random.key(t + 1), (1, t, cfg.num_attention_heads, c), jnp.bfloat16)
-        _, x, idx, w, _ = post(p0, h, a_rand)  # routing of realistic hidden states
+        h = jax.random.normal(jax.random.key(t), (1, t, cfg.hidden_size), jnp.bfloat16)
+        # ---- MoE at this T (independent of S): the kernels, XLA alternatives, a native check
+        x = rms_norm(h[0], p0["post_attn_norm"], cfg.rms_norm_eps)  # [T, D]: what the layer's MoE sees
+        idx, w = kmodel.route(cfg, x, p0["moe"]["router"], p0["moe"]["router_bias"])  # [T, k]
         touched = int(jnp.unique(idx).size)
         mrow = {"T": t, "touched": touched}
-        y, mrow["moe_s"] = measure(moe_fns[moe_impl], experts_for(moe_impl, 0), x, idx, w)
-        ref = moe_fns["xla_touched"](p0["experts"], x, idx, w)
-        err = rel_err(y, ref)
+        timing = timer(routed, x, experts(by_impl[moe_impl]), idx, w)
+        mrow["moe_s"] = timing.seconds
+        ref = baselines["xla_touched"](x, experts(params), idx, w)
+        err = rel_err(timing.out, ref)
         checks.append({"T": t, "what": f"moe {moe_impl} vs xla_touched (bf16 dequant)", "max_rel_err": err})
         if on_gpu:
-            mrow["moe_wall_s"] = wall(moe_fns[moe_impl], experts_for(moe_impl, 0), x, idx, w)
-            y_alt, mrow["alt_s"] = measure(moe_fns[alt_impl], experts_for(alt_impl, 0), x, idx, w)
+            mrow["moe_wall_s"] = timing.wall_s
+            alt = timer(routed, x, experts(by_impl[alt_impl]), idx, w)
+            mrow["alt_s"], mrow["alt_wall_s"] = alt.seconds, alt.wall_s
             checks.append({"T": t, "what": f"moe {alt_impl} vs xla_touched (bf16 dequant)",
-                           "max_rel_err": rel_err(y_alt, ref)})
-            mrow["alt_wall_s"] = wall(moe_fns[alt_impl], experts_for(alt_impl, 0), x, idx, w)
+                           "max_rel_err": rel_err(alt.out, ref)})
         if not args.no_baselines:
-            for impl in ("xla_touched", "xla_dense", "xla_gather"):
+            for impl in MOE_BASELINES:
                 if time.time() - t_start > args.deadline_s:
                     break
-                _, mrow[f"{impl}_s"] = measure(moe_fns[impl], p0["experts"], x, idx, w)
+                base = timer(baselines[impl], x, experts(params), idx, w)
+                mrow[f"{impl}_s"] = base.seconds
                 if on_gpu:
-                    mrow[f"{impl}_wall_s"] = wall(moe_fns[impl], p0["experts"], x, idx, w)
-        _, mrow["head_s"] = measure(head_fn, h, head_w)
+                    mrow[f"{impl}_wall_s"] = base.wall_s
+        mrow["head_s"] = timer(head_fn, h[0], head_w).seconds
         moe_rows[t] = mrow
         print(f"T={t}: touched {touched}, moe {mrow['moe_s'] * 1e6:.1f} us, err {err:.2e}, "
               + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in mrow.items()
@@ -340,42 +263,45 @@ def main():
         for s in ss:
             if time.time() - t_start > args.deadline_s:
                 break
-            positions = jnp.arange(s, s + t, dtype=jnp.int32)
-            # Rows [S, S + T) stand for the tree's freshly written latents; the rest is never read.
-            cache = jax.random.normal(jax.random.key(s + t), (1, s + 256, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
-                                      jnp.bfloat16)
+            positions = jnp.arange(s, s + t, dtype=jnp.int32)[None]  # [1, T]
+            # Rows [S, S + T) take the tree's freshly written latents; the rest is never read.
+            cache = jax.random.normal(jax.random.key(s + t), (1, s + 256, c + r), jnp.bfloat16)
             start = jnp.asarray([s], jnp.int32)
-            mask = jnp.asarray(random_tree_mask(rng, t))[None]
-            (q, _), pre_s = measure(pre, p0, h, positions)
-            attn, attn_s = measure(attend, q, cache, start, mask)
-            _, post_s = measure(post, p0, h, attn)
-            _, slice_s = measure(slice_fn, layers, slice_experts, h, positions, cache, start, mask)
+            mask = jnp.asarray(random_tree_mask(rng, t))[None]  # [1, T, T]
+            q = jax.random.normal(jax.random.key(s + t + 1), (1, t, cfg.num_attention_heads, c + r), jnp.bfloat16)
+            attn_s = timer(attend, q, cache, start, mask).seconds
+            layer_args = (params, h, positions, cache, start, mask)
+            rest_s = timer(rest_fn(*layer_args), *layer_args).seconds
+            slice_s = timer(slice_fn, by_impl[moe_impl], h, positions, cache, start, mask).seconds
             row = {"T": t, "S": s, "touched": touched, "attention_s": attn_s, "moe_s": mrow["moe_s"],
-                   "rest_s": pre_s + post_s, "layer_s": slice_s / args.layers, "head_s": mrow["head_s"],
-                   "attention_floor_s": model.attention_floor(t, s),
-                   "moe_floor_s": model.moe_floor(t, touched), "rest_floor_s": model.rest_floor(t)}
+                   "rest_s": rest_s, "layer_s": slice_s / args.layers, "head_s": mrow["head_s"],
+                   "attention_floor_s": cost.attention_floor(t, s),
+                   "moe_floor_s": cost.moe_floor(t, touched), "rest_floor_s": cost.rest_floor(t)}
             row["glue_s"] = row["layer_s"] - row["attention_s"] - row["moe_s"] - row["rest_s"]
             rows.append(row)
             print(f"  S={s}: attention {attn_s * 1e6:.1f} us (floor {row['attention_floor_s'] * 1e6:.1f}), "
                   f"moe {row['moe_s'] * 1e6:.1f} (floor {row['moe_floor_s'] * 1e6:.1f}), rest {row['rest_s'] * 1e6:.1f} "
                   f"(floor {row['rest_floor_s'] * 1e6:.1f}), layer {row['layer_s'] * 1e6:.1f} us", flush=True)
 
-    result = summarize(meta, rows, moe_rows, checks, model, on_gpu, evaluate_budgets, saturating_profile)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, "k26_slice_tiny" if args.tiny else "k26_slice")
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(result["markdown"])
-    plot(result, stem + ".png")
+    result = summarize(meta, rows, moe_rows, checks, cost, on_gpu, evaluate_budgets, saturating_profile)
+    write(os.path.join(args.out, "k26_slice_tiny" if args.tiny else "k26_slice"), result)
+    print(f"done in {time.time() - t_start:.0f} s", flush=True)
+
+
+def write(stem, result):
+    from benchmarks.common import write_results
+
+    data = {k: v for k, v in result.items() if k != "meta"}
+    write_results(stem, result["meta"], data, result["markdown"], plot=lambda path: plot(result, path))
     print(result["markdown"])
-    print(f"wrote {stem}.json/.md/.png in {time.time() - t_start:.0f} s", flush=True)
 
 
 def resummarize(path):
-    """Rebuild the markdown and plot of a stored result with the current summary code (CPU is fine)."""
-    import kdtree_jax as kj
-    from kdtree_jax.budget import CostModel, evaluate_budgets, saturating_profile
+    """Rebuild the markdown and plot of a stored result with the current summary code (CPU is fine); the
+    stored run's metadata stays the run's."""
+    import json
+
+    from benchmarks.cost_model import CostModel, evaluate_budgets, saturating_profile
 
     with open(path) as f:
         stored = json.load(f)
@@ -386,17 +312,10 @@ def resummarize(path):
             if "mosaic_wall_s" in m:
                 m["alt_wall_s"] = m.pop("mosaic_wall_s")
             meta["moe_impl"], meta["alt_moe_impl"] = "triton", "mosaic (prototype)"
-    cfg = tiny_config() if meta["tiny"] else kj.ModelConfig.kimi_k26()
-    model = CostModel.from_config(cfg, bandwidth=meta["copy_TBps"] * 1e12)
-    result = summarize(meta, stored["rows"], {m["T"]: m for m in stored["moe"]}, stored["checks"], model,
+    cost = CostModel.from_config(full_config(meta["tiny"]), bandwidth=meta["copy_TBps"] * 1e12)
+    result = summarize(meta, stored["rows"], {m["T"]: m for m in stored["moe"]}, stored["checks"], cost,
                        not meta["tiny"], evaluate_budgets, saturating_profile)
-    stem = os.path.splitext(path)[0]
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(result["markdown"])
-    plot(result, stem + ".png")
-    print(result["markdown"])
+    write(os.path.splitext(path)[0], result)
 
 
 HBM_PEAK_BPS = 4.8e12  # H200 HBM3e specification: no kernel reads faster
@@ -422,7 +341,7 @@ def summarize(meta, rows, moe_rows, checks, model, on_gpu, evaluate_budgets, sat
     us = lambda v: f"{v * 1e6:.1f}"  # noqa: E731
     md = [f"# K2.6 layer slice, DDTree verification ({meta['device']}, JAX {meta['jax']}, {meta['date']})", note,
           f"{meta['timing']}; copy bandwidth {meta['copy_TBps']:.3g} TB/s; {meta['layers']} MoE layers; attention "
-          f"{meta['attention_impl']}, MoE {meta['moe_impl']}. Floors: kdtree_jax.budget (MoE floor from the "
+          f"{meta['attention_impl']}, MoE {meta['moe_impl']}. Floors: benchmarks/cost_model.py (MoE floor from the "
           "experts actually touched).", "",
           "## Per layer (us)", "",
           "| T | S | touched | attention | floor | x | MoE | floor | x | rest | floor | layer (slice/L) | glue |",
@@ -516,12 +435,7 @@ def summarize(meta, rows, moe_rows, checks, model, on_gpu, evaluate_budgets, sat
 
 
 def plot(result, path):
-    try:
-        import matplotlib
-    except ImportError:
-        print("note: matplotlib is not installed (pip install -e '.[bench]'): no plot, the .md tables are written")
-        return
-    matplotlib.use("Agg")
+    """Stacked per-layer bars against the floors, and the break-even line (called by benchmarks.common)."""
     import matplotlib.pyplot as plt
 
     rows = result["rows"]

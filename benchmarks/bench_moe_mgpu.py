@@ -7,21 +7,18 @@ touched-expert floor, with each variant's per-kernel breakdown, in one run.
 A variant is a tiling for the gate/up launches, optionally "/" a tiling for the down launch
 (`MgpuConfig.parse`: e.g. "bn64:bk256:s4/bn64:bk128:s6"). The experts (E = 384, D = 7168, I = 2048) are
 random INT4 made on the device straight in the kernel layout; each token routes to 8 distinct uniformly
-random experts. Timing: CUPTI summed kernel time (`jax.experimental.mosaic.gpu.profiler.measure`, one window
-per iteration, median), the whole routed MoE including its XLA grouping and glue; the floor is the touched
-experts' INT4 + bf16-scale bytes at the copy bandwidth measured in this run (`kdtree_jax.budget`). Issue 7's
+random experts. Timing: benchmarks/common.py Timer (CUPTI summed kernel time, one window per iteration,
+median), the whole routed MoE including its XLA grouping and glue; the floor is the touched experts' INT4 +
+bf16-scale bytes at the copy bandwidth measured in this run (benchmarks/cost_model.py). Issue 7's
 T = 1 target counts the shared expert too: its bf16 XLA time and bytes are measured and added in the
 "layer" columns. A variant that fails to compile or disagrees with the reference is reported, never timed.
-Writes DIR/moe_mgpu.json and DIR/moe_mgpu.md.
+Writes DIR/moe_mgpu.json and DIR/moe_mgpu.md with the run's metadata.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import statistics
 import sys
 import time
 
@@ -42,10 +39,10 @@ def main():
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.experimental.mosaic.gpu import profiler
 
     import kdtree_jax as kj
-    from kdtree_jax.budget import BF16_BYTES, CostModel
+    from benchmarks.common import Timer, copy_bandwidth, metadata, write_results
+    from benchmarks.cost_model import BF16_BYTES, CostModel
     from pallas_kernels.w4a16_mgpu import MgpuConfig
     from pallas_kernels.w4a16_mgpu.moe import grouped_moe_w4a16_mgpu, routed_moe_mosaic_reference
 
@@ -59,29 +56,18 @@ def main():
         variants[spec] = (MgpuConfig.parse(up), MgpuConfig.parse(down or up))
     cfg = kj.ModelConfig.kimi_k26()
     e, d, inter, top_k = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
-    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "timing": "CUPTI summed kernel time, one window per iteration, median",
-            "shape": {"experts": e, "hidden": d, "intermediate": inter, "top_k": top_k}}
-    print(json.dumps(meta), flush=True)
+    timer = Timer(args.iters)
+    meta = metadata(timing="CUPTI summed kernel time, one window per iteration, median", timer=timer.method,
+                    shape={"experts": e, "hidden": d, "intermediate": inter, "top_k": top_k})
+    print(meta, flush=True)
 
-    def measure(f, *a):
-        out = jax.block_until_ready(f(*a))
-        times = []
-        for _ in range(args.iters):
-            out, ms = profiler.measure(f, iterations=1)(*a)
-            times.append(ms)
-        _, kernels = profiler.measure(f, aggregate=False)(*a)
-        return out, statistics.median(times) * 1e-3, [(name[:60], ms * 1e3) for name, ms in kernels]
+    def measure(f, *a):  # (output, device seconds, [(kernel name, us)] of the median call)
+        timing = timer(f, *a)
+        return timing.out, timing.device_s, [(name[:60], s * 1e6) for name, s in timing.kernels]
 
-    n = 512 * 1024 * 1024
-    big = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
-    _, copy_s, _ = measure(jax.jit(lambda a: a + 1), big)
-    del big
-    bandwidth = 2 * n * BF16_BYTES / copy_s
+    bandwidth = copy_bandwidth(timer)
     model = CostModel.from_config(cfg, bandwidth=bandwidth)
     meta["copy_TBps"] = bandwidth / 1e12
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
 
     @jax.jit
     def make_experts(key):
@@ -133,13 +119,9 @@ def main():
                      + ", ".join(f"{k} {us:.1f}" for k, us in v["kernels"]) if "s" in v else v["error"]), flush=True)
         rows.append(row)
 
-    result = {"meta": meta, "rows": rows, "markdown": summarize(meta, rows, list(variants))}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "moe_mgpu.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "moe_mgpu.md"), "w") as f:
-        f.write(result["markdown"])
-    print(result["markdown"], flush=True)
+    markdown = summarize(meta, rows, list(variants))
+    write_results(os.path.join(args.out, "moe_mgpu"), meta, {"rows": rows, "markdown": markdown}, markdown)
+    print(markdown, flush=True)
 
 
 def summarize(meta, rows, names) -> str:

@@ -15,17 +15,15 @@ MoE exchange, for T tokens entering one MoE layer (jitted alone, median of --rep
               output is replicated again like the attention input needs.
 Decode: one `generate` per method on the mesh; DDTree uses an OracleDraft holding the AR continuation
 (random weights have no trained drafter), i.e. the acceptance upper bound at this budget.
+Timing: benchmarks/common.py Timer, wall clock only (CUPTI would sum every device's kernels). The JSON
+carries the run's metadata under "meta" (device, JAX, date, git commit, command).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -37,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
 import kdtree_jax as kj  # noqa: E402
+from benchmarks.common import Timer, metadata, random_params, write_json, write_markdown, write_png  # noqa: E402
 from kdtree_jax import checkpoint, quant, sharding  # noqa: E402
 from kdtree_jax.ddtree import OracleDraft  # noqa: E402
 from kdtree_jax.model import _routed_experts_f32, moe_sharded, route  # noqa: E402
@@ -71,32 +70,7 @@ def random_params_on_mesh(cfg, mesh, dtype=jnp.bfloat16, moe_layout="canonical")
     """Random INT4-expert params generated inside one jit straight into their shardings: no device and
     no host ever holds the whole model. moe_layout: as in `abstract_params`."""
     abstract = abstract_params(cfg, dtype, moe_layout)
-    shardings = sharding.param_shardings(cfg, abstract, mesh)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-
-    def make():
-        leaves = []
-        for i, (key_path, leaf) in enumerate(flat):
-            name = "/".join(str(getattr(k, "key", k)) for k in key_path)
-            key = jax.random.fold_in(jax.random.key(0), i)
-            if name.endswith("qweight"):
-                bits = jax.random.bits(key, leaf.shape, jnp.uint16)
-                leaves.append(jax.lax.bitcast_convert_type(bits, jnp.int16))
-            elif name.endswith("w_i4"):
-                leaves.append(jax.random.randint(key, leaf.shape, -8, 8, jnp.int8).astype(jnp.int4))
-            elif name.endswith(("scale", "scale_t")):  # q in [-8, 7] times this: unit-scale outputs
-                k_in = (leaf.shape[-1] if name.endswith("scale") else leaf.shape[-2]) * 32
-                leaves.append(jnp.full(leaf.shape, 1.0 / (4.0 * math.sqrt(k_in)), leaf.dtype))
-            elif name.endswith("norm"):
-                leaves.append(jnp.ones(leaf.shape, leaf.dtype))
-            elif name.endswith("router_bias"):
-                leaves.append(jnp.zeros(leaf.shape, leaf.dtype))
-            else:
-                fan_in = leaf.shape[-2] if leaf.ndim >= 2 else leaf.shape[-1]
-                leaves.append((jax.random.normal(key, leaf.shape, jnp.float32) / math.sqrt(fan_in)).astype(leaf.dtype))
-        return jax.tree_util.tree_unflatten(treedef, leaves)
-
-    return jax.jit(make, out_shardings=shardings)()
+    return random_params(abstract, jax.random.key(0), sharding.param_shardings(cfg, abstract, mesh))
 
 
 def k26_width(layers: int):
@@ -163,13 +137,8 @@ def moe_all_to_all(mesh, x, idx, weights, experts, shared):
 
 
 def time_fn(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    """Median wall milliseconds per call (after a compile call)."""
+    return Timer(repeats, device=False)(fn, *args).wall_s * 1e3
 
 
 def bench_moe_exchange(cfg, params, mesh, token_counts, repeats) -> list[dict]:
@@ -290,13 +259,8 @@ def bench_decode(cfg, params, mesh, batch, new_tokens, budget, repeats) -> list[
             seq = np.concatenate([np.asarray(prompts), np.asarray(ar.tokens)], axis=1)
             extra = dict(method="ddtree", drafter=OracleDraft(jnp.asarray(seq, jnp.int32), 16, cfg.vocab_size),
                          tree_budget=budget)
-        out = kj.generate(cfg, params, prompts, **kwargs, **extra)  # compile
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            out = jax.block_until_ready(kj.generate(cfg, params, prompts, **kwargs, **extra))
-            times.append(time.perf_counter() - start)
-        seconds = statistics.median(times)
+        timing = Timer(repeats, device=False)(lambda: kj.generate(cfg, params, prompts, **kwargs, **extra))
+        out, seconds = timing.out, timing.wall_s
         if method == "ar":
             ar = out
         row = {"method": method, "batch": batch, "new_tokens": new_tokens, "seconds": seconds,
@@ -372,17 +336,14 @@ def main(argv=None) -> dict:
           f"B/token", flush=True)
     tokens = [int(t) for t in args.tokens.split(",")]
     verify_tokens = [int(t) for t in args.verify_tokens.split(",")]
-    result = {"device": jax.devices()[0].device_kind, "devices": int(mesh.devices.size),
-              "mesh": sharding.describe(mesh), "jax": jax.__version__,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "timing": "wall clock of one jitted call after a compile call, median of repeats",
-              "config": cfg.to_dict(), "memory": plan,
-              "moe_kernel": "mosaic" if mosaic else "triton (or its XLA fallback off GPU)"}
+    meta = metadata(timing="wall clock of one jitted call after a compile call, median of repeats")
+    result = {"devices": int(mesh.devices.size), "mesh": sharding.describe(mesh), "config": cfg.to_dict(),
+              "memory": plan, "moe_kernel": "mosaic" if mosaic else "triton (or its XLA fallback off GPU)"}
 
     def stage(name, fn, *fn_args):
         result[name] = fn(*fn_args)
         if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=2))
+            write_json(Path(args.out).with_suffix(""), meta, result)
 
     stage("verify", bench_verify, cfg, params, mesh, verify_tokens, args.context, args.repeats)
     stage("collective", bench_collective, mesh, cfg.hidden_size, verify_tokens)
@@ -403,12 +364,15 @@ def main(argv=None) -> dict:
         stage("verify_single_device", bench_verify, cfg1, params1, one, verify_tokens, args.context, args.repeats)
     if args.out:
         report(args.out)
-    return result
+    return {"meta": meta, **result}
 
 
 def report(path) -> dict:
-    """<stem>.md (tables) and <stem>.png (verify ms per layer, sharded vs one device) from a result JSON."""
-    r = json.loads(Path(path).read_text())
+    """<stem>.md (tables) and <stem>.png (verify ms per layer, sharded vs one device) from a result JSON
+    (its metadata under "meta"; results written before benchmarks/common.py carry it at the top level)."""
+    stored = json.loads(Path(path).read_text())
+    meta = stored.get("meta", stored)
+    r = {**stored, **{k: meta.get(k) for k in ("device", "date", "jax", "timing")}}
     stem = str(Path(path).with_suffix(""))
     one = {v["tokens"]: v for v in r.get("verify_single_device", [])}
     psum = {c["tokens"]: c for c in r.get("collective", [])}
@@ -453,33 +417,32 @@ def report(path) -> dict:
             lines.append(f"| {st} | " + " | ".join(f"{by.get((se, st), float('nan')):.0f}" for se in settings) + " |")
         lines += ["", "Round = draft + build + verify + accept/compact (each jitted alone, so each includes one "
                   "dispatch that the one-jit loop does not pay)."]
-    Path(stem + ".md").write_text("\n".join(lines) + "\n")
-    try:
-        import matplotlib  # noqa: PLC0415
-    except ImportError:
-        print("note: matplotlib is not installed (pip install -e '.[bench]'): no plot, the .md table is written")
-        matplotlib = None
-    if r.get("verify") and matplotlib is not None:
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-
-        ts = [v["tokens"] for v in r["verify"]]
-        x = np.arange(len(ts))
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.bar(x - 0.2, [v["per_layer_ms"] for v in r["verify"]], 0.4, label=f"{r['devices']} GPUs, {r['mesh']}")
-        if one:
-            ax.bar(x + 0.2, [one[t]["per_layer_ms"] if t in one else 0 for t in ts], 0.4, label="one GPU")
-        ax.set_xticks(x, [str(t) for t in ts])
-        ax.set_xlabel("T (tree tokens verified)")
-        ax.set_ylabel("ms per layer")
-        ax.set_title(f"K2.6-width verify per layer, S={r['verify'][0]['context']}\n{r['device']}, JAX {r['jax']}, "
-                     f"{r['date'][:10]}", fontsize=9)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(stem + ".png", dpi=110)
-        plt.close(fig)
+    write_markdown(stem, meta, "\n".join(lines))
+    if r.get("verify"):
+        write_png(stem, lambda path: draw(path, r, one))
     print("\n".join(lines))
     return r
+
+
+def draw(path, r, one):
+    """Verify ms per layer, sharded vs one device (called by benchmarks.common.write_png)."""
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    ts = [v["tokens"] for v in r["verify"]]
+    x = np.arange(len(ts))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(x - 0.2, [v["per_layer_ms"] for v in r["verify"]], 0.4, label=f"{r['devices']} GPUs, {r['mesh']}")
+    if one:
+        ax.bar(x + 0.2, [one[t]["per_layer_ms"] if t in one else 0 for t in ts], 0.4, label="one GPU")
+    ax.set_xticks(x, [str(t) for t in ts])
+    ax.set_xlabel("T (tree tokens verified)")
+    ax.set_ylabel("ms per layer")
+    ax.set_title(f"K2.6-width verify per layer, S={r['verify'][0]['context']}\n{r['device']}, JAX {r['jax']}, "
+                 f"{r['date'][:10]}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -3,14 +3,14 @@
 Shapes (docs/kernels.md): K2 attention, H = 64, c = 512, r = 64, B = 1, S in {4096, 32768} committed
 rows, T in {1, 33, 129} tree tokens (random trees). For every shape:
   1. correctness of the kernel vs `tree_mla_attention_reference` (float32, HIGHEST) on fresh inputs;
-  2. device time (CUPTI, `jax.experimental.mosaic.gpu.profiler.measure`, all kernels of the call:
+  2. device time (benchmarks/common.py Timer: CUPTI summed kernel time, all kernels of the call:
      row-mask build + Triton kernel + LSE combine) of the kernel under several tilings, and of a
      plain-jnp XLA implementation (bf16 einsums, f32 softmax) - an XLA path is never reported as
      the kernel;
   3. the floor: max(bytes / 3.4 TB/s, FLOPs / 800 TFLOP/s).
 Each timed program runs the op on n_buf independent input sets in sequence (>= ~160 MB of caches
 where that is <= 8 sets) so the cache is not simply L2 resident; time per op = program / n_buf;
-median of 5 runs after a warm-up.
+median of 5 runs after a warm-up. Results carry the run's metadata (device, JAX, date, git commit, command).
 
 Usage (GPU): python benchmarks/bench_tree_attention.py --out DIR [--budget-s 200] [--plan tune --skip-xla]
        merge:  python benchmarks/bench_tree_attention.py --summarize RUN1.json RUN2.json
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
 import os
@@ -36,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import Timer, metadata, write_json, write_markdown, write_png, write_results  # noqa: E402
 from pallas_kernels.tree_attention import BlockConfig, pick_config, tree_mla_attention_reference  # noqa: E402
 from pallas_kernels.tree_attention.kernel import tree_attention_pallas  # noqa: E402
 
@@ -102,26 +102,15 @@ def rel_err(x, ref):
     return float(np.max(np.abs(x - ref)) / np.max(np.abs(ref)))
 
 
-class Timer:
-    """CUPTI device time on a GPU; wall clock in --smoke mode (meaningless, script check only)."""
-
-    def __init__(self, smoke: bool):
-        self.smoke = smoke
-
-    def __call__(self, fn, sets, n_runs=5):
-        jfn = jax.jit(lambda sets: [fn(*s) for s in sets])
-        if self.smoke:
-            out = jax.block_until_ready(jfn(sets))
-            t0 = time.perf_counter()
-            jax.block_until_ready(jfn(sets))
-            return out, (time.perf_counter() - t0) * 1e6 / len(sets), None
-        from jax.experimental.mosaic.gpu import profiler
-
-        out, runs = profiler.measure(jfn, aggregate=False, iterations=n_runs)(sets)
-        totals = [sum(ms for _, ms in run) for run in runs]
-        kern = [sum(ms for name, ms in run if "tree_mla_attention" in name) for run in runs]
-        per_op = 1e3 / len(sets)
-        return out, float(np.median(totals)) * per_op, float(np.median(kern)) * per_op
+def time_sets(timer, fn, sets):
+    """fn over every input set in one jitted program: (outputs, us per op, us per op of the attention kernel
+    itself in the median call, or None without device timing)."""
+    timing = timer(jax.jit(lambda sets: [fn(*s) for s in sets]), sets)
+    per_op = 1e6 / len(sets)
+    if timing.device_s is None:
+        return timing.out, timing.wall_s * per_op, None
+    kernel = sum(s for name, s in timing.kernels if "tree_mla_attention" in name)
+    return timing.out, timing.device_s * per_op, kernel * per_op
 
 
 def main():
@@ -138,24 +127,21 @@ def main():
     if not on_gpu and not args.smoke:
         sys.exit("no GPU: this benchmark only measures on the device (use --smoke to check the script)")
     interpret = args.smoke
-    timer = Timer(args.smoke)
+    timer = Timer(1, device=False) if args.smoke else Timer(5)  # smoke: wall clock, meaningless
     if args.smoke:
         H, c, r, shapes, dtype = 6, 64, 16, [(100, 1), (100, 5)], jnp.float32
     else:
         H, c, r, shapes, dtype = 64, 512, 64, [(S, T) for S in (4096, 32768) for T in (1, 33, 129)], jnp.bfloat16
     scale = 1.0 / math.sqrt(192)  # K2: 1/sqrt(qk_nope + rope) (yarn mscale aside)
 
-    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                jaxlib=__import__("jaxlib").__version__,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                H=H, c=c, r=r, B=1, dtype=str(jnp.dtype(dtype)), smoke=args.smoke,
-                method="CUPTI profiler.measure, median of 5, n_buf input sets per program")
-    results = dict(meta=meta, shapes=[])
-    os.makedirs(args.out, exist_ok=True)
+    meta = metadata(H=H, c=c, r=r, B=1, dtype=str(jnp.dtype(dtype)), smoke=args.smoke,
+                    method=("SMOKE RUN: wall clock of one call, meaningless" if args.smoke else
+                            "CUPTI profiler.measure, median of 5, n_buf input sets per program"), timer=timer.method)
+    results = dict(shapes=[])
+    stem = os.path.join(args.out, "tree_attention_h200")
 
     def dump():
-        with open(os.path.join(args.out, "tree_attention_h200.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(stem, meta, results)
 
     rng = np.random.default_rng(1234)
     entries = {}
@@ -171,7 +157,7 @@ def main():
         try:
             if args.skip_xla:
                 raise RuntimeError("skipped (--skip-xla)")
-            out, t, _ = timer(lambda *a: xla_attention(*a, scale=scale, value_dim=c), sets)
+            out, t, _ = time_sets(timer, lambda *a: xla_attention(*a, scale=scale, value_dim=c), sets)
             e["xla_us"], e["xla_rel_err"] = t, rel_err(out[0], ref0)
         except Exception as ex:  # noqa: BLE001 - record and go on: one failure must not lose the run
             e["xla_error"] = repr(ex)[:300]
@@ -184,7 +170,7 @@ def main():
         rec = dict(config=dataclasses.asdict(cfg))
         try:
             fn = lambda *a: tree_attention_pallas(*a, scale=scale, value_dim=c, config=cfg, interpret=interpret)
-            out, t, t_kernel = timer(fn, sets)
+            out, t, t_kernel = time_sets(timer, fn, sets)
             rec.update(us=t, kernel_only_us=t_kernel, rel_err=rel_err(out[0], ref0))
         except Exception as ex:  # noqa: BLE001
             rec["error"] = repr(ex)[:400]
@@ -260,21 +246,15 @@ def main():
             errs = [v.get("error", f"rel_err {v.get('rel_err')}") for v in e["variants"]]
             lines.append(f"| {e['S']} | {e['T']} | {e['floor_us']:.1f} | - | {e.get('xla_us', '-')} | FAILED | | | | {errs[:1]} | |")
     table = "\n".join(lines)
-    with open(os.path.join(args.out, "tree_attention_h200.md"), "w") as f:
-        f.write(table + "\n")
     results["elapsed_s"] = time.time() - t_begin
-    dump()
+    write_results(stem, meta, results, table)
     print(table)
     print(f"elapsed {time.time() - t_begin:.0f}s")
 
 
 def summarize(paths, out_dir):
-    """Merge device runs (JSON files of this script) into tree_attention_h200.{md,png}."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Merge device runs (JSON files of this script) into tree_attention_h200.{md,png}; the markdown carries the
+    first run's metadata, with the merge's own record under "merged_by"."""
     runs = [json.load(open(p)) for p in paths]
     merged = {}
     for run in runs:
@@ -283,7 +263,7 @@ def summarize(paths, out_dir):
             if "xla_us" in e:
                 m["xla_us"] = e["xla_us"]
             m["variants"] += [dict(v, date=run["meta"]["date"]) for v in e["variants"] if "us" in v]
-    meta = runs[0]["meta"]
+    meta = dict(runs[0]["meta"], merged_from=list(paths), merged_by=metadata())
     lines = [f"# Tree-masked MLA attention on the {meta['device']} (jax {meta['jax']})", "",
              f"Runs: {', '.join(r['meta']['date'] for r in runs)} (UTC). H={meta['H']}, c={meta['c']}, "
              f"r={meta['r']}, B=1, {meta['dtype']}, random trees, start = S. Device time by CUPTI "
@@ -304,8 +284,15 @@ def summarize(paths, out_dir):
                      f"{cs} | {b['rel_err']:.1e} |")
         labels.append(f"S={S}\nT={T}")
         rows.append((e["floor_us"], e["target_us"] or np.nan, xla, b["us"]))
-    with open(os.path.join(out_dir, "tree_attention_h200.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    stem = os.path.join(out_dir, "tree_attention_h200")
+    write_markdown(stem, meta, "\n".join(lines))
+    write_png(stem, lambda path: draw(path, meta, labels, rows))
+    print("\n".join(lines))
+
+
+def draw(path, meta, labels, rows):
+    import matplotlib.pyplot as plt
+
     rows = np.array(rows, float)
     fig, ax = plt.subplots(figsize=(10, 4.5))
     x = np.arange(len(labels))
@@ -317,8 +304,7 @@ def summarize(paths, out_dir):
     ax.set_title(f"Tree MLA attention, H=64, c=512, r=64, B=1 - {meta['device']}, jax {meta['jax']}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "tree_attention_h200.png"), dpi=110)
-    print("\n".join(lines))
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -3,19 +3,18 @@ against XLA bf16 `jnp.dot`, XLA dequantize-then-dot and the memory/compute floor
 
   python benchmarks/bench_w4a16.py --out DIR [--deadline-s 200]
 
-Timing: CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`): summed kernel time of everything the
-jitted call launches (for the kernel: x padding, the Pallas kernel, the split-K sum), median of
-several iterations after a warm-up, on fresh random inputs. Writes DIR/w4a16_results.json and
-DIR/w4a16_results.md; `--plot JSON` (anywhere, CPU is fine) turns the JSON into the TB/s plot.
+Timing: benchmarks/common.py Timer (CUPTI summed kernel time of everything the jitted call launches (for
+the kernel: x padding, the Pallas kernel, the split-K sum), one window per call, median of several calls
+after a warm-up), on fresh random inputs. The XLA dequantize-then-dot comparator is
+benchmarks/xla_baselines.py. Writes DIR/w4a16_results.json and DIR/w4a16_results.md with the run's
+metadata; `--plot JSON` (anywhere, CPU is fine) turns the JSON into the TB/s plot.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -83,37 +82,28 @@ def main():
 
     import jax
     import jax.numpy as jnp
-    from jax.experimental.mosaic.gpu import profiler
 
+    from benchmarks.common import Timer, copy_bandwidth, metadata, write_json, write_results
+    from benchmarks.xla_baselines import w4a16_matmul_xla
     from kdtree_jax import quant
-    from pallas_kernels.w4a16 import (get_config, w4a16_matmul, w4a16_matmul_reference,
-                                      w4a16_matmul_xla_bf16)
+    from pallas_kernels.w4a16 import get_config, w4a16_matmul, w4a16_matmul_reference
     from reference import int4 as ref
 
     t_start = time.time()
-    os.makedirs(args.out, exist_ok=True)
-    dev = jax.devices()[0]
-    meta = {"device": dev.device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "timing": "CUPTI summed kernel time, median of iterations"}
-    print(meta, flush=True)
     if jax.default_backend() != "gpu":
         raise SystemExit("bench_w4a16 needs a GPU: CPU timings prove nothing")
+    timer = Timer(args.iters)
+    meta = metadata(timing="CUPTI summed kernel time, median of iterations", timer=timer.method)
+    print(meta, flush=True)
+    stem = os.path.join(args.out, "w4a16_results")
 
-    def measure(f, *a):
-        f(*a)  # compile + warm-up
-        out, times = profiler.measure(f, iterations=args.iters)(*a)
-        if times is None:
-            raise RuntimeError("no kernels were launched")
-        return out, statistics.median(times) * 1e3  # us
+    def measure(f, *a):  # (output, device microseconds)
+        timing = timer(f, *a)
+        return timing.out, timing.device_s * 1e6
 
     # ---- copy bandwidth, measured in this run
-    big = jax.random.normal(jax.random.key(0), (512 * 1024 * 1024,), jnp.bfloat16)  # 1 GiB
-    _, copy_us = measure(jax.jit(lambda a: a + 1), big)
-    copy_bps = 2 * big.size * 2 / (copy_us * 1e-6)
-    del big
+    copy_bps = copy_bandwidth(timer)  # 1 GiB of bf16
     meta["copy_TBps_measured"] = copy_bps / 1e12
-    print(f"copy bandwidth: {copy_bps / 1e12:.2f} TB/s", flush=True)
 
     # ---- correctness (native), vs float64 NumPy on moderate shapes and the jnp reference on big ones
     checks = []
@@ -161,7 +151,7 @@ def main():
             x = jax.random.normal(kx, (m, k), jnp.bfloat16)
             row = {"m": m, "k": k, "n": n, "floor_us": floor_us(m, k, n, copy_bps)}
             _, row["xla_bf16_us"] = measure(jax.jit(lambda a, w: a @ w), x, w_bf16)
-            ref_out, row["xla_int4_us"] = measure(jax.jit(w4a16_matmul_xla_bf16), x, qweight, scale)
+            _, row["xla_int4_us"] = measure(jax.jit(w4a16_matmul_xla), x, qweight, scale)
             want = np.asarray(jax.jit(w4a16_matmul_reference)(x.astype(jnp.float32), qweight, scale))
             sweep = []
             cands = candidates(m, k, n) if time.time() - t_start < args.deadline_s else [get_config(m, k, n)]
@@ -187,8 +177,7 @@ def main():
                   f"(err {row['kernel_rel_err']}) | xla bf16 {row['xla_bf16_us']:7.1f} | "
                   f"xla int4 {row['xla_int4_us']:7.1f} | floor {row['floor_us']:6.1f} | "
                   f"{time.time() - t_start:5.0f}s  best={best['config'] if best else None}", flush=True)
-            with open(os.path.join(args.out, "w4a16_results.json"), "w") as fh:
-                json.dump({"meta": meta, "checks": checks, "rows": rows}, fh, indent=1)
+            write_json(stem, meta, {"checks": checks, "rows": rows})  # so far: a cut run keeps its points
         del qweight, scale, w_bf16
 
     md = [f"# W4A16 GEMM on {meta['device']}", "",
@@ -206,18 +195,23 @@ def main():
                   f"{r['xla_int4_us']:.1f} | {r['floor_us']:.1f} | | |")
     md += ["", "Correctness (native, kernel vs reference, max |err| / max |ref|):", ""]
     md += [f"- M={c['m']} K={c['k']} N={c['n']} {c['act']} vs {c['vs']}: {c['rel_err']}" for c in checks]
-    with open(os.path.join(args.out, "w4a16_results.md"), "w") as fh:
-        fh.write("\n".join(md) + "\n")
+    write_results(stem, meta, {"checks": checks, "rows": rows}, "\n".join(md))
     print("\n".join(md))
 
 
 def plot(path):
-    import matplotlib
+    """<folder of path>/w4a16_tbps.png from a results JSON (benchmarks.common.write_png: a note without
+    matplotlib)."""
+    from benchmarks.common import write_png
 
-    matplotlib.use("Agg")
+    with open(path) as fh:
+        data = json.load(fh)
+    write_png(os.path.join(os.path.dirname(path), "w4a16_tbps"), lambda out: draw(data, out))
+
+
+def draw(data, out):
     import matplotlib.pyplot as plt
 
-    data = json.load(open(path))
     rows, meta = data["rows"], data["meta"]
     fig, axes = plt.subplots(1, len(SHAPES), figsize=(4.2 * len(SHAPES), 3.8), sharey=True)
     for ax, (k, n) in zip(axes, SHAPES):
@@ -239,7 +233,6 @@ def plot(path):
     axes[0].legend(fontsize=7)
     fig.suptitle(f"W4A16 on {meta['device']}, JAX {meta['jax']}, {meta['date'][:10]}")
     fig.tight_layout()
-    out = os.path.join(os.path.dirname(path), "w4a16_tbps.png")
     fig.savefig(out, dpi=110)
     print("wrote", out)
 

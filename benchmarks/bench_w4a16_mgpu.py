@@ -3,20 +3,17 @@ timings against the Triton W4A16 kernel, XLA bf16 `jnp.dot` and the memory floor
 
   python benchmarks/bench_w4a16_mgpu.py --out DIR
 
-Timing: CUPTI summed kernel time (`jax.experimental.mosaic.gpu.profiler.measure`), median of --iters after
-a warm-up. The Mosaic kernel is timed on weights already in its layout (jnp.int4 [N, K], bf16 scales
+Timing: benchmarks/common.py Timer (CUPTI summed kernel time, one window per call, median of --iters after
+a warm-up). The Mosaic kernel is timed on weights already in its layout (jnp.int4 [N, K], bf16 scales
 [K/32, N]); the layout conversion is a load-time step, not part of a GEMM. Every variant is checked against
 the XLA dequantize-then-dot reference before it is timed; a variant that fails to compile or is wrong is
-reported as such, never timed. Writes DIR/w4a16_mgpu.json and DIR/w4a16_mgpu.md.
+reported as such, never timed. Writes DIR/w4a16_mgpu.json and DIR/w4a16_mgpu.md with the run's metadata.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import statistics
 import sys
 import time
 
@@ -41,8 +38,8 @@ def main():
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.experimental.mosaic.gpu import profiler
 
+    from benchmarks.common import Timer, metadata, write_results
     from pallas_kernels.w4a16 import w4a16_matmul, w4a16_matmul_reference
     from pallas_kernels.w4a16_mgpu import MgpuConfig, to_mgpu_layout
     from pallas_kernels.w4a16_mgpu.kernel import w4a16_matmul_mgpu_kernel
@@ -50,15 +47,13 @@ def main():
     if jax.default_backend() != "gpu":
         raise SystemExit("bench_w4a16_mgpu needs a Hopper GPU: CPU timings prove nothing")
     t0 = time.time()
-    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "timing": "CUPTI summed kernel time, median of iterations"}
+    timer = Timer(args.iters)
+    meta = metadata(timing="CUPTI summed kernel time, median of iterations", timer=timer.method)
     print(meta, flush=True)
 
-    def measure(f, *a):
-        f(*a)
-        out, times = profiler.measure(f, iterations=args.iters)(*a)
-        return out, statistics.median(times) * 1e3
+    def measure(f, *a):  # (output, device microseconds)
+        timing = timer(f, *a)
+        return timing.out, timing.device_s * 1e6
 
     rows = []
     key = jax.random.key(0)
@@ -93,9 +88,6 @@ def main():
                     row[name] = f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:160]}"
             rows.append(row)
             print(row, flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "w4a16_mgpu.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
     names = [f"mgpu bn{bn} bk{bk} s{s} {a}" for bn, bk, s, a in VARIANTS]
     lines = [f"# Mosaic GPU W4A16 prototype vs Triton kernel vs XLA ({meta['device']})", "",
              f"{meta['date']}, JAX {meta['jax']}; {meta['timing']}; microseconds; floor = int4 weights + "
@@ -106,8 +98,7 @@ def main():
         cells = [f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c])[:40] for c in names]
         lines.append(f"| {r['k']} | {r['n']} | {r['m']} | {r['floor_us']:.1f} | {r['xla_bf16_us']:.1f} | "
                      f"{r['triton_us']:.1f} | " + " | ".join(cells) + " |")
-    with open(os.path.join(args.out, "w4a16_mgpu.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_results(os.path.join(args.out, "w4a16_mgpu"), meta, {"rows": rows}, "\n".join(lines))
     print("\n".join(lines), flush=True)
 
 

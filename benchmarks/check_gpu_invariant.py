@@ -1,7 +1,8 @@
 """On the GPU: the tree-attention kernel at the tiny model's shapes against its reference, and the
 greedy invariant (DDTree/DFlash == AR) of the tiny model in float32 with each attention path.
 
-Usage: python benchmarks/check_gpu_invariant.py [--precision highest|default]
+Usage: python benchmarks/check_gpu_invariant.py [--precision highest|default] [--out DIR]
+Writes DIR/gpu_invariant_<platform>.json and .md with the run's metadata (benchmarks/common.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kdtree_jax as kj  # noqa: E402
+from benchmarks.common import metadata, write_results  # noqa: E402
 from pallas_kernels.tree_attention import tree_mla_attention, tree_mla_attention_reference  # noqa: E402
 
 
@@ -66,17 +68,26 @@ def main():
     parser.add_argument("--attention", nargs="+", default=["xla", "pallas"], choices=("xla", "pallas"),
                         help="attention paths to check the invariant with (default: both)")
     parser.add_argument("--skip-kernel", action="store_true", help="skip the kernel-vs-reference table")
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"), help="results folder")
     args = parser.parse_args()
     if args.precision == "highest":
         jax.config.update("jax_default_matmul_precision", "highest")
-    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, precision {args.precision}")
-    if not args.skip_kernel:
-        print("| dtype | T | kernel rel err vs reference |\n|---|---|---|")
-        for dtype, steps, err in kernel_rows():
-            print(f"| {dtype} | {steps} | {err:.2e} |")
-    print("\n| attention | method | budget | == AR | first differing step |\n|---|---|---|---|---|")
-    for impl, method, budget, same, first in invariant_rows(args.attention):
-        print(f"| {impl} | {method} | {budget} | {'yes' if same else 'NO'} | {first} |")
+    meta = metadata(precision=args.precision, attention=args.attention)
+    print(meta, flush=True)
+    md = [f"# Tree attention and the greedy invariant on {meta['device']} (precision {args.precision})", ""]
+    kernel = [] if args.skip_kernel else kernel_rows()
+    if kernel:
+        md += ["| dtype | T | kernel rel err vs reference |", "|---|---|---|"]
+        md += [f"| {dtype} | {steps} | {err:.2e} |" for dtype, steps, err in kernel]
+        md.append("")
+    invariant = invariant_rows(args.attention)
+    md += ["| attention | method | budget | == AR | first differing step |", "|---|---|---|---|---|"]
+    md += [f"| {impl} | {method} | {budget} | {'yes' if same else 'NO'} | {first} |"
+           for impl, method, budget, same, first in invariant]
+    print("\n".join(md))
+    data = {"kernel": [dict(zip(("dtype", "T", "rel_err"), row)) for row in kernel],
+            "invariant": [dict(zip(("attention", "method", "budget", "same", "first_diff"), row)) for row in invariant]}
+    write_results(os.path.join(args.out, f"gpu_invariant_{meta['platform']}"), meta, data, "\n".join(md))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ kernel's batch invariance (a token alone vs among 33: the AR step's and the veri
   python benchmarks/check_mosaic_moe.py --out DIR          # H200
   python benchmarks/check_mosaic_moe.py --tiny --out DIR   # CPU smoke run (XLA fallbacks): checks nothing
 
-Writes DIR/mosaic_moe_model.md / .json. Exit status 1 when the Mosaic path is less faithful to float32
+Writes DIR/mosaic_moe_model.md / .json with the run's metadata (benchmarks/common.py). Exit status 1 when the Mosaic path is less faithful to float32
 than the Triton one on the trained model (top-1 agreement with float32 lower by more than 1 point): token
 streams of two bf16 paths part at near-ties anyway, so token equality is reported, not required.
 """
@@ -26,8 +26,6 @@ streams of two bf16 paths part at near-ties anyway, so token equality is reporte
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 import time
@@ -57,6 +55,7 @@ def main():
     import numpy as np
 
     import kdtree_jax as kj
+    from benchmarks.common import Timer, metadata
 
     jax.config.update("jax_default_matmul_precision", "highest")  # the float32 references (bf16 is unaffected)
     on_gpu = jax.default_backend() == "gpu"
@@ -64,10 +63,9 @@ def main():
         raise SystemExit("check_mosaic_moe needs a Hopper GPU (use --tiny for a CPU smoke run)")
     new_tokens = 8 if args.tiny else args.new_tokens
     budgets = [int(b) for b in args.budgets.split(",")]
-    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "tiny": args.tiny,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "timing": "wall clock of one compiled generate call (one dispatch, the whole batch)"}
-    print(json.dumps(meta), flush=True)
+    timer = Timer(1, device=False)
+    meta = metadata(tiny=args.tiny, timing="wall clock of one compiled generate call (one dispatch, the whole batch)")
+    print(meta, flush=True)
     def cast(tree, dtype):  # floating leaves (INT4 scales included) to dtype; INT4 words stay int16
         return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
@@ -77,11 +75,8 @@ def main():
         call = lambda: kj.generate(cfg, params, prompts, max_new_tokens=new_tokens, stop_tokens=(), **kw)  # noqa: E731
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the CPU smoke run's fallback notes
-            jax.block_until_ready(call().tokens)  # compile
-            start = time.perf_counter()
-            out = call()
-            jax.block_until_ready(out.tokens)
-        seconds = time.perf_counter() - start
+            timing = timer(call)
+        out, seconds = timing.out, timing.wall_s
         acc = np.asarray(out.acceptance_lengths)
         return {"tokens": np.asarray(out.tokens), "tok_s": len(prompts) * new_tokens / seconds,
                 "acceptance": float(acc[acc > 0].mean()) if kw.get("method") == "ddtree" else None}
@@ -231,12 +226,10 @@ def write(args, meta, rows, logits, batch, budgets):
                            f"{v['max_rel_diff']:.1e})" for name, v in batch.items()) + "."]
     if meta.get("note"):
         md += ["", f"Note: {meta['note']}"]
-    os.makedirs(args.out, exist_ok=True)
+    from benchmarks.common import write_results
+
     stem = os.path.join(args.out, "mosaic_moe_model_tiny" if meta["tiny"] else "mosaic_moe_model")
-    with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows, "logits": logits, "moe_batch_invariance": batch}, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(md) + "\n")
+    write_results(stem, meta, {"rows": rows, "logits": logits, "moe_batch_invariance": batch}, "\n".join(md))
     print("\n".join(md), flush=True)
 
 

@@ -6,8 +6,8 @@ Each stage of a round (kdtree_jax/ddtree.py `_generate`'s loop body) is jitted a
 (a held-out prompt prefilled) and measured two ways: wall clock per call (median, dispatch included) and,
 on one GPU, CUPTI (summed kernel time and the number of kernels launched). The AR step (one cached forward
 of one token) is measured the same way. A stage whose wall time far exceeds its kernel time is bound by
-launch latency, not by the GPU's work: with a model this small every stage is. Writes
-DIR/round_profile.json and DIR/round_profile.md.
+launch latency, not by the GPU's work: with a model this small every stage is. Timing:
+benchmarks/common.py Timer. Writes DIR/round_profile.json and DIR/round_profile.md with the run's metadata.
 
 `profile_stages` is also what benchmarks/bench_sharded.py runs on a device mesh (random K2.6-width
 weights, a random drafter, a synthetic state at a long context from `synthetic_state`).
@@ -16,11 +16,7 @@ weights, a random drafter, a synthetic state at a long context from `synthetic_s
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -60,33 +56,26 @@ def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, i
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.common import Timer
     from kdtree_jax.ddtree import accept_path, compact_cache
     from kdtree_jax.model import KVCache, forward_with_cache
     from kdtree_jax.tree import build_chain, build_tree
 
-    if kernels:
-        from jax.experimental.mosaic.gpu import profiler
+    timer = Timer(iters, device=kernels)
     depth = draft_model.block_size - 1
     layers = draft_model.hidden_layers
     rows = []
 
     def measure(name, fn, *a):
-        out = jax.block_until_ready(fn(*a))  # compile + warm-up
-        walls = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*a))
-            walls.append(time.perf_counter() - t0)
-        row = {"stage": name, "wall_us": statistics.median(walls) * 1e6}
+        timing = timer(fn, *a)
+        row = {"stage": name, "wall_us": timing.wall_s * 1e6}
         if label:
             row["setting"] = label
-        if kernels:
-            _, launched = profiler.measure(fn, aggregate=False, iterations=1)(*a)
-            launched = launched or []
-            row.update(kernel_us=sum(t for _, t in launched) * 1e3, kernels=len(launched))
+        if kernels:  # the median call's summed kernel time and its kernel count
+            row.update(kernel_us=timing.device_s * 1e6, kernels=len(timing.kernels))
         print(row, flush=True)
         rows.append(row)
-        return out
+        return timing.out
 
     ar = jax.jit(lambda p, b, c: forward_with_cache(p, cfg, b[:, None], c.lengths[:, None], c)[0])
     measure("AR step (1-token cached forward)", ar, params, bonus, cache)
@@ -131,6 +120,7 @@ def main() -> None:
     from tokenizers import Tokenizer
 
     import kdtree_jax as kj
+    from benchmarks.common import metadata, write_results
     from kdtree_jax.ddtree import as_draft_model
     from kdtree_jax.generate import prefill
     from kdtree_jax.model import init_cache
@@ -159,20 +149,16 @@ def main() -> None:
     rows = profile_stages(cfg, params, draft_model, cache, dstate, bonus, args.budgets, iters=args.iters,
                           kernels=jax.default_backend() == "gpu")
 
-    dev = jax.devices()[0]
-    meta = {"device": getattr(dev, "device_kind", dev.platform), "jax": jax.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "target": str(args.target), "drafter": str(args.drafter), "prompt_tokens": len(prompt),
-            "timing": "wall: median per jitted call incl. dispatch; kernel: CUPTI summed kernel time of one call"}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "round_profile.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    meta = metadata(target=str(args.target), drafter=str(args.drafter), prompt_tokens=len(prompt),
+                    timing="wall: median per jitted call incl. dispatch; kernel: CUPTI summed kernel time of the "
+                           "median call")
     lines = [f"# One DDTree round, stage by stage ({meta['device']})", "", f"{meta['date']}, JAX {meta['jax']}; "
              f"{meta['timing']}; each stage jitted alone, so each pays one dispatch that the one-jit loop does "
              "not.", "", "| stage | wall us | kernel us | kernels |", "|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['stage']} | {r['wall_us']:.1f} | {r.get('kernel_us', float('nan')):.1f} | "
                      f"{r.get('kernels', '-')} |")
-    (args.out / "round_profile.md").write_text("\n".join(lines) + "\n")
+    write_results(args.out / "round_profile", meta, {"rows": rows}, "\n".join(lines))
     print("\n".join(lines))
 
 

@@ -1,11 +1,11 @@
-"""Tree-budget cost model and advice (kdtree_jax.budget): floors against hand arithmetic, monotonicity,
+"""Tree-budget cost model and advice (benchmarks/cost_model.py): floors against hand arithmetic, monotonicity,
 break-even, the choice rule, calibration, and bad inputs."""
 
 import math
 
 import pytest
 
-from kdtree_jax.budget import CostModel, choose_tree_budget, evaluate_budgets, saturating_profile
+from benchmarks.cost_model import CostModel, choose_tree_budget, evaluate_budgets, saturating_profile
 
 K26 = CostModel()
 

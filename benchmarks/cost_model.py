@@ -1,4 +1,5 @@
 """Tree-budget advice for DDTree at Kimi K2.6 width: a per-round cost model and `choose_tree_budget`.
+A benchmark tool (bench_k26_slice.py, bench_moe_mgpu.py and the docs use it); the engine does not.
 
 A DDTree round drafts once and verifies T = 1 + budget tokens in one target forward; it commits the
 acceptance length tau(budget) tokens (>= 1). Plain autoregressive decoding commits 1 token per forward

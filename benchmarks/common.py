@@ -1,0 +1,275 @@
+"""What every benchmark shares: the run's metadata record, one timer, one writer of results.
+
+  meta = metadata(backend="gpu", layers=2)        # device, JAX/jaxlib, date (UTC), git commit + dirty, command
+  timing = Timer(iters=7)(jitted_fn, *args)        # .wall_s always; .device_s / .kernels on a GPU (CUPTI)
+  write_results(out_dir / "name", meta, {"rows": rows}, markdown, plot=draw)   # name.json, name.md (+ name.png)
+
+The commit comes from git; where the benchmark runs on a copy of the tree without its .git folder, set
+BENCH_GIT_COMMIT to the commit the copy was made from (the record then says so, with no dirty flag).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMIT_ENV = "BENCH_GIT_COMMIT"
+# The metadata fields every results file carries, in the order the markdown footer names them.
+RECORD_FIELDS = ("device", "platform", "devices", "jax", "jaxlib", "date", "commit", "dirty", "command")
+
+
+# ------------------------------------------------------------------------------------------- metadata
+def git_commit(root: Path = ROOT) -> tuple[str, bool | None, str]:
+    """(commit, dirty, source) of the tree this file lives in: git's HEAD and whether tracked files differ
+    from it, or BENCH_GIT_COMMIT (dirty unknown) where git cannot say."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=30)
+        if head.returncode == 0:
+            status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                    capture_output=True, text=True, timeout=30, check=True)
+            return head.stdout.strip(), bool(status.stdout.strip()), "git"
+        why = head.stderr.strip().splitlines()[-1] if head.stderr.strip() else f"exit {head.returncode}"
+    except FileNotFoundError:
+        why = "git is not installed"
+    from_env = os.environ.get(COMMIT_ENV, "").strip()
+    if from_env:
+        return from_env, None, COMMIT_ENV
+    raise SystemExit(f"benchmarks: no git commit for {root} ({why}); set {COMMIT_ENV}=<the commit this copy "
+                     "was made from> so that the results say which code they measured")
+
+
+def metadata(**extra: Any) -> dict:
+    """The run's record: device kind, platform and count, JAX and jaxlib versions, date (UTC), git commit
+    with a dirty flag, the exact command line; then `extra` (the script's own settings)."""
+    import jax
+    import jaxlib
+
+    device = jax.devices()[0]
+    commit, dirty, source = git_commit()
+    meta = {"device": getattr(device, "device_kind", device.platform), "platform": device.platform,
+            "devices": jax.device_count(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": commit, "dirty": dirty, "command": shlex.join(sys.orig_argv)}
+    if source != "git":
+        meta["commit_source"] = source
+    clash = sorted(set(extra) & set(meta))
+    if clash:
+        raise ValueError(f"metadata: extra fields {clash} would overwrite the record's own fields")
+    return {**meta, **extra}
+
+
+def record_line(meta: dict) -> str:
+    """One markdown line naming the run from its record; fields an older run did not record are listed."""
+    missing = [name for name in RECORD_FIELDS if meta.get(name) is None and name != "dirty"]
+    parts = []
+    if meta.get("device") is not None:
+        where = [str(meta[k]) for k in ("platform",) if meta.get(k) is not None]
+        where += [f"{meta['devices']} device(s)"] if meta.get("devices") is not None else []
+        parts.append(f"device {meta['device']}" + (f" ({', '.join(where)})" if where else ""))
+    versions = [f"{name} {meta[key]}" for name, key in (("JAX", "jax"), ("jaxlib", "jaxlib")) if meta.get(key)]
+    if versions:
+        parts.append(", ".join(versions))
+    if meta.get("date") is not None:
+        parts.append(str(meta["date"]))
+    if meta.get("commit") is not None:
+        dirty = {True: " with uncommitted changes", False: "", None: " (uncommitted changes: unknown)"}
+        parts.append(f"commit {str(meta['commit'])[:12]}{dirty[meta.get('dirty')]}")
+    if meta.get("command") is not None:
+        parts.append(f"command `{meta['command']}`")
+    line = "Run: " + "; ".join(parts) + "."
+    return line + (f" Not recorded by this run: {', '.join(missing)}." if missing else "")
+
+
+# ----------------------------------------------------------------------------------------------- timer
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """One point: the last output, the median wall seconds per call (dispatch and sync included), and
+    on a GPU the median CUPTI summed kernel seconds per call with the kernels of that median call."""
+
+    out: Any
+    wall_s: float
+    device_s: float | None = None
+    kernels: tuple[tuple[str, float], ...] = ()  # (kernel name, seconds)
+
+    @property
+    def seconds(self) -> float:
+        """Device time where measured, else wall clock."""
+        return self.wall_s if self.device_s is None else self.device_s
+
+
+class Timer:
+    """Median time per call of `fn(*args)` after one compile/warm-up call.
+
+    Wall clock (perf_counter around the call and a block_until_ready) always; with device=True (default:
+    on a GPU) also CUPTI summed kernel time (`jax.experimental.mosaic.gpu.profiler.measure`), one
+    profiling window per call: a multi-call window insists that every call launches the same kernels,
+    which XLA's data-dependent loops do not. CUPTI sums the kernels of every device, so a multi-device
+    run passes device=False."""
+
+    def __init__(self, iters: int = 5, *, device: bool | None = None):
+        if not isinstance(iters, int) or iters < 1:
+            raise ValueError(f"Timer: iters must be a whole number >= 1, got {iters!r}")
+        if device is None:
+            import jax
+
+            device = jax.default_backend() == "gpu"
+        self.iters, self.device = iters, bool(device)
+
+    @property
+    def method(self) -> str:
+        wall = f"wall clock per call incl. dispatch, median of {self.iters}"
+        if self.device:
+            return f"CUPTI summed kernel time, one window per call, median of {self.iters}; {wall}"
+        return wall
+
+    def __call__(self, fn: Callable, *args) -> Timing:
+        import jax
+
+        out = jax.block_until_ready(fn(*args))  # compile + warm-up
+        walls = []
+        for _ in range(self.iters):
+            start = time.perf_counter()
+            out = jax.block_until_ready(fn(*args))
+            walls.append(time.perf_counter() - start)
+        if not self.device:
+            return Timing(out, statistics.median(walls))
+        from jax.experimental.mosaic.gpu import profiler
+
+        runs = []
+        for _ in range(self.iters):
+            out, launched = profiler.measure(fn, aggregate=False)(*args)
+            if not launched:
+                raise RuntimeError(f"Timer: {getattr(fn, '__name__', fn)!r} launched no kernels")
+            runs.append(tuple((name, ms * 1e-3) for name, ms in launched))
+        runs.sort(key=lambda run: sum(s for _, s in run))
+        median = statistics.median(sum(s for _, s in run) for run in runs)
+        return Timing(out, statistics.median(walls), median, runs[(len(runs) - 1) // 2])
+
+
+def copy_bandwidth(timer: Timer, elements: int = 512 * 1024 * 1024) -> float:
+    """Bytes per second of a device copy in this run (x + 1 over `elements` bf16 values: one read and one
+    write each), timed by `timer`; the denominator of the memory floors. Prints it."""
+    import jax
+    import jax.numpy as jnp
+
+    big = jax.random.normal(jax.random.key(0), (elements,), jnp.bfloat16)
+    seconds = timer(jax.jit(lambda a: a + 1), big).seconds
+    del big
+    bandwidth = 2 * elements * 2 / seconds
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    return bandwidth
+
+
+# ---------------------------------------------------------------------------------------------- writer
+def write_json(stem: str | Path, meta: dict, data: dict) -> Path:
+    """<stem>.json = {"meta": meta, **data} (also for a partial result rewritten as a run goes)."""
+    _check_meta(meta)
+    if "meta" in data:
+        raise ValueError("write_json: data must not carry its own 'meta' (pass it as meta)")
+    path = Path(f"{stem}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, **data}, indent=1, default=_jsonable))
+    return path
+
+
+def write_results(stem: str | Path, meta: dict, data: dict, markdown: str,
+                  plot: Callable[[Path], None] | None = None) -> list[Path]:
+    """<stem>.json (meta + data), <stem>.md (markdown + the metadata line) and, with `plot` and matplotlib
+    importable, <stem>.png drawn by plot(path) (without matplotlib: a note says so, no png).
+    Returns the paths written."""
+    written = [write_json(stem, meta, data), write_markdown(stem, meta, markdown)]
+    if plot is not None:
+        png = write_png(stem, plot)
+        if png is not None:
+            written.append(png)
+    print("wrote " + ", ".join(str(p) for p in written), flush=True)
+    return written
+
+
+def write_markdown(stem: str | Path, meta: dict, markdown: str) -> Path:
+    """<stem>.md: the markdown, then the run's metadata line."""
+    _check_meta(meta)
+    path = Path(f"{stem}.md")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(markdown.rstrip("\n") + "\n\n" + record_line(meta) + "\n")
+    return path
+
+
+def write_png(stem: str | Path, plot: Callable[[Path], None]) -> Path | None:
+    """<stem>.png drawn by plot(path) with matplotlib's Agg backend; None (and a note) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"note: matplotlib is not installed (pip install -e '.[bench]'): no {stem}.png; the .json and "
+              ".md are written", flush=True)
+        return None
+    matplotlib.use("Agg")
+    path = Path(f"{stem}.png")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plot(path)
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+    return path
+
+
+def _check_meta(meta: dict) -> None:
+    if not isinstance(meta, dict) or "date" not in meta or "device" not in meta:
+        raise ValueError(f"results need the run's metadata record (benchmarks.common.metadata()), got {meta!r:.200}")
+
+
+def _jsonable(value):
+    """numpy scalars and the like in results: their Python value."""
+    if hasattr(value, "item"):
+        return value.item()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+# ---------------------------------------------------------------------------------------- weights
+def random_params(abstract, key=None, shardings=None):
+    """Random weights for an abstract params tree (ShapeDtypeStructs, e.g. jax.eval_shape of the model's
+    init, INT4 leaves included), drawn on the device inside one jit (into `shardings` when given): no host
+    ever holds them. Norms are ones, router biases zeros, INT4 scales such that q in [-8, 7] gives unit-scale
+    outputs, dense weights normal / sqrt(fan-in). Values only need to be realistic in scale: timings do not
+    depend on them."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    key = jax.random.key(0) if key is None else key
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+
+    def make(key):
+        leaves = []
+        for i, (key_path, leaf) in enumerate(flat):
+            name = "/".join(str(getattr(k, "key", k)) for k in key_path)
+            k = jax.random.fold_in(key, i)
+            if name.endswith("qweight"):  # int16 words of four nibbles: uniformly random bits
+                leaves.append(jax.lax.bitcast_convert_type(jax.random.bits(k, leaf.shape, jnp.uint16), jnp.int16))
+            elif name.endswith("w_i4"):
+                leaves.append(jax.random.randint(k, leaf.shape, -8, 8, jnp.int8).astype(jnp.int4))
+            elif name.endswith(("scale", "scale_t")):
+                k_in = (leaf.shape[-1] if name.endswith("scale") else leaf.shape[-2]) * 32
+                leaves.append(jnp.full(leaf.shape, 1.0 / (4.0 * np.sqrt(k_in)), leaf.dtype))
+            elif name.endswith("norm"):
+                leaves.append(jnp.ones(leaf.shape, leaf.dtype))
+            elif name.endswith("router_bias"):
+                leaves.append(jnp.zeros(leaf.shape, leaf.dtype))
+            else:
+                fan_in = leaf.shape[-2] if leaf.ndim >= 2 else leaf.shape[-1]
+                leaves.append((jax.random.normal(k, leaf.shape, jnp.float32) / np.sqrt(fan_in)).astype(leaf.dtype))
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    return (jax.jit(make) if shardings is None else jax.jit(make, out_shardings=shardings))(key)

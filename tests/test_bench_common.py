@@ -1,0 +1,166 @@
+"""benchmarks/common.py (the metadata record, the timer, the writer) and benchmarks/xla_baselines.py on CPU."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import common, xla_baselines
+
+
+def _head() -> str:
+    proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=common.ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        pytest.skip(f"not a git checkout: {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
+# ------------------------------------------------------------------------------------------- metadata
+def test_metadata_records_the_commit_and_the_exact_command(monkeypatch):
+    monkeypatch.setattr(sys, "orig_argv", ["python", "benchmarks/bench_x.py", "--out", "a dir", "--tiny"])
+    meta = common.metadata(layers=2)
+    assert meta["commit"] == _head() and isinstance(meta["dirty"], bool)
+    assert meta["command"] == "python benchmarks/bench_x.py --out 'a dir' --tiny"
+    assert meta["device"] == jax.devices()[0].device_kind and meta["platform"] == "cpu"
+    assert meta["jax"] == jax.__version__ and meta["date"].endswith("+00:00") and meta["layers"] == 2
+    assert set(common.RECORD_FIELDS) <= set(meta)
+
+
+def test_metadata_refuses_extra_fields_that_would_overwrite_the_record():
+    with pytest.raises(ValueError, match=r"\['commit'\]"):
+        common.metadata(commit="abc")
+
+
+def test_commit_outside_git_comes_from_the_environment_or_the_run_stops(tmp_path, monkeypatch):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    monkeypatch.setenv(common.COMMIT_ENV, "0123abcd")
+    assert common.git_commit(tmp_path) == ("0123abcd", None, common.COMMIT_ENV)
+    monkeypatch.delenv(common.COMMIT_ENV)
+    with pytest.raises(SystemExit, match=common.COMMIT_ENV):
+        common.git_commit(tmp_path)
+
+
+def test_record_line_names_what_an_older_run_did_not_record():
+    line = common.record_line({"device": "NVIDIA H200", "jax": "0.11.2", "date": "2026-11-30T09:29:00+00:00"})
+    assert line == ("Run: device NVIDIA H200; JAX 0.11.2; 2026-11-30T09:29:00+00:00. Not recorded by this run: "
+                    "platform, devices, jaxlib, commit, command.")
+
+
+# ---------------------------------------------------------------------------------------------- writer
+def test_writer_writes_json_and_md_with_the_metadata_and_the_png(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(sys, "orig_argv", ["python", "benchmarks/bench_x.py"])
+    meta = common.metadata()
+    drawn = []
+
+    def plot(path):
+        import matplotlib.pyplot as plt
+
+        plt.plot([1, 2], [3, 4])
+        plt.savefig(path)
+        drawn.append(path)
+
+    written = common.write_results(tmp_path / "sub" / "x", meta, {"rows": [{"T": 1, "s": np.float32(0.5)}]},
+                                   "# table\n", plot=plot)
+    assert [p.name for p in written] == ["x.json", "x.md", "x.png"] and drawn == [written[2]]
+    stored = json.loads(written[0].read_text())
+    assert stored["meta"]["commit"] == _head() and stored["meta"]["command"] == "python benchmarks/bench_x.py"
+    assert stored["rows"] == [{"T": 1, "s": 0.5}]
+    md = written[1].read_text()
+    assert md.startswith("# table\n\nRun: device ") and f"commit {_head()[:12]}" in md
+    assert md.endswith("command `python benchmarks/bench_x.py`.\n")
+    assert written[2].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_writer_without_matplotlib_says_so_and_writes_no_png(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    meta = {"device": "cpu", "date": "2026-12-01T00:00:00+00:00"}
+    written = common.write_results(tmp_path / "x", meta, {}, "text", plot=lambda path: pytest.fail("drawn"))
+    assert [p.name for p in written] == ["x.json", "x.md"] and not (tmp_path / "x.png").exists()
+    assert "matplotlib is not installed" in capsys.readouterr().out
+
+
+def test_writer_refuses_results_without_a_record_or_with_a_second_one(tmp_path):
+    with pytest.raises(ValueError, match="metadata record"):
+        common.write_json(tmp_path / "x", {"rows": []}, {})
+    with pytest.raises(ValueError, match="'meta'"):
+        common.write_json(tmp_path / "x", {"device": "cpu", "date": "d"}, {"meta": {}})
+
+
+# ----------------------------------------------------------------------------------------------- timer
+def test_timer_on_cpu_returns_positive_wall_times_and_the_output():
+    timer = common.Timer(3)
+    assert not timer.device and "median of 3" in timer.method
+    x = jnp.arange(64.0)
+    timing = timer(jax.jit(lambda a: jnp.sum(a * a)), x)
+    assert timing.wall_s > 0 and timing.device_s is None and timing.kernels == ()
+    assert timing.seconds == timing.wall_s and float(timing.out) == float(np.sum(np.arange(64.0) ** 2))
+
+
+def test_copy_bandwidth_on_cpu_is_positive_and_finite(capsys):
+    bandwidth = common.copy_bandwidth(common.Timer(2), elements=1 << 16)
+    assert 0 < bandwidth < float("inf") and "copy bandwidth" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("iters", [0, 2.5])
+def test_timer_refuses_a_bad_iteration_count(iters):
+    with pytest.raises(ValueError, match="iters"):
+        common.Timer(iters)
+
+
+# --------------------------------------------------------------------------------------------- weights
+def test_random_params_follow_the_abstract_tree():
+    abstract = {"norm": jax.ShapeDtypeStruct((8,), jnp.float32),
+                "w": jax.ShapeDtypeStruct((16, 8), jnp.bfloat16),
+                "experts": {"qweight": jax.ShapeDtypeStruct((2, 8, 16), jnp.int16),
+                            "scale": jax.ShapeDtypeStruct((2, 8, 2), jnp.bfloat16)}}
+    params = common.random_params(abstract, jax.random.key(1))
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), params) == jax.tree.map(lambda a: (a.shape, a.dtype), abstract)
+    assert bool((params["norm"] == 1).all()) and float(jnp.std(params["w"].astype(jnp.float32))) > 0.1
+    assert float(params["experts"]["scale"][0, 0, 0]) == pytest.approx(1 / (4 * 8), rel=1e-2)  # K = 64
+
+
+# ---------------------------------------------------------------------------------------- XLA baselines
+def _int4(rng, *lead, n, k):
+    """A random INT4 weight: (leaf in the checkpoint layout, float64 dequantized [..., N, K])."""
+    q = rng.integers(-8, 8, size=(*lead, n, k))
+    scale = rng.uniform(0.01, 0.1, size=(*lead, n, k // 32)).astype(np.float32)
+    nibbles = (q + 8).reshape(*lead, n, k // 4, 4)
+    words = (nibbles << (4 * np.arange(4))).sum(-1).astype(np.uint16).view(np.int16)
+    dense = q * np.repeat(scale.astype(np.float64), 32, axis=-1)
+    return {"qweight": jnp.asarray(words), "scale": jnp.asarray(scale)}, dense
+
+
+def test_w4a16_matmul_xla_matches_float64():
+    rng = np.random.default_rng(0)
+    leaf, w = _int4(rng, n=24, k=64)
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    got = np.asarray(xla_baselines.w4a16_matmul_xla(jnp.asarray(x), leaf["qweight"], leaf["scale"]))
+    want = x.astype(np.float64) @ w.T
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+
+
+@pytest.mark.parametrize("name", sorted(xla_baselines.MOE_BASELINES))
+def test_moe_baselines_match_float64(name):
+    rng = np.random.default_rng(1)
+    e, d, inter, t, k = 6, 64, 32, 5, 2
+    experts, dense = {}, {}
+    for w, (n, kk) in {"gate": (inter, d), "up": (inter, d), "down": (d, inter)}.items():
+        experts[w], dense[w] = _int4(rng, e, n=n, k=kk)
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, (t, k)).astype(np.float32)
+    want = np.zeros((t, d))
+    for i in range(t):
+        for j in range(k):
+            ex = ids[i, j]
+            g, u = dense["gate"][ex] @ x[i], dense["up"][ex] @ x[i]
+            want[i] += weights[i, j] * dense["down"][ex] @ (g / (1 + np.exp(-g)) * u)
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(xla_baselines.MOE_BASELINES[name](jnp.asarray(x), experts, jnp.asarray(ids),
+                                                           jnp.asarray(weights)))
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
