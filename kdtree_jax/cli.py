@@ -22,11 +22,17 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
+# the limits --help states (importing the package already loaded these modules)
+from kdtree_jax.ddtree import MAX_TREE_BUDGET
+from kdtree_jax.drafter import MAX_BLOCK_SIZE
+
 PROG = "kdtree-jax"
 PRESETS = ("tiny",)  # models small enough to build from random weights on any machine
 DTYPES = ("bfloat16", "float32", "float16")
 METHODS = ("ar", "dflash", "ddtree", "all")
 DEFAULT_BUDGET = 32
+# jax.random.key keeps the low 32 bits of a seed (64-bit ints are off): 2**32 would give seed 0's numbers.
+MAX_SEED = 2**32 - 1
 # The trained pair shipped in the package (training/, docs/training.md): target, drafter, tokenizer.
 SHIPPED = Path(__file__).resolve().parent / "assets"
 
@@ -41,6 +47,18 @@ class _Parser(argparse.ArgumentParser):
 
 
 # ------------------------------------------------------------------------------------------ parser
+def _seed(text: str) -> int:
+    """--seed: an integer JAX can take as a key without aliasing another seed."""
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not 0 <= seed <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, {MAX_SEED}] (JAX keys take 32-bit seeds: "
+                                         f"a larger one would repeat a smaller one's numbers), got {text}")
+    return seed
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="DeepSeek-V3 / Kimi K2.x inference in JAX with DDTree speculative "
                      "decoding and INT4 weights.")
@@ -72,13 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", choices=METHODS, default="ar", help="ar: autoregressive; dflash: single-path "
                    "speculative; ddtree: tree speculative; all: run each and compare (default: %(default)s)")
     g.add_argument("--budget", type=int, metavar="N", help="DDTree tree budget: draft nodes verified per "
-                   f"round (default: {DEFAULT_BUDGET})")
+                   f"round, 1 to {MAX_TREE_BUDGET} (default: {DEFAULT_BUDGET})")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     g.add_argument("--top-k", type=int, metavar="K", help="sample only from the K most likely tokens")
     g.add_argument("--top-p", type=float, metavar="P", help="sample only from the smallest set of tokens "
                    "with probability mass >= P")
-    g.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling and for --preset weights "
-                   "(default: %(default)s)")
+    g.add_argument("--seed", type=_seed, default=0, help="PRNG seed for sampling and for --preset weights, "
+                   f"0 to {MAX_SEED} (default: %(default)s)")
     g.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="tokens to generate per "
                    "prompt (default: %(default)s)")
     g.add_argument("--dtype", choices=DTYPES, help="weight dtype for --hf / --preset (default: bfloat16 for "
@@ -130,11 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(instead of --preset)")
     i.add_argument("--drafter-layers", type=int, default=1, metavar="N", help="drafter decoder layers "
                    "(default: %(default)s)")
-    i.add_argument("--block-size", type=int, default=16, metavar="N", help="drafter block size: drafts "
-                   "block_size - 1 tokens per round (default: %(default)s)")
+    i.add_argument("--block-size", type=int, default=16, metavar="N", help=f"drafter block size, 2 to "
+                   f"{MAX_BLOCK_SIZE}: drafts block_size - 1 tokens per round (default: %(default)s)")
     i.add_argument("--mask-token-id", type=int, metavar="ID", help="drafter mask token (default: the "
                    "target config's mask_token_id)")
-    i.add_argument("--seed", type=int, default=0, help="PRNG seed of the weights (default: %(default)s)")
+    i.add_argument("--seed", type=_seed, default=0, help=f"PRNG seed of the weights, 0 to {MAX_SEED} "
+                   "(default: %(default)s)")
     i.add_argument("--dtype", choices=DTYPES, default="float32", help="weight dtype (default: %(default)s)")
     i.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     i.set_defaults(func=cmd_init)
@@ -350,9 +369,10 @@ def cmd_generate(args) -> None:
     if args.budget is not None and args.method not in ("ddtree", "all"):
         raise CLIError(f"--budget applies to --method ddtree / all, not {args.method}")
     args.budget = DEFAULT_BUDGET if args.budget is None else args.budget
-    for name in ("max_new_tokens", "budget"):
-        if getattr(args, name) < 1:
-            raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_new_tokens < 1:
+        raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not 1 <= args.budget <= MAX_TREE_BUDGET:  # before loading anything: kj.generate would say it too
+        raise CLIError(f"--budget must be in [1, {MAX_TREE_BUDGET}], got {args.budget}")
     if args.shipped and not args.tokenizer:
         args.tokenizer = str(SHIPPED / "tokenizer.json")
     tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None

@@ -250,7 +250,13 @@ BAD = [
      "does not fit the target: drafter hidden_size=192 != target hidden_size=64"),
     (["generate", "--checkpoint", "{target}", "--budget", "4"], "--budget applies to --method ddtree / all"),
     (["generate", "--checkpoint", "{target}", "--drafter", "{drafter}", "--method", "ddtree", "--budget", "0"],
-     "--budget must be >= 1, got 0"),
+     "--budget must be in [1, 1024], got 0"),
+    (["generate", "--checkpoint", "{target}", "--drafter", "{drafter}", "--method", "ddtree", "--budget", "5000"],
+     "--budget must be in [1, 1024], got 5000"),
+    (["generate", "--preset", "tiny", "--seed", str(2**64)],
+     "argument --seed: must be an integer in [0, 4294967295] (JAX keys take 32-bit seeds"),
+    (["generate", "--preset", "tiny", "--seed", "-1"], "argument --seed: must be an integer in [0, 4294967295]"),
+    (["init", "{tmp}/x", "--seed", str(2**32)], "got 4294967296"),
     (["generate", "--checkpoint", "{target}", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["generate", "--checkpoint", "{target}", "--max-new-tokens", "many"], "invalid int value: 'many'"),
     (["generate", "--checkpoint", "{target}", "--temperature", "-1"], "temperature must be >= 0"),
@@ -273,7 +279,10 @@ BAD = [
     (["init", "{tmp}/x", "--drafter", "--target", "{target}", "--preset", "tiny"], "not both"),
     (["init", "{tmp}/x", "--drafter", "--target", "{int4}"], "no mask_token_id: pass --mask-token-id"),
     (["init", "{tmp}/x", "--drafter", "--block-size", "0"], "--block-size must be >= 1"),
-    (["init", "{tmp}/x", "--drafter", "--block-size", "1"], "block_size must be >= 2"),
+    (["init", "{tmp}/x", "--drafter", "--block-size", "1"], "block_size must be in [2, 64]"),
+    (["init", "{tmp}/x", "--drafter", "--block-size", "2000"],
+     ("block_size must be in [2, 64] (the bonus token plus at least one drafted position; larger blocks take "
+      "minutes to compile), got 2000")),
     (["init", "{tmp}/x", "--layers", "0"], "--layers must be >= 1"),
     (["init", "{tmp}/x", "--preset", "kimi"], "invalid choice: 'kimi'"),
     (["info", "{tmp}/nope"], "does not exist"),
@@ -297,6 +306,19 @@ def test_bad_input_is_one_clear_line(argv, message, models, tmp_path, capsys):
     assert "Traceback" not in err + out
     assert sorted(os.listdir(models)) == before  # nothing written or removed by a failed command
     assert not (tmp_path / "x").exists() and not (tmp_path / "out").exists()
+
+
+def test_help_states_the_limits(capsys):
+    """--budget, --block-size and --seed say their ranges (the values the errors above enforce)."""
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if a.dest == "command").choices
+    for command, option, limit in (("generate", "--budget", "1 to 1024"), ("init", "--block-size", "2 to 64"),
+                                   ("generate", "--seed", "0 to 4294967295"), ("init", "--seed", "0 to 4294967295")):
+        action = next(a for a in subparsers[command]._actions if option in a.option_strings)
+        assert limit in action.help, (command, option)
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        assert limit in " ".join(capsys.readouterr().out.split())
 
 
 def test_missing_tokenizers_package_is_explained(monkeypatch, tmp_path, capsys):
