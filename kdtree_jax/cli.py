@@ -13,6 +13,7 @@ stderr, `kdtree-jax: error: ...`, without a traceback (`--traceback` shows one, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -39,6 +40,43 @@ SHIPPED = Path(__file__).resolve().parent / "assets"
 
 class CLIError(Exception):
     """A user error: printed as one line, exit status 2."""
+
+
+class _Status:
+    """What a slow command is doing, on stderr: `kdtree-jax: compiling ddtree ... 12.3 s`.
+
+    A step's line stays open while it runs; a note, a progress bar or an error printed meanwhile closes
+    it first (`close`), and the time then gets a line of its own."""
+
+    def __init__(self):
+        self.open = False
+
+    def close(self) -> None:
+        if self.open:
+            print(file=sys.stderr, flush=True)
+            self.open = False
+
+    @contextlib.contextmanager
+    def step(self, what: str):
+        """Yields a dict whose "seconds" is set when the step ends."""
+        self.close()
+        print(f"{PROG}: {what} ...", end="", file=sys.stderr, flush=True)
+        self.open, timing, start = True, {}, time.perf_counter()
+        try:
+            yield timing
+        except BaseException:
+            self.close()
+            raise
+        timing["seconds"] = seconds = time.perf_counter() - start
+        took = f"{seconds:.1f} s" if seconds >= 1 else f"{seconds * 1000:.0f} ms"
+        if self.open:
+            print(f" {took}", file=sys.stderr, flush=True)
+            self.open = False
+        else:
+            print(f"{PROG}: {what}: {took}", file=sys.stderr, flush=True)
+
+
+STATUS = _Status()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -232,6 +270,19 @@ def _load_tokenizer(path: str):
         raise CLIError(f"cannot read tokenizer {path!r}: {e}") from None
 
 
+def _check_prompt_text(prompts: list[str] | None) -> None:
+    """A prompt of bytes that are not UTF-8 reaches Python as lone surrogates (the shell passed raw bytes,
+    e.g. from a Latin-1 file): refuse it by name instead of failing inside the tokenizer."""
+    for text in prompts or ():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = ord(text[e.start])
+            what = f"byte {bad - 0xDC00:#04x}" if 0xDC80 <= bad <= 0xDCFF else f"character {bad:#06x}"
+            raise CLIError(f"--prompt {text!r} is not valid UTF-8: {what} at position {e.start} "
+                           "(convert the text to UTF-8, e.g. iconv -t utf-8)") from None
+
+
 def _parse_prompts(prompts: list[str] | None, tokenizer, cfg) -> list[list[int]]:
     if not prompts:
         if cfg.bos_token_id is None:
@@ -278,6 +329,7 @@ def _load_model(args):
         from kdtree_jax.hf import load_hf  # noqa: PLC0415
 
         dtype = args.dtype or "bfloat16"
+        STATUS.close()  # its progress bar takes the line
         cfg, params = load_hf(_check_dir(args.hf, "Hugging Face directory"), _dtype(dtype), progress=True)
         return cfg, params, f"Hugging Face {args.hf} ({dtype})"
     cfg = _preset_config(args.preset, args.layers)
@@ -336,6 +388,7 @@ def _mean_acceptance(out) -> float:
 
 
 def _run(cfg, params, prompts, method, drafter, args):
+    """(output, seconds of the timed call). Compiles first with an untimed call unless --no-warmup."""
     import jax  # noqa: PLC0415
 
     from kdtree_jax.generate import MoEKernelPerformanceWarning, generate  # noqa: PLC0415
@@ -351,10 +404,12 @@ def _run(cfg, params, prompts, method, drafter, args):
         if args.moe_kernel == "triton":  # asked for: no note that the Mosaic kernel would be faster
             warnings.simplefilter("ignore", MoEKernelPerformanceWarning)
         if not args.no_warmup:  # compile first, so tokens/s measures the compiled program
-            jax.block_until_ready(generate(cfg, params, prompts, **kwargs))
-        start = time.perf_counter()
-        out = jax.block_until_ready(generate(cfg, params, prompts, **kwargs))
-    return out, time.perf_counter() - start
+            with STATUS.step(f"compiling {method} (a first, untimed call)"):
+                jax.block_until_ready(generate(cfg, params, prompts, **kwargs))
+        what = f"generating {method}" + (" (compilation included: --no-warmup)" if args.no_warmup else "")
+        with STATUS.step(what) as timing:
+            out = jax.block_until_ready(generate(cfg, params, prompts, **kwargs))
+    return out, timing["seconds"]
 
 
 def _rows(out) -> list[list[int]]:
@@ -373,6 +428,7 @@ def cmd_generate(args) -> None:
         raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not 1 <= args.budget <= MAX_TREE_BUDGET:  # before loading anything: kj.generate would say it too
         raise CLIError(f"--budget must be in [1, {MAX_TREE_BUDGET}], got {args.budget}")
+    _check_prompt_text(args.prompt)
     if args.shipped and not args.tokenizer:
         args.tokenizer = str(SHIPPED / "tokenizer.json")
     tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
@@ -385,10 +441,13 @@ def cmd_generate(args) -> None:
         from kdtree_jax.sharding import make_mesh  # noqa: PLC0415
 
         args.mesh = make_mesh(args.mesh)
-    cfg, params, model_desc = _load_model(args)
-    params, model_desc = _choose_moe_kernel(args.moe_kernel, cfg, params, model_desc)
+    with STATUS.step("loading the target"):
+        cfg, params, model_desc = _load_model(args)
+        params, model_desc = _choose_moe_kernel(args.moe_kernel, cfg, params, model_desc)
     prompts = _parse_prompts(args.prompt, tokenizer, cfg)
-    drafter, drafter_desc = _load_drafter(args, cfg, methods)
+    needs_drafter = any(m in ("dflash", "ddtree") for m in methods)
+    with STATUS.step("loading the drafter") if needs_drafter else contextlib.nullcontext():
+        drafter, drafter_desc = _load_drafter(args, cfg, methods)
     print(f"model: {model_desc}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
           f"vocab {cfg.vocab_size}" + (f"; {drafter_desc}" if drafter_desc else ""))
     sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, seed {args.seed}"
@@ -403,11 +462,17 @@ def cmd_generate(args) -> None:
         print(f"\n[{method}] {sampling}" + (f", budget {args.budget}" if method == "ddtree" else ""))
         for b, (prompt, row) in enumerate(zip(prompts, rows)):
             print(f"prompt {b}: {' '.join(map(str, prompt))}")
+            if tokenizer is not None:
+                print(f"  prompt text: {tokenizer.decode(prompt)!r}")
             print(f"  tokens: {' '.join(map(str, row))}")
             if tokenizer is not None:
                 print(f"  text: {tokenizer.decode(row)!r}")
-        print(f"  new tokens {new}, target forwards {int(out.num_target_forwards)}, rounds {int(out.rounds)}, "
-              f"mean acceptance length {_mean_acceptance(out):.2f}, {new / seconds:.1f} tokens/s")
+        step = "one decode step" if method == "ar" else "draft + verify"
+        print(f"  {new} new tokens in {int(out.rounds)} rounds ({step} each); {int(out.num_target_forwards)} "
+              "target forwards (the rounds + the prompt's prefill)")
+        timed = "compilation included: --no-warmup" if args.no_warmup else "compilation excluded"
+        print(f"  mean acceptance length {_mean_acceptance(out):.2f} (tokens committed per round); "
+              f"{new / seconds:.1f} tokens/s ({timed})")
     if len(results) > 1:
         print(f"\n{'method':<8} {'tokens/s':>10} {'target fwd':>11} {'mean accept':>12}  same tokens as ar")
         for method, out, seconds in results:
@@ -470,7 +535,8 @@ def checkpoint_info(path: str | Path) -> dict[str, Any]:
 
     from kdtree_jax.checkpoint import _KINDS, _check_tree, _saved_index, checkpoint_config  # noqa: PLC0415
 
-    path = _check_dir(str(path), "checkpoint directory")
+    # absolute: Orbax reads a relative path's tensor index as None ("'NoneType' object has no attribute 'tree'")
+    path = _check_dir(str(path), "checkpoint directory").absolute()
     if not (path / "config.json").exists() and any(path.glob("*.safetensors")):
         raise CLIError(f"{path} is a Hugging Face checkpoint, not a kdtree-jax one: convert it first "
                        f"('{PROG} convert {path} OUT_DIR')")
@@ -535,6 +601,7 @@ def _one_line(error: BaseException) -> str:
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    STATUS.close()
     print(f"{PROG}: note: {message}", file=sys.stderr if file is None else file)
 
 
@@ -553,6 +620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.func(args)
         return 0
     except KeyboardInterrupt:
+        STATUS.close()
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 (the CLI's contract: one line, no traceback)
@@ -565,6 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         expected = (CLIError, CheckpointError, HFCheckpointError, ConfigError, ValueError, OSError)
         # an unexpected exception is a bug: name its type so the report can be found
         prefix = "" if isinstance(e, expected) else f"internal error ({type(e).__name__}; rerun with --traceback): "
+        STATUS.close()
         print(f"{PROG}: error: {prefix}{_one_line(e)}", file=sys.stderr)
         return 2
     finally:
