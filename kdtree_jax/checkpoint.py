@@ -35,6 +35,8 @@ from kdtree_jax.quant import GROUP_SIZE, is_int4_leaf, is_mosaic_leaf
 
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
+# The float dtypes weights are written in (the router stays float32, INT4 leaves are typed nodes).
+PARAM_DTYPES = ("bfloat16", "float16", "float32")
 
 
 class CheckpointError(RuntimeError):
@@ -301,6 +303,9 @@ def checkpoint_config(path: str | os.PathLike, *, expect_kind: str | None = None
         cfg = _KINDS[kind][1](meta["config"])
     except (ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"{path / 'config.json'}: bad {kind} config: {e}") from None
+    if meta.get("param_dtype") not in PARAM_DTYPES:
+        raise CheckpointError(f"{path / 'config.json'}: param_dtype {meta.get('param_dtype')!r} is not one of "
+                              f"{list(PARAM_DTYPES)}")
     return cfg, meta
 
 

@@ -8,11 +8,13 @@
 
 `main(argv)` returns the exit status (0 ok, 2 error, 130 interrupted). Every error is one line on
 stderr, `kdtree-jax: error: ...`, without a traceback (`--traceback` shows one, for bug reports).
+`generate` also reports its steps there (`kdtree-jax: compiling ddtree ... 12.3 s`); results go to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -22,11 +24,17 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
+# the limits --help states (importing the package already loaded these modules)
+from kdtree_jax.ddtree import MAX_TREE_BUDGET
+from kdtree_jax.drafter import MAX_BLOCK_SIZE
+
 PROG = "kdtree-jax"
 PRESETS = ("tiny",)  # models small enough to build from random weights on any machine
 DTYPES = ("bfloat16", "float32", "float16")
 METHODS = ("ar", "dflash", "ddtree", "all")
 DEFAULT_BUDGET = 32
+# jax.random.key keeps the low 32 bits of a seed (64-bit ints are off): 2**32 would give seed 0's numbers.
+MAX_SEED = 2**32 - 1
 # The trained pair shipped in the package (training/, docs/training.md): target, drafter, tokenizer.
 SHIPPED = Path(__file__).resolve().parent / "assets"
 
@@ -35,12 +43,61 @@ class CLIError(Exception):
     """A user error: printed as one line, exit status 2."""
 
 
+class _Status:
+    """What a slow command is doing, on stderr: `kdtree-jax: compiling ddtree ... 12.3 s`.
+
+    A step's line stays open while it runs; a note, a progress bar or an error printed meanwhile closes
+    it first (`close`), and the time then gets a line of its own."""
+
+    def __init__(self):
+        self.open = False
+
+    def close(self) -> None:
+        if self.open:
+            print(file=sys.stderr, flush=True)
+            self.open = False
+
+    @contextlib.contextmanager
+    def step(self, what: str):
+        """Yields a dict whose "seconds" is set when the step ends."""
+        self.close()
+        print(f"{PROG}: {what} ...", end="", file=sys.stderr, flush=True)
+        self.open, timing, start = True, {}, time.perf_counter()
+        try:
+            yield timing
+        except BaseException:
+            self.close()
+            raise
+        timing["seconds"] = seconds = time.perf_counter() - start
+        took = f"{seconds:.1f} s" if seconds >= 1 else f"{seconds * 1000:.0f} ms"
+        if self.open:
+            print(f" {took}", file=sys.stderr, flush=True)
+            self.open = False
+        else:
+            print(f"{PROG}: {what}: {took}", file=sys.stderr, flush=True)
+
+
+STATUS = _Status()
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse prints usage + message and exits; we want one line
         raise CLIError(f"{message} (see '{self.prog} --help')")
 
 
 # ------------------------------------------------------------------------------------------ parser
+def _seed(text: str) -> int:
+    """--seed: an integer JAX can take as a key without aliasing another seed."""
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not 0 <= seed <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, {MAX_SEED}] (JAX keys take 32-bit seeds: "
+                                         f"a larger one would repeat a smaller one's numbers), got {text}")
+    return seed
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="DeepSeek-V3 / Kimi K2.x inference in JAX with DDTree speculative "
                      "decoding and INT4 weights.")
@@ -72,13 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", choices=METHODS, default="ar", help="ar: autoregressive; dflash: single-path "
                    "speculative; ddtree: tree speculative; all: run each and compare (default: %(default)s)")
     g.add_argument("--budget", type=int, metavar="N", help="DDTree tree budget: draft nodes verified per "
-                   f"round (default: {DEFAULT_BUDGET})")
+                   f"round, 1 to {MAX_TREE_BUDGET} (default: {DEFAULT_BUDGET})")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     g.add_argument("--top-k", type=int, metavar="K", help="sample only from the K most likely tokens")
     g.add_argument("--top-p", type=float, metavar="P", help="sample only from the smallest set of tokens "
                    "with probability mass >= P")
-    g.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling and for --preset weights "
-                   "(default: %(default)s)")
+    g.add_argument("--seed", type=_seed, default=0, help="PRNG seed for sampling and for --preset weights, "
+                   f"0 to {MAX_SEED} (default: %(default)s)")
     g.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="tokens to generate per "
                    "prompt (default: %(default)s)")
     g.add_argument("--dtype", choices=DTYPES, help="weight dtype for --hf / --preset (default: bfloat16 for "
@@ -130,11 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(instead of --preset)")
     i.add_argument("--drafter-layers", type=int, default=1, metavar="N", help="drafter decoder layers "
                    "(default: %(default)s)")
-    i.add_argument("--block-size", type=int, default=16, metavar="N", help="drafter block size: drafts "
-                   "block_size - 1 tokens per round (default: %(default)s)")
+    i.add_argument("--block-size", type=int, default=16, metavar="N", help=f"drafter block size, 2 to "
+                   f"{MAX_BLOCK_SIZE}: drafts block_size - 1 tokens per round (default: %(default)s)")
     i.add_argument("--mask-token-id", type=int, metavar="ID", help="drafter mask token (default: the "
                    "target config's mask_token_id)")
-    i.add_argument("--seed", type=int, default=0, help="PRNG seed of the weights (default: %(default)s)")
+    i.add_argument("--seed", type=_seed, default=0, help=f"PRNG seed of the weights, 0 to {MAX_SEED} "
+                   "(default: %(default)s)")
     i.add_argument("--dtype", choices=DTYPES, default="float32", help="weight dtype (default: %(default)s)")
     i.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     i.set_defaults(func=cmd_init)
@@ -213,6 +271,19 @@ def _load_tokenizer(path: str):
         raise CLIError(f"cannot read tokenizer {path!r}: {e}") from None
 
 
+def _check_prompt_text(prompts: list[str] | None) -> None:
+    """A prompt of bytes that are not UTF-8 reaches Python as lone surrogates (the shell passed raw bytes,
+    e.g. from a Latin-1 file): refuse it by name instead of failing inside the tokenizer."""
+    for text in prompts or ():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = ord(text[e.start])
+            what = f"byte {bad - 0xDC00:#04x}" if 0xDC80 <= bad <= 0xDCFF else f"character {bad:#06x}"
+            raise CLIError(f"--prompt {text!r} is not valid UTF-8: {what} at position {e.start} "
+                           "(convert the text to UTF-8, e.g. iconv -t utf-8)") from None
+
+
 def _parse_prompts(prompts: list[str] | None, tokenizer, cfg) -> list[list[int]]:
     if not prompts:
         if cfg.bos_token_id is None:
@@ -259,6 +330,7 @@ def _load_model(args):
         from kdtree_jax.hf import load_hf  # noqa: PLC0415
 
         dtype = args.dtype or "bfloat16"
+        STATUS.close()  # its progress bar takes the line
         cfg, params = load_hf(_check_dir(args.hf, "Hugging Face directory"), _dtype(dtype), progress=True)
         return cfg, params, f"Hugging Face {args.hf} ({dtype})"
     cfg = _preset_config(args.preset, args.layers)
@@ -317,6 +389,7 @@ def _mean_acceptance(out) -> float:
 
 
 def _run(cfg, params, prompts, method, drafter, args):
+    """(output, seconds of the timed call). Compiles first with an untimed call unless --no-warmup."""
     import jax  # noqa: PLC0415
 
     from kdtree_jax.generate import MoEKernelPerformanceWarning, generate  # noqa: PLC0415
@@ -332,10 +405,12 @@ def _run(cfg, params, prompts, method, drafter, args):
         if args.moe_kernel == "triton":  # asked for: no note that the Mosaic kernel would be faster
             warnings.simplefilter("ignore", MoEKernelPerformanceWarning)
         if not args.no_warmup:  # compile first, so tokens/s measures the compiled program
-            jax.block_until_ready(generate(cfg, params, prompts, **kwargs))
-        start = time.perf_counter()
-        out = jax.block_until_ready(generate(cfg, params, prompts, **kwargs))
-    return out, time.perf_counter() - start
+            with STATUS.step(f"compiling {method} (a first, untimed call)"):
+                jax.block_until_ready(generate(cfg, params, prompts, **kwargs))
+        what = f"generating {method}" + (" (compilation included: --no-warmup)" if args.no_warmup else "")
+        with STATUS.step(what) as timing:
+            out = jax.block_until_ready(generate(cfg, params, prompts, **kwargs))
+    return out, timing["seconds"]
 
 
 def _rows(out) -> list[list[int]]:
@@ -350,9 +425,11 @@ def cmd_generate(args) -> None:
     if args.budget is not None and args.method not in ("ddtree", "all"):
         raise CLIError(f"--budget applies to --method ddtree / all, not {args.method}")
     args.budget = DEFAULT_BUDGET if args.budget is None else args.budget
-    for name in ("max_new_tokens", "budget"):
-        if getattr(args, name) < 1:
-            raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_new_tokens < 1:
+        raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not 1 <= args.budget <= MAX_TREE_BUDGET:  # before loading anything: kj.generate would say it too
+        raise CLIError(f"--budget must be in [1, {MAX_TREE_BUDGET}], got {args.budget}")
+    _check_prompt_text(args.prompt)
     if args.shipped and not args.tokenizer:
         args.tokenizer = str(SHIPPED / "tokenizer.json")
     tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
@@ -365,10 +442,13 @@ def cmd_generate(args) -> None:
         from kdtree_jax.sharding import make_mesh  # noqa: PLC0415
 
         args.mesh = make_mesh(args.mesh)
-    cfg, params, model_desc = _load_model(args)
-    params, model_desc = _choose_moe_kernel(args.moe_kernel, cfg, params, model_desc)
+    with STATUS.step("loading the target"):
+        cfg, params, model_desc = _load_model(args)
+        params, model_desc = _choose_moe_kernel(args.moe_kernel, cfg, params, model_desc)
     prompts = _parse_prompts(args.prompt, tokenizer, cfg)
-    drafter, drafter_desc = _load_drafter(args, cfg, methods)
+    needs_drafter = any(m in ("dflash", "ddtree") for m in methods)
+    with STATUS.step("loading the drafter") if needs_drafter else contextlib.nullcontext():
+        drafter, drafter_desc = _load_drafter(args, cfg, methods)
     print(f"model: {model_desc}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
           f"vocab {cfg.vocab_size}" + (f"; {drafter_desc}" if drafter_desc else ""))
     sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, seed {args.seed}"
@@ -383,11 +463,17 @@ def cmd_generate(args) -> None:
         print(f"\n[{method}] {sampling}" + (f", budget {args.budget}" if method == "ddtree" else ""))
         for b, (prompt, row) in enumerate(zip(prompts, rows)):
             print(f"prompt {b}: {' '.join(map(str, prompt))}")
+            if tokenizer is not None:
+                print(f"  prompt text: {tokenizer.decode(prompt)!r}")
             print(f"  tokens: {' '.join(map(str, row))}")
             if tokenizer is not None:
                 print(f"  text: {tokenizer.decode(row)!r}")
-        print(f"  new tokens {new}, target forwards {int(out.num_target_forwards)}, rounds {int(out.rounds)}, "
-              f"mean acceptance length {_mean_acceptance(out):.2f}, {new / seconds:.1f} tokens/s")
+        step = "one decode step" if method == "ar" else "draft + verify"
+        print(f"  {new} new tokens in {int(out.rounds)} rounds ({step} each); {int(out.num_target_forwards)} "
+              "target forwards (the rounds + the prompt's prefill)")
+        timed = "compilation included: --no-warmup" if args.no_warmup else "compilation excluded"
+        print(f"  mean acceptance length {_mean_acceptance(out):.2f} (tokens committed per round); "
+              f"{new / seconds:.1f} tokens/s ({timed})")
     if len(results) > 1:
         print(f"\n{'method':<8} {'tokens/s':>10} {'target fwd':>11} {'mean accept':>12}  same tokens as ar")
         for method, out, seconds in results:
@@ -450,7 +536,8 @@ def checkpoint_info(path: str | Path) -> dict[str, Any]:
 
     from kdtree_jax.checkpoint import _KINDS, _check_tree, _saved_index, checkpoint_config  # noqa: PLC0415
 
-    path = _check_dir(str(path), "checkpoint directory")
+    # absolute: Orbax reads a relative path's tensor index as None ("'NoneType' object has no attribute 'tree'")
+    path = _check_dir(str(path), "checkpoint directory").absolute()
     if not (path / "config.json").exists() and any(path.glob("*.safetensors")):
         raise CLIError(f"{path} is a Hugging Face checkpoint, not a kdtree-jax one: convert it first "
                        f"('{PROG} convert {path} OUT_DIR')")
@@ -515,6 +602,7 @@ def _one_line(error: BaseException) -> str:
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    STATUS.close()
     print(f"{PROG}: note: {message}", file=sys.stderr if file is None else file)
 
 
@@ -533,6 +621,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.func(args)
         return 0
     except KeyboardInterrupt:
+        STATUS.close()
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 (the CLI's contract: one line, no traceback)
@@ -545,6 +634,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         expected = (CLIError, CheckpointError, HFCheckpointError, ConfigError, ValueError, OSError)
         # an unexpected exception is a bug: name its type so the report can be found
         prefix = "" if isinstance(e, expected) else f"internal error ({type(e).__name__}; rerun with --traceback): "
+        STATUS.close()
         print(f"{PROG}: error: {prefix}{_one_line(e)}", file=sys.stderr)
         return 2
     finally:

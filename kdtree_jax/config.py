@@ -110,6 +110,32 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
+        # Types first, so the range checks below compare numbers (a config from JSON may hold anything).
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name in _FLOAT_FIELDS:
+                if not _is_number(value) or not math.isfinite(value):
+                    raise ConfigError(f"{field.name} must be a finite number, got {value!r}")
+            elif field.name in _BOOL_FIELDS:
+                if not isinstance(value, bool):
+                    raise ConfigError(f"{field.name} must be true or false, got {value!r}")
+            elif field.name in _OPTIONAL_INT_FIELDS:
+                if value is not None and not _is_int(value):
+                    raise ConfigError(f"{field.name} must be an integer or null, got {value!r}")
+            elif field.name == "eos_token_id":
+                if not isinstance(value, tuple) or not all(_is_int(t) for t in value):
+                    raise ConfigError(f"eos_token_id must be a tuple of token ids, got {value!r}")
+            elif field.name == "rope_scaling":
+                if value is not None and not isinstance(value, YarnScaling):
+                    raise ConfigError(f"rope_scaling must be a YarnScaling or None, got {value!r}")
+            elif not _is_int(value):
+                raise ConfigError(f"{field.name} must be an integer, got {value!r}")
+        if self.rope_scaling is not None:
+            for field in dataclasses.fields(YarnScaling):
+                value = getattr(self.rope_scaling, field.name)
+                if not _is_number(value) or not math.isfinite(value):
+                    raise ConfigError(f"rope_scaling.{field.name} must be a finite number, got {value!r}")
+
         for name in (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
@@ -208,13 +234,24 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModelConfig":
         """Inverse of to_dict (our own serialisation, not a Hugging Face config)."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"expected a ModelConfig dict, got {type(data).__name__}")
         data = dict(data)
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ConfigError(f"unknown ModelConfig fields: {sorted(unknown)}")
-        if data.get("rope_scaling") is not None:
-            data["rope_scaling"] = YarnScaling(**data["rope_scaling"])
-        data["eos_token_id"] = tuple(data.get("eos_token_id", ()))
+        rope = data.get("rope_scaling")
+        if rope is not None:
+            if not isinstance(rope, Mapping):
+                raise ConfigError(f"rope_scaling must be a dict or null, got {rope!r}")
+            try:
+                data["rope_scaling"] = YarnScaling(**rope)
+            except TypeError as e:
+                raise ConfigError(f"bad rope_scaling fields: {e}") from None
+        eos = data.get("eos_token_id", ())
+        if not isinstance(eos, (list, tuple)):
+            raise ConfigError(f"eos_token_id must be a list of token ids, got {eos!r}")
+        data["eos_token_id"] = tuple(eos)
         try:
             return cls(**data).validate()
         except TypeError as e:
@@ -250,59 +287,114 @@ class ModelConfig:
 
         rope_theta, rope_scaling = _parse_rope(hf)
         eos = hf.get("eos_token_id")
-        eos_tuple = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        if eos is not None and not _is_int(eos) and not (
+                isinstance(eos, list) and all(_is_int(t) for t in eos)):
+            raise ConfigError(f"config key 'eos_token_id' must be a token id or a list of them, got {eos!r}")
+        eos_tuple = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                     "v_head_dim")
-        missing = [k for k in required if k not in hf]
+        missing = [k for k in required if hf.get(k) is None]
         if missing:
             raise ConfigError(f"config is missing required keys: {missing}")
-        try:
-            cfg = cls(
-                vocab_size=int(hf["vocab_size"]),
-                hidden_size=int(hf["hidden_size"]),
-                intermediate_size=int(hf["intermediate_size"]),
-                moe_intermediate_size=int(hf.get("moe_intermediate_size", hf["intermediate_size"])),
-                num_hidden_layers=int(hf["num_hidden_layers"]),
-                first_k_dense_replace=int(hf.get("first_k_dense_replace", 0)),
-                n_routed_experts=int(hf.get("n_routed_experts") or 0),
-                n_shared_experts=int(hf.get("n_shared_experts") or 0),
-                num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),
-                num_attention_heads=int(hf["num_attention_heads"]),
-                q_lora_rank=None if hf.get("q_lora_rank") is None else int(hf["q_lora_rank"]),
-                kv_lora_rank=int(hf["kv_lora_rank"]),
-                qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
-                qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
-                v_head_dim=int(hf["v_head_dim"]),
-                rope_theta=float(rope_theta),
-                rope_scaling=rope_scaling,
-                max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-                n_group=int(hf.get("n_group") or 1),
-                topk_group=int(hf.get("topk_group") or 1),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                bos_token_id=hf.get("bos_token_id"),
-                eos_token_id=eos_tuple,
-                pad_token_id=hf.get("pad_token_id"),
-                mask_token_id=hf.get("mask_token_id"),
-            )
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"malformed config value: {e}") from None
+        cfg = cls(
+            vocab_size=_integer(hf, "vocab_size"),
+            hidden_size=_integer(hf, "hidden_size"),
+            intermediate_size=_integer(hf, "intermediate_size"),
+            moe_intermediate_size=_integer(hf, "moe_intermediate_size", _integer(hf, "intermediate_size")),
+            num_hidden_layers=_integer(hf, "num_hidden_layers"),
+            first_k_dense_replace=_integer(hf, "first_k_dense_replace", 0),
+            n_routed_experts=_integer(hf, "n_routed_experts", 0),
+            n_shared_experts=_integer(hf, "n_shared_experts", 0),
+            num_experts_per_tok=_integer(hf, "num_experts_per_tok", 0),
+            num_attention_heads=_integer(hf, "num_attention_heads"),
+            q_lora_rank=_integer(hf, "q_lora_rank", None),
+            kv_lora_rank=_integer(hf, "kv_lora_rank"),
+            qk_nope_head_dim=_integer(hf, "qk_nope_head_dim"),
+            qk_rope_head_dim=_integer(hf, "qk_rope_head_dim"),
+            v_head_dim=_integer(hf, "v_head_dim"),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=_integer(hf, "max_position_embeddings", 4096),
+            rms_norm_eps=_number(hf, "rms_norm_eps", 1e-6),
+            routed_scaling_factor=_number(hf, "routed_scaling_factor", 1.0),
+            n_group=_integer(hf, "n_group", 0) or 1,  # HF writes null (or 0) for "no groups"
+            topk_group=_integer(hf, "topk_group", 0) or 1,
+            norm_topk_prob=_boolean(hf, "norm_topk_prob", True),
+            tie_word_embeddings=_boolean(hf, "tie_word_embeddings", False),
+            bos_token_id=_integer(hf, "bos_token_id", None),
+            eos_token_id=eos_tuple,
+            pad_token_id=_integer(hf, "pad_token_id", None),
+            mask_token_id=_integer(hf, "mask_token_id", None),
+        )
         return cfg.validate()
+
+
+_FLOAT_FIELDS = ("rope_theta", "rms_norm_eps", "latent_norm_eps", "routed_scaling_factor")
+_BOOL_FIELDS = ("norm_topk_prob", "tie_word_embeddings")
+_OPTIONAL_INT_FIELDS = ("q_lora_rank", "bos_token_id", "pad_token_id", "mask_token_id")
+_REQUIRED = object()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _integer(hf: Mapping[str, Any], key: str, default: Any = _REQUIRED, where: str = "") -> Any:
+    """hf[key] as an int; absent or null gives `default`. A float must be whole (7168.0): nothing is
+    truncated. ConfigError names the key for any other JSON type."""
+    value = hf.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"config is missing required key {where + key!r}")
+        return default
+    if _is_int(value):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise ConfigError(f"config key {where + key!r} must be an integer, got {value!r}")
+
+
+def _number(hf: Mapping[str, Any], key: str, default: Any = _REQUIRED, where: str = "") -> float:
+    """hf[key] as a finite float; absent or null gives `default`; ConfigError names the key otherwise."""
+    value = hf.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"config is missing required key {where + key!r}")
+        return default
+    if not _is_number(value) or not math.isfinite(value):
+        raise ConfigError(f"config key {where + key!r} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _boolean(hf: Mapping[str, Any], key: str, default: bool) -> bool:
+    """hf[key] as a bool (absent or null: `default`); a string such as "false" is refused, not read as true."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(f"config key {key!r} must be true or false, got {value!r}")
+    return value
 
 
 def _parse_rope(hf: Mapping[str, Any]) -> tuple[float, YarnScaling | None]:
     """Return (rope_theta, YarnScaling or None) from either rope form."""
     params = hf.get("rope_parameters")
-    if isinstance(params, Mapping):
-        rope_theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if params is not None and not isinstance(params, Mapping):
+        raise ConfigError(f"config key 'rope_parameters' must be a dict, got {params!r}")
+    if params is not None:
+        rope_theta = _number(params, "rope_theta", _number(hf, "rope_theta", 10000.0), "rope_parameters.")
         rope_type = params.get("rope_type", params.get("type", "default"))
-        scaling = params if rope_type != "default" else None
+        scaling, where = (params if rope_type != "default" else None), "rope_parameters."
     else:
-        rope_theta = hf.get("rope_theta", 10000.0)
-        scaling = hf.get("rope_scaling")
+        rope_theta = _number(hf, "rope_theta", 10000.0)
+        scaling, where = hf.get("rope_scaling"), "rope_scaling."
+        if scaling is not None and not isinstance(scaling, Mapping):
+            raise ConfigError(f"config key 'rope_scaling' must be a dict or null, got {scaling!r}")
         rope_type = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
     if scaling is None:
         return rope_theta, None
@@ -310,15 +402,14 @@ def _parse_rope(hf: Mapping[str, Any]) -> tuple[float, YarnScaling | None]:
         raise ConfigError(f"unsupported rope scaling type {rope_type!r}: only yarn is implemented")
     if "factor" not in scaling:
         raise ConfigError("yarn rope scaling needs a `factor`")
-    original = scaling.get("original_max_position_embeddings")
-    if original is None:
+    if scaling.get("original_max_position_embeddings") is None:
         raise ConfigError("yarn rope scaling needs `original_max_position_embeddings`")
     # HF treats a falsy beta as its default (32 / 1).
     return rope_theta, YarnScaling(
-        factor=float(scaling["factor"]),
-        original_max_position_embeddings=int(original),
-        beta_fast=float(scaling.get("beta_fast") or 32.0),
-        beta_slow=float(scaling.get("beta_slow") or 1.0),
-        mscale=float(scaling.get("mscale") or 1.0),
-        mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0),
+        factor=_number(scaling, "factor", where=where),
+        original_max_position_embeddings=_integer(scaling, "original_max_position_embeddings", where=where),
+        beta_fast=_number(scaling, "beta_fast", 0.0, where) or 32.0,
+        beta_slow=_number(scaling, "beta_slow", 0.0, where) or 1.0,
+        mscale=_number(scaling, "mscale", 0.0, where) or 1.0,
+        mscale_all_dim=_number(scaling, "mscale_all_dim", 0.0, where),
     )

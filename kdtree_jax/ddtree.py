@@ -31,6 +31,9 @@ from kdtree_jax.linear import is_int4_leaf
 from kdtree_jax.model import KVCache, Params, forward_with_cache, init_cache, write_rows
 from kdtree_jax.tree import Tree, build_chain, build_tree
 
+# The verify forward takes 1 + budget tokens with a [T, T] tree mask, and the tree build sorts budget * K
+# candidates per depth: 1024 compiles in about a minute on the tiny model (CPU), far past where a larger
+# tree still pays for its verify cost (kdtree_jax/budget.py).
 MAX_TREE_BUDGET = 1024
 
 

@@ -26,6 +26,11 @@ import numpy as np
 from kdtree_jax.config import ConfigError, ModelConfig
 from kdtree_jax.layers import apply_rope, rms_norm, rope_inv_freq, swiglu
 
+# DFlash drafters use blocks of 10-16. DDTree's tree build and accept walk unroll one step per drafted
+# position, so compile time grows about quadratically with the block (tiny model on a CPU: 16 -> 7 s,
+# 64 -> 23 s, 128 -> 70 s, 256 -> 200 s); 2000 compiled for many minutes.
+MAX_BLOCK_SIZE = 64
+
 
 # ------------------------------------------------------------------------------------------ config
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +74,10 @@ class DrafterConfig:
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                      "head_dim", "intermediate_size", "block_size"):
             positive_int(name, getattr(self, name))
-        if self.block_size < 2:
-            raise ConfigError(f"DrafterConfig.block_size must be >= 2 (the bonus token plus at least one "
-                              f"drafted position), got {self.block_size}")
+        if not 2 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ConfigError(f"DrafterConfig.block_size must be in [2, {MAX_BLOCK_SIZE}] (the bonus token plus "
+                              f"at least one drafted position; larger blocks take minutes to compile), "
+                              f"got {self.block_size}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"DrafterConfig.num_attention_heads={self.num_attention_heads} is not a multiple "
                               f"of num_key_value_heads={self.num_key_value_heads} (GQA groups)")

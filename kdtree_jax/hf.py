@@ -92,17 +92,26 @@ def _quantization(raw: Mapping) -> dict | None:
         quant = raw["text_config"].get("quantization_config")
     if quant is None:
         return None
+    if not isinstance(quant, Mapping):
+        raise HFCheckpointError(f"config.json: quantization_config must be a dict, got {quant!r}")
     method = quant.get("quant_method")
     if method == "fp8":
         block = quant.get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])
-        if list(block) != [FP8_BLOCK, FP8_BLOCK]:
-            raise HFCheckpointError(f"FP8 weight_block_size {block} is not supported (only [128, 128])")
+        if block != [FP8_BLOCK, FP8_BLOCK]:  # JSON gives a list; anything else is not [128, 128]
+            raise HFCheckpointError(f"FP8 weight_block_size {block!r} is not supported (only [128, 128])")
         return dict(quant)
     if method == "compressed-tensors":
         if quant.get("format") != "pack-quantized":
             raise HFCheckpointError(f"compressed-tensors format {quant.get('format')!r} is not supported "
                                     "(only 'pack-quantized', Kimi's INT4 format)")
-        for name, group in quant.get("config_groups", {}).items():
+        groups = quant.get("config_groups", {})
+        if not isinstance(groups, Mapping):
+            raise HFCheckpointError(f"config.json: quantization_config.config_groups must be a dict of groups, "
+                                    f"got {groups!r}")
+        for name, group in groups.items():
+            if not isinstance(group, Mapping) or not isinstance(group.get("weights") or {}, Mapping):
+                raise HFCheckpointError(f"config.json: compressed-tensors config group {name!r} must be a dict "
+                                        f"with a 'weights' dict, got {group!r}")
             w = group.get("weights") or {}
             want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                     "group_size": GROUP_SIZE}
@@ -124,6 +133,24 @@ class _TensorInfo:
     shape: tuple[int, ...]
 
 
+def _check_inside(path: Path, index_file: Path, name: str, file: str) -> None:
+    """A weight_map entry must name a file inside the model directory: a hostile index could otherwise
+    make the loader read any file (`../../x`, `/etc/x`, or a symlink out of the directory)."""
+    relative = Path(file)
+    if relative.is_absolute() or ".." in relative.parts:
+        raise HFCheckpointError(f"{index_file}: weight_map entry {name!r} -> {file!r} leaves the model directory "
+                                "(shards must be named relative to it, without '..')")
+    target = (path / relative).resolve()
+    if target.is_relative_to(path.resolve()):
+        return
+    # The Hugging Face hub cache links snapshots/<revision>/<file> to blobs/<hash> two levels up: allowed.
+    snapshot = path.resolve()
+    if snapshot.parent.name == "snapshots" and target.parent == snapshot.parent.parent / "blobs":
+        return
+    raise HFCheckpointError(f"{index_file}: weight_map entry {name!r} -> {file!r} is a link to {str(target)!r}, "
+                            "outside the model directory")
+
+
 def _list_tensors(path: Path) -> dict[str, _TensorInfo]:
     """Every tensor name -> (shard, dtype, shape), read from the shard headers only."""
     index_file = path / INDEX_FILE
@@ -132,7 +159,18 @@ def _list_tensors(path: Path) -> dict[str, _TensorInfo]:
             weight_map = json.loads(index_file.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise HFCheckpointError(f"{index_file} is malformed (want a 'weight_map' dict): {e!r}") from None
-        files = sorted(set(weight_map.values()))
+        if not isinstance(weight_map, dict):
+            raise HFCheckpointError(f"{index_file}: 'weight_map' must be a dict of tensor name -> shard file, "
+                                    f"got {type(weight_map).__name__}")
+        first_entry = {}  # shard file -> the first tensor naming it (for messages)
+        for name, file in weight_map.items():
+            if not isinstance(file, str) or not file:
+                raise HFCheckpointError(f"{index_file}: weight_map entry {name!r} must be a shard file name, "
+                                        f"got {file!r}")
+            first_entry.setdefault(file, name)
+        for file, name in first_entry.items():  # once per shard: K2.6 maps ~10^5 tensors to 64 files
+            _check_inside(path, index_file, name, file)
+        files = sorted(first_entry)
     elif (path / SINGLE_FILE).is_file():
         weight_map, files = None, [SINGLE_FILE]
     else:

@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -35,6 +36,17 @@ def run(argv, capsys) -> tuple[int, str, str]:
     rc = cli.main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return rc, out, err
+
+
+# generate's progress on stderr: "kdtree-jax: loading the target ... 1.2 s" (open while the step runs), or
+# "kdtree-jax: loading the target ..." and later "kdtree-jax: loading the target: 1.2 s" when a note came between
+PROGRESS = re.compile(r"kdtree-jax: ((?:loading|compiling|generating) [^:]*?)"
+                      r"(?: \.\.\.| \.\.\. (?P<t>\d+(?:\.\d)? m?s)|: (?P<t2>\d+(?:\.\d)? m?s))")
+
+
+def error_lines(err: str) -> list[str]:
+    """stderr without generate's progress lines."""
+    return [line for line in err.strip().splitlines() if not PROGRESS.fullmatch(line)]
 
 
 def token_lines(out: str) -> list[list[int]]:
@@ -201,9 +213,87 @@ def test_tokenizer_text_prompts(monkeypatch, tmp_path, capsys):
     rc, out, err = run(["generate", "--preset", "tiny", "--layers", "1", "--tokenizer", tmp_path / "tokenizer.json",
                         "--prompt", "hi there", "--max-new-tokens", "3", "--no-warmup"], capsys)
     assert rc == 0, err
-    assert f"prompt 0: {' '.join(str(ord(c) % 300) for c in 'hi there')}" in out
+    prompt_ids = ",".join(str(ord(c) % 300) for c in "hi there")
+    assert f"prompt 0: {prompt_ids.replace(',', ' ')}" in out
     tokens = token_lines(out)[0]
-    assert f"text: '<{','.join(map(str, tokens))}>'" in out
+    lines = out.splitlines()
+    at = lines.index(f"prompt 0: {prompt_ids.replace(',', ' ')}")
+    assert lines[at + 1: at + 4] == [f"  prompt text: '<{prompt_ids}>'",  # the prompt as text, then the completion
+                                     f"  tokens: {' '.join(map(str, tokens))}",
+                                     f"  text: '<{','.join(map(str, tokens))}>'"]
+
+
+def test_generate_says_what_it_is_doing_and_what_the_numbers_mean(models, capsys):
+    """stderr: each step (loading, compiling, generating) with its time; stdout: what rounds and target
+    forwards count, and whether tokens/s includes compilation."""
+    common = ["generate", "--checkpoint", models / "target", "--drafter", models / "drafter", "--method", "ddtree",
+              "--budget", "3", "--prompt", "1 2 3", "--max-new-tokens", "6"]
+    rc, out, err = run(common, capsys)
+    assert rc == 0, err
+    progress = [PROGRESS.fullmatch(line) for line in err.splitlines() if PROGRESS.fullmatch(line)]
+    started = [m.group(1) for m in progress if not m.group("t2")]
+    timed = [m.group(1) for m in progress if m.group("t") or m.group("t2")]
+    assert started == timed == ["loading the target", "loading the drafter", "compiling ddtree (a first, untimed call)",
+                                "generating ddtree"]
+    rounds = re.search(r"  (\d+) new tokens in (\d+) rounds \(draft \+ verify each\); (\d+) target forwards "
+                       r"\(the rounds \+ the prompt's prefill\)", out)
+    new, n_rounds, forwards = map(int, rounds.groups())
+    direct = kj.generate(*kj.load_checkpoint(models / "target"), [[1, 2, 3]], max_new_tokens=6, method="ddtree",
+                         drafter=kj.load_checkpoint(models / "drafter"), tree_budget=3)
+    assert (new, n_rounds, forwards) == (int(direct.lengths[0]), int(direct.rounds), int(direct.rounds) + 1)
+    assert re.search(r"  mean acceptance length \d\.\d\d \(tokens committed per round\); [\d.]+ tokens/s "
+                     r"\(compilation excluded\)", out)
+
+    rc, out, err = run(["generate", "--checkpoint", models / "target", "--prompt", "1 2 3", "--max-new-tokens", "2",
+                        "--no-warmup"], capsys)
+    assert rc == 0, err
+    assert "compiling" not in err and "kdtree-jax: generating ar (compilation included: --no-warmup) ..." in err
+    assert "1 rounds (one decode step each); 2 target forwards" in out
+    assert "tokens/s (compilation included: --no-warmup)" in out
+
+
+def test_a_note_during_a_step_gets_its_own_line(capsys):
+    with cli.STATUS.step("compiling ar"):
+        cli._show_warning("kernel fallback", UserWarning, "x.py", 1)
+    err = capsys.readouterr().err.splitlines()
+    assert err[:2] == ["kdtree-jax: compiling ar ...", "kdtree-jax: note: kernel fallback"]
+    assert re.fullmatch(r"kdtree-jax: compiling ar: \d+ ms", err[2]) and len(err) == 3
+
+
+def test_info_of_a_relative_directory(models, capsys, monkeypatch):
+    """`info DIR` with DIR relative to the working directory (Orbax needs absolute paths)."""
+    rc, absolute, _ = run(["info", models / "target", "--json"], capsys)
+    assert rc == 0
+    monkeypatch.chdir(models)
+    rc, relative, err = run(["info", "target", "--json"], capsys)
+    assert rc == 0, err
+    assert json.loads(relative) == json.loads(absolute)
+    rc, out, err = run(["info", "target"], capsys)
+    assert rc == 0 and out.startswith(f"{models / 'target'}: target checkpoint"), err
+
+
+@pytest.mark.parametrize("param_dtype", ["int8", "float99", None])
+def test_checkpoint_with_a_bad_param_dtype_is_named(param_dtype, models, tmp_path, capsys):
+    target = tmp_path / "target"
+    shutil.copytree(models / "target", target)
+    meta = json.loads((target / "config.json").read_text())
+    meta["param_dtype"] = param_dtype
+    (target / "config.json").write_text(json.dumps(meta))
+    for argv in (["info", target], ["generate", "--checkpoint", target, "--no-warmup"]):
+        rc, _, err = run(argv, capsys)
+        assert rc == 2
+        want = (f"kdtree-jax: error: {target / 'config.json'}: param_dtype {param_dtype!r} is not one of "
+                "['bfloat16', 'float16', 'float32']")
+        assert error_lines(err) == [want]
+
+
+def test_a_prompt_that_is_not_utf8_is_named(capsys):
+    """The shell hands Python undecodable bytes as lone surrogates ('\udcff' for 0xff); the tokenizer
+    then raised a TypeError (an "internal error"). Refused before anything is loaded."""
+    rc, _, err = run(["generate", "--shipped", "--prompt", "caf\udce9 au lait"], capsys)
+    assert rc == 2
+    assert err.strip() == ("kdtree-jax: error: --prompt 'caf\\udce9 au lait' is not valid UTF-8: byte 0xe9 at "
+                           "position 3 (convert the text to UTF-8, e.g. iconv -t utf-8)")
 
 
 def test_convert_command_writes_a_loadable_checkpoint(models):
@@ -250,7 +340,13 @@ BAD = [
      "does not fit the target: drafter hidden_size=192 != target hidden_size=64"),
     (["generate", "--checkpoint", "{target}", "--budget", "4"], "--budget applies to --method ddtree / all"),
     (["generate", "--checkpoint", "{target}", "--drafter", "{drafter}", "--method", "ddtree", "--budget", "0"],
-     "--budget must be >= 1, got 0"),
+     "--budget must be in [1, 1024], got 0"),
+    (["generate", "--checkpoint", "{target}", "--drafter", "{drafter}", "--method", "ddtree", "--budget", "5000"],
+     "--budget must be in [1, 1024], got 5000"),
+    (["generate", "--preset", "tiny", "--seed", str(2**64)],
+     "argument --seed: must be an integer in [0, 4294967295] (JAX keys take 32-bit seeds"),
+    (["generate", "--preset", "tiny", "--seed", "-1"], "argument --seed: must be an integer in [0, 4294967295]"),
+    (["init", "{tmp}/x", "--seed", str(2**32)], "got 4294967296"),
     (["generate", "--checkpoint", "{target}", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["generate", "--checkpoint", "{target}", "--max-new-tokens", "many"], "invalid int value: 'many'"),
     (["generate", "--checkpoint", "{target}", "--temperature", "-1"], "temperature must be >= 0"),
@@ -273,7 +369,10 @@ BAD = [
     (["init", "{tmp}/x", "--drafter", "--target", "{target}", "--preset", "tiny"], "not both"),
     (["init", "{tmp}/x", "--drafter", "--target", "{int4}"], "no mask_token_id: pass --mask-token-id"),
     (["init", "{tmp}/x", "--drafter", "--block-size", "0"], "--block-size must be >= 1"),
-    (["init", "{tmp}/x", "--drafter", "--block-size", "1"], "block_size must be >= 2"),
+    (["init", "{tmp}/x", "--drafter", "--block-size", "1"], "block_size must be in [2, 64]"),
+    (["init", "{tmp}/x", "--drafter", "--block-size", "2000"],
+     ("block_size must be in [2, 64] (the bonus token plus at least one drafted position; larger blocks take "
+      "minutes to compile), got 2000")),
     (["init", "{tmp}/x", "--layers", "0"], "--layers must be >= 1"),
     (["init", "{tmp}/x", "--preset", "kimi"], "invalid choice: 'kimi'"),
     (["info", "{tmp}/nope"], "does not exist"),
@@ -290,13 +389,26 @@ def test_bad_input_is_one_clear_line(argv, message, models, tmp_path, capsys):
     before = sorted(os.listdir(models))
     rc, out, err = run([a.format(**places) for a in argv], capsys)
     assert rc == 2
-    lines = err.strip().splitlines()
+    lines = error_lines(err)
     assert len(lines) == 1, err
     assert lines[0].startswith("kdtree-jax: error: ") and "internal error" not in lines[0]
     assert message in lines[0], lines[0]
     assert "Traceback" not in err + out
     assert sorted(os.listdir(models)) == before  # nothing written or removed by a failed command
     assert not (tmp_path / "x").exists() and not (tmp_path / "out").exists()
+
+
+def test_help_states_the_limits(capsys):
+    """--budget, --block-size and --seed say their ranges (the values the errors above enforce)."""
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if a.dest == "command").choices
+    for command, option, limit in (("generate", "--budget", "1 to 1024"), ("init", "--block-size", "2 to 64"),
+                                   ("generate", "--seed", "0 to 4294967295"), ("init", "--seed", "0 to 4294967295")):
+        action = next(a for a in subparsers[command]._actions if option in a.option_strings)
+        assert limit in action.help, (command, option)
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        assert limit in " ".join(capsys.readouterr().out.split())
 
 
 def test_missing_tokenizers_package_is_explained(monkeypatch, tmp_path, capsys):
@@ -339,6 +451,15 @@ def test_subprocess_help_and_error_exit_status(models):
     done = _subprocess("info", models / "missing")
     assert done.returncode == 2
     assert re.fullmatch(r"kdtree-jax: error: checkpoint directory '.*missing' does not exist\n", done.stderr)
+
+
+def test_subprocess_prompt_bytes_that_are_not_utf8():
+    """Raw Latin-1 bytes on the real command line (how the surrogates arise)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "LC_ALL": "C.UTF-8"}
+    done = subprocess.run([sys.executable, "-m", "kdtree_jax.cli", "generate", "--shipped", "--prompt",
+                           b"caf\xe9"], capture_output=True, env=env, cwd=REPO, timeout=120, check=False)
+    assert done.returncode == 2
+    assert done.stderr.decode().startswith("kdtree-jax: error: --prompt 'caf\\udce9' is not valid UTF-8: byte 0xe9")
 
 
 def test_subprocess_generate_smoke(models):

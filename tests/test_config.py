@@ -1,6 +1,7 @@
 """ModelConfig: presets, validation errors, JSON round trip, and the Hugging Face config forms."""
 
 import json
+import re
 
 import pytest
 
@@ -112,10 +113,75 @@ def test_from_hf_without_yarn_and_without_q_lora():
     ({**DSV3, "rope_scaling": {"type": "linear", "factor": 2.0}}, "only yarn"),
     ({**DSV3, "rope_scaling": {"type": "yarn", "original_max_position_embeddings": 4096}}, "factor"),
     ({**DSV3, "rope_scaling": {"type": "yarn", "factor": 4.0}}, "original_max_position_embeddings"),
-    ({**DSV3, "hidden_size": "big"}, "malformed config value"),
+    ({**DSV3, "hidden_size": "big"}, "config key 'hidden_size' must be an integer, got 'big'"),
     ({"model_type": "kimi_k25", "text_config": None}, "text_config"),
     ("not a dict", "expected a config dict"),
 ])
 def test_from_hf_rejects_bad_configs(hf, match):
     with pytest.raises(ConfigError, match=match):
         kj.ModelConfig.from_hf_config(hf)
+
+
+YARN = DSV3["rope_scaling"]
+WRONG_JSON_TYPES = [  # (key, value of the wrong JSON type, the message)
+    ("vocab_size", [129280], "'vocab_size' must be an integer, got [129280]"),
+    ("hidden_size", 7168.5, "'hidden_size' must be an integer, got 7168.5"),  # never truncated to 7168
+    ("first_k_dense_replace", "3", "'first_k_dense_replace' must be an integer, got '3'"),
+    ("n_routed_experts", {"n": 256}, "'n_routed_experts' must be an integer"),
+    ("q_lora_rank", "1536", "'q_lora_rank' must be an integer"),
+    ("max_position_embeddings", float("inf"), "'max_position_embeddings' must be an integer, got inf"),
+    ("rope_theta", "10000", "'rope_theta' must be a finite number, got '10000'"),
+    ("rms_norm_eps", [1e-6], "'rms_norm_eps' must be a finite number"),
+    ("routed_scaling_factor", True, "'routed_scaling_factor' must be a finite number, got True"),
+    ("norm_topk_prob", "false", "'norm_topk_prob' must be true or false, got 'false'"),  # not read as True
+    ("tie_word_embeddings", 1, "'tie_word_embeddings' must be true or false, got 1"),
+    ("bos_token_id", "0", "'bos_token_id' must be an integer, got '0'"),
+    ("pad_token_id", 1.5, "'pad_token_id' must be an integer, got 1.5"),
+    ("eos_token_id", {"id": 1}, "'eos_token_id' must be a token id or a list of them"),
+    ("eos_token_id", [1, "2"], "'eos_token_id' must be a token id or a list of them, got [1, '2']"),
+    ("rope_scaling", ["yarn", 40], "'rope_scaling' must be a dict or null, got ['yarn', 40]"),
+    ("rope_scaling", "yarn", "'rope_scaling' must be a dict or null, got 'yarn'"),
+    ("rope_scaling", {**YARN, "factor": "40"}, "'rope_scaling.factor' must be a finite number, got '40'"),
+    ("rope_scaling", {**YARN, "original_max_position_embeddings": [4096]},
+     "'rope_scaling.original_max_position_embeddings' must be an integer"),
+    ("rope_scaling", {**YARN, "beta_fast": {}}, "'rope_scaling.beta_fast' must be a finite number"),
+    ("rope_parameters", ["yarn"], "'rope_parameters' must be a dict, got ['yarn']"),
+    ("rope_parameters", {**YARN, "rope_type": "yarn", "mscale": "1"},
+     "'rope_parameters.mscale' must be a finite number"),
+]
+
+
+@pytest.mark.parametrize("key, value, match", WRONG_JSON_TYPES, ids=[f"{k}={v!r}"[:40] for k, v, _ in WRONG_JSON_TYPES])
+def test_from_hf_names_a_value_of_the_wrong_json_type(key, value, match):
+    """Each of these was an AttributeError / TypeError (the CLI's "internal error"), or silently
+    truncated or misread; now a ConfigError naming the key and the value."""
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        kj.ModelConfig.from_hf_config({**DSV3, key: value})
+
+
+def test_from_hf_accepts_whole_floats_and_null_defaults():
+    cfg = kj.ModelConfig.from_hf_config({**DSV3, "hidden_size": 7168.0, "n_group": None, "topk_group": None,
+                                         "norm_topk_prob": None, "n_routed_experts": 256.0})
+    assert (cfg.hidden_size, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob) == (7168, 1, 1, True)
+    assert type(cfg.hidden_size) is int and type(cfg.n_routed_experts) is int
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(rope_scaling=["yarn"]), "rope_scaling must be a dict or null, got ['yarn']"),
+    (dict(rope_scaling={"factor": 4.0}), "bad rope_scaling fields"),
+    (dict(rope_scaling={"factor": "4", "original_max_position_embeddings": 64}),
+     "rope_scaling.factor must be a finite number, got '4'"),
+    (dict(eos_token_id="2"), "eos_token_id must be a list of token ids, got '2'"),
+    (dict(eos_token_id=["2"]), "eos_token_id must be a tuple of token ids"),
+    (dict(norm_topk_prob="yes"), "norm_topk_prob must be true or false, got 'yes'"),
+    (dict(latent_norm_eps="1e-6"), "latent_norm_eps must be a finite number, got '1e-6'"),
+    (dict(routed_scaling_factor=float("nan")), "routed_scaling_factor must be a finite number, got nan"),
+    (dict(first_k_dense_replace="1"), "first_k_dense_replace must be an integer, got '1'"),
+    (dict(bos_token_id=1.0), "bos_token_id must be an integer or null, got 1.0"),
+])
+def test_checkpoint_config_of_the_wrong_json_type_is_a_config_error(changes, match):
+    """ModelConfig.from_dict reads a checkpoint's config.json: wrong types were raw TypeErrors."""
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        kj.ModelConfig.from_dict({**TINY.to_dict(), **changes})
+    with pytest.raises(ConfigError, match="expected a ModelConfig dict, got list"):
+        kj.ModelConfig.from_dict([1, 2])

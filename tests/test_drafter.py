@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kdtree_jax.config import ConfigError, ModelConfig
-from kdtree_jax.drafter import (Drafter, DrafterCache, DrafterConfig, default_target_layer_ids,
+from kdtree_jax.drafter import (MAX_BLOCK_SIZE, Drafter, DrafterCache, DrafterConfig, default_target_layer_ids,
                                 drafter_extend_context, drafter_forward, drafter_param_names,
                                 init_drafter_cache, init_drafter_params)
 from reference import drafter as ref
@@ -227,7 +227,8 @@ def test_params_tree_layout():
     (dict(hidden_size=0), "hidden_size"),
     (dict(num_key_value_heads=3), "multiple of num_key_value_heads"),
     (dict(head_dim=7), "head_dim must be even"),
-    (dict(block_size=1), "block_size must be >= 2"),
+    (dict(block_size=1), r"block_size must be in \[2, 64\].*got 1"),
+    (dict(block_size=2000), r"block_size must be in \[2, 64\].*take minutes to compile.*got 2000"),
     (dict(target_layer_ids=()), "target_layer_ids must be a non-empty"),
     (dict(target_layer_ids=[0, 1]), "target_layer_ids must be a non-empty tuple"),
     (dict(target_layer_ids=(1, -1)), "entries must be integers >= 0"),
@@ -239,6 +240,15 @@ def test_params_tree_layout():
 def test_config_validation_errors(changes, match):
     with pytest.raises(ConfigError, match=match):
         small_config(**changes)
+
+
+def test_block_size_limit_is_inclusive():
+    assert MAX_BLOCK_SIZE == 64
+    assert small_config(block_size=MAX_BLOCK_SIZE).num_draft_tokens == 63
+    with pytest.raises(ConfigError, match="got 65"):
+        small_config(block_size=MAX_BLOCK_SIZE + 1)
+    with pytest.raises(ConfigError, match="got 65"):  # a checkpoint's config.json is checked the same way
+        DrafterConfig.from_dict({**small_config().to_dict(), "block_size": 65})
 
 
 def test_config_round_trip_and_for_target():

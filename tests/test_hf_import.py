@@ -8,6 +8,7 @@ tokens.npy. Neither torch nor transformers is needed here.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import kdtree_jax as kj
-from kdtree_jax.hf import HFCheckpointError, load_hf
+from kdtree_jax.hf import INDEX_FILE, HFCheckpointError, load_hf
 from kdtree_jax.quant import int4_leaf_dequantize, is_int4_leaf
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -354,3 +355,106 @@ def test_fp8_without_quantization_config(tmp_path):
 def test_non_float_dtype_argument():
     with pytest.raises(HFCheckpointError, match="floating dtype"):
         load_hf(FIXTURES / "hf_dsv3_f32", dtype=jnp.int32, progress=False)
+
+
+# ------------------------------------------------------------------ config values of the wrong JSON type
+def _edit_json(file: Path, edit) -> None:
+    data = json.loads(file.read_text())
+    edit(data)
+    file.write_text(json.dumps(data))
+
+
+def _set_in(keys: tuple, value):
+    def edit(data):
+        for key in keys[:-1]:
+            data = data[key]
+        data[keys[-1]] = value
+    return edit
+
+
+WRONG_TYPES = [  # (fixture, file, keys to the value, wrong value, message)
+    ("hf_k2_int4", "config.json", ("quantization_config",), ["compressed-tensors"],
+     "quantization_config must be a dict, got ['compressed-tensors']"),
+    ("hf_k2_int4", "config.json", ("quantization_config",), "int4", "quantization_config must be a dict, got 'int4'"),
+    ("hf_k2_int4", "config.json", ("quantization_config", "config_groups"), ["group_0"],
+     "quantization_config.config_groups must be a dict of groups, got ['group_0']"),
+    ("hf_k2_int4", "config.json", ("quantization_config", "config_groups", "group_0"), "W4A16",
+     "config group 'group_0' must be a dict with a 'weights' dict, got 'W4A16'"),
+    ("hf_k2_int4", "config.json", ("quantization_config", "config_groups", "group_0", "weights"), [4, 32],
+     "config group 'group_0' must be a dict with a 'weights' dict"),
+    ("hf_dsv3_f32", "config.json", ("quantization_config",), {"quant_method": "fp8", "weight_block_size": 128},
+     "FP8 weight_block_size 128 is not supported"),
+    ("hf_k2_dense", "config.json", ("rope_scaling",), ["yarn"], "'rope_scaling' must be a dict or null, got ['yarn']"),
+    ("hf_k2_dense", "model.safetensors.index.json", ("weight_map",), ["model.norm.weight"],
+     "'weight_map' must be a dict of tensor name -> shard file, got list"),
+    ("hf_k2_dense", "model.safetensors.index.json", ("weight_map",), "model-00001-of-00003.safetensors",
+     "'weight_map' must be a dict of tensor name -> shard file, got str"),
+    ("hf_k2_dense", "model.safetensors.index.json", ("weight_map", "model.norm.weight"), 3,
+     "weight_map entry 'model.norm.weight' must be a shard file name, got 3"),
+    ("hf_k2_dense", "model.safetensors.index.json", ("weight_map", "model.norm.weight"), None,
+     "weight_map entry 'model.norm.weight' must be a shard file name, got None"),
+]
+
+
+@pytest.mark.parametrize("fixture, file, keys, value, match", WRONG_TYPES,
+                         ids=[f"{'.'.join(k)}={v!r}"[:50] for _, _, k, v, _ in WRONG_TYPES])
+def test_config_values_of_the_wrong_json_type_are_named(fixture, file, keys, value, match, tmp_path):
+    """These were AttributeErrors / TypeErrors (the CLI's "internal error"); now one clear error."""
+    path = copy_fixture(fixture, tmp_path)
+    _edit_json(path / file, _set_in(keys, value))
+    with pytest.raises(HFCheckpointError, match=re.escape(match)):
+        load_hf(path, progress=False)
+
+
+# ------------------------------------------------------------------ shards outside the model directory
+def _point_norm_at(path: Path, file: str) -> None:
+    """Map model.norm.weight to `file` (a copy of its real shard, so that only the location is wrong)."""
+    _edit_json(path / INDEX_FILE, _set_in(("weight_map", "model.norm.weight"), file))
+
+
+def _norm_shard(path: Path) -> Path:
+    return path / json.loads((path / INDEX_FILE).read_text())["weight_map"]["model.norm.weight"]
+
+
+def test_weight_map_entry_with_dotdot_is_refused(tmp_path):
+    path = copy_fixture("hf_k2_dense", tmp_path / "a" / "b")
+    shutil.copy(_norm_shard(path), tmp_path / "x.safetensors")  # readable: only the location is wrong
+    _point_norm_at(path, "../../x.safetensors")
+    with pytest.raises(HFCheckpointError, match=r"weight_map entry 'model\.norm\.weight' -> '\.\./\.\./x\.safetensors'"
+                       r" leaves the model directory"):
+        load_hf(path, progress=False)
+
+
+def test_weight_map_entry_with_an_absolute_path_is_refused(tmp_path):
+    path = copy_fixture("hf_k2_dense", tmp_path)
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.copy(_norm_shard(path), outside)
+    _point_norm_at(path, str(outside))
+    with pytest.raises(HFCheckpointError, match=r"entry 'model\.norm\.weight' -> '/.*elsewhere\.safetensors' leaves"):
+        load_hf(path, progress=False)
+
+
+def test_weight_map_entry_linking_out_of_the_directory_is_refused(tmp_path):
+    path = copy_fixture("hf_k2_dense", tmp_path / "model")
+    shard = _norm_shard(path)
+    outside = tmp_path / "outside.safetensors"
+    shutil.move(shard, outside)
+    shard.symlink_to(outside)
+    with pytest.raises(HFCheckpointError, match=rf"entry '.*' -> '{re.escape(shard.name)}' is a link to "
+                       r"'.*outside\.safetensors', outside the model directory"):
+        load_hf(path, progress=False)
+
+
+def test_hugging_face_hub_cache_links_to_blobs_are_allowed(tmp_path):
+    """The hub cache keeps snapshots/<revision>/<file> as links to ../../blobs/<hash>: that layout loads."""
+    repo = tmp_path / "models--kimi--tiny"
+    snapshot, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for i, file in enumerate(sorted((FIXTURES / "hf_k2_dense").iterdir())):
+        shutil.copy(file, blobs / f"blob{i}")
+        (snapshot / file.name).symlink_to(Path("..", "..", "blobs", f"blob{i}"))
+    _, got = load_hf(snapshot, jnp.float32, progress=False)
+    _, want = load_hf(FIXTURES / "hf_k2_dense", jnp.float32, progress=False)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
