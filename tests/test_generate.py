@@ -100,7 +100,7 @@ def test_bad_inputs_get_clear_errors(params, kwargs, match):
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.7, 5, None), (1.3, None, 0.8),
                                                      (0.9, 12, 0.6), (1.0, 3, 0.999)])
 def test_sampling_filters_match_numpy(temperature, top_k, top_p):
-    from kdtree_jax.generate import SamplingParams, sampling_logits
+    from kdtree_jax.decoding import SamplingParams, sampling_logits
 
     logits = np.random.default_rng(5).standard_normal((6, 50)) * 3
     got = np.asarray(sampling_logits(jnp.asarray(logits, jnp.float32),
