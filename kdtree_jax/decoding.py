@@ -6,6 +6,7 @@ and running under a device mesh.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import NamedTuple, Sequence
 
 import jax
@@ -22,6 +23,10 @@ class GenerateOutput(NamedTuple):
     num_target_forwards: jax.Array  # [] int32, the prefill included
     rounds: jax.Array  # [] int32 decode rounds after the prefill (AR: one token per round)
     acceptance_lengths: jax.Array  # [B, max_rounds] int32 tokens committed per round, 0 once done
+
+
+# Temperatures above this sample as this one: uniform over the unmasked tokens for any logit spread < 1e20.
+MAX_EFFECTIVE_TEMPERATURE = 1e30
 
 
 class SamplingParams(NamedTuple):
@@ -41,8 +46,8 @@ def is_int(value) -> bool:
 
 
 def check_sampling(sampling: SamplingParams, vocab_size: int) -> None:
-    if not (isinstance(sampling.temperature, (int, float)) and sampling.temperature >= 0):
-        raise ValueError(f"temperature must be >= 0, got {sampling.temperature!r}")
+    if not (isinstance(sampling.temperature, (int, float)) and 0 <= sampling.temperature < math.inf):
+        raise ValueError(f"temperature must be >= 0 and finite, got {sampling.temperature!r}")
     if sampling.top_k is not None and not (is_int(sampling.top_k) and 1 <= sampling.top_k <= vocab_size):
         raise ValueError(f"top_k must be an integer in [1, {vocab_size}], got {sampling.top_k!r}")
     if sampling.top_p is not None and not (0.0 < sampling.top_p <= 1.0):
@@ -50,8 +55,20 @@ def check_sampling(sampling: SamplingParams, vocab_size: int) -> None:
 
 
 def sampling_logits(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
-    """Temperature, top-k and top-p applied to float32 logits [..., V] (masked entries -inf)."""
-    logits = logits.astype(jnp.float32) / sampling.temperature
+    """Temperature, top-k and top-p applied to logits [..., V]: float32 (logits - row max) / T, masked
+    entries -inf.
+
+    Correct for every T > 0: shifting by the row max first makes the best token exactly 0 and every
+    other <= 0, so a tiny T (1e-39, or one that is 0 in float32) drives the others to -inf instead of
+    overflowing everything to +-inf (whose softmax is nan): sampling then picks the argmax, uniformly
+    among exactly tied maxima, which is the limit of softmax(logits / T) as T -> 0."""
+    logits = logits.astype(jnp.float32)
+    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)  # [..., V] <= 0, the best exactly 0
+    # XLA divides by the constant T as a multiply by float32(1 / T). Below ~1e-38 that is inf: keep the
+    # best at 0, not 0 * inf = nan. Above 1e30 T is capped: past ~1e38 the reciprocal would flush to 0
+    # and turn a masked -inf into nan, and (logits - max) / T is 0 in float32 either way (uniform).
+    temperature = min(sampling.temperature, MAX_EFFECTIVE_TEMPERATURE)
+    logits = jnp.where(shifted == 0, 0.0, shifted / temperature)
     if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, sampling.top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
@@ -70,6 +87,20 @@ def sample(logits: jax.Array, key: jax.Array, sampling: SamplingParams) -> jax.A
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return jax.random.categorical(key, sampling_logits(logits, sampling), axis=-1).astype(jnp.int32)
+
+
+def check_key(key) -> None:
+    """Raise ValueError unless `key` is one PRNG key: jax.random.key(seed) (or a legacy uint32[2] key)."""
+    dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+    if isinstance(key, (jax.Array, np.ndarray)) and shape is not None:
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and shape == ():
+            return
+        if dtype == np.uint32 and shape == (2,):  # jax.random.PRNGKey(seed)
+            return
+        got = f"an array of {dtype}{list(shape)}"
+    else:
+        got = f"{type(key).__name__} {key!r}"
+    raise ValueError(f"key must be one PRNG key, jax.random.key(seed), got {got}")
 
 
 # ------------------------------------------------------------------------------------------- prompts

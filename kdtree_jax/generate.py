@@ -18,7 +18,7 @@ import numpy as np
 from kdtree_jax import sharding
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.ddtree import generate_speculative
-from kdtree_jax.decoding import (GenerateOutput, SamplingParams, cache_length, check_sampling, emit,
+from kdtree_jax.decoding import (GenerateOutput, SamplingParams, cache_length, check_key, check_sampling, emit,
                                  is_int, on_mesh, prefill, prepare_prompts, resolve_stop_tokens, sample)
 from kdtree_jax.model import KVCache, Params, forward_with_cache, init_cache
 
@@ -91,8 +91,9 @@ def generate(cfg: ModelConfig, params: Params, prompts, max_new_tokens: int = 64
 
     prompts: a list of token-id lists (ragged) or an int array [B, P]. method: "ar" (autoregressive),
     "dflash" (single-path speculative) or "ddtree" (tree speculative; needs `drafter=(dcfg, dparams)`
-    and `tree_budget`). temperature 0 is greedy; otherwise sampling with optional top_k / top_p and
-    an explicit PRNG `key` (required). stop_tokens default to cfg.eos_token_id. max_len: cache rows
+    and `tree_budget`). temperature 0 is greedy; any finite temperature > 0 samples (a tiny one gives the
+    argmax: decoding.sampling_logits) with optional top_k / top_p and an explicit PRNG `key`
+    (jax.random.key(seed), required). stop_tokens default to cfg.eos_token_id. max_len: cache rows
     (default: exactly what the call needs). mesh: a jax Mesh or a spec like "expert=2,tensor=1"
     (kdtree_jax.sharding): the target runs sharded over it (params not yet there are placed on it,
     drafter and tree replicated); MeshError when the mesh does not divide the model."""
@@ -110,6 +111,7 @@ def generate(cfg: ModelConfig, params: Params, prompts, max_new_tokens: int = 64
         if not sampling.greedy:
             raise ValueError("sampling (temperature > 0) needs an explicit PRNG key: key=jax.random.key(seed)")
         key = jax.random.key(0)
+    check_key(key)
     tokens, lengths = prepare_prompts(cfg, prompts)
     stops = resolve_stop_tokens(cfg, stop_tokens)
     _note_faster_moe_kernel(cfg, params)
