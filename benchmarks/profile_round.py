@@ -122,7 +122,7 @@ def main() -> None:
     import kdtree_jax as kj
     from benchmarks.common import metadata, write_results
     from kdtree_jax.ddtree import as_draft_model
-    from kdtree_jax.generate import prefill
+    from kdtree_jax.decoding import prefill
     from kdtree_jax.model import init_cache
     from training.data import heldout_prompts
 

@@ -13,9 +13,10 @@ Public API (see README.md):
 from kdtree_jax.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from kdtree_jax.config import ConfigError, ModelConfig, YarnScaling
 from kdtree_jax.ddtree import DFlashDraft, OracleDraft
+from kdtree_jax.decoding import GenerateOutput
 from kdtree_jax.drafter import (DrafterCache, DrafterConfig, drafter_extend_context, drafter_forward,
                                 init_drafter_cache, init_drafter_params)
-from kdtree_jax.generate import GenerateOutput, MoEKernelPerformanceWarning, generate
+from kdtree_jax.generate import MoEKernelPerformanceWarning, generate
 from kdtree_jax.hf import HFCheckpointError, load_hf
 from kdtree_jax.model import KVCache, forward, forward_with_cache, init_cache, init_params
 from kdtree_jax.quantize import mosaic_moe_unsupported, quantize, to_mosaic_experts

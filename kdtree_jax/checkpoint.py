@@ -29,8 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from kdtree_jax import sharding
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.drafter import DrafterConfig, init_drafter_params
+from kdtree_jax.model import init_params
 from kdtree_jax.quant import GROUP_SIZE, is_int4_leaf, is_mosaic_leaf
 
 FORMAT_VERSION = 2
@@ -82,8 +84,6 @@ def abstract_int4_leaves(abstract, int4_leaves: dict[str, str]):
 
 
 def _abstract_target(cfg: ModelConfig, dtype, meta: dict):
-    from kdtree_jax.model import init_params  # noqa: PLC0415
-
     abstract = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype))
     quantization = meta.get("quantization")
     if quantization:
@@ -309,6 +309,17 @@ def checkpoint_config(path: str | os.PathLike, *, expect_kind: str | None = None
     return cfg, meta
 
 
+def checkpoint_index(path: str | os.PathLike, *, expect_kind: str | None = None):
+    """(cfg, meta, index) of a checkpoint without reading any tensor data: `index` is the tree of the
+    stored tensors' shapes and dtypes, checked against the config (CheckpointError names a mismatch)."""
+    path = Path(path).absolute()
+    cfg, meta = checkpoint_config(path, expect_kind=expect_kind)
+    expected = _KINDS[meta["kind"]][2](cfg, jnp.dtype(meta["param_dtype"]), meta)
+    index = _saved_index(path, meta, expected)
+    _check_tree(expected, index, f"checkpoint {path}")
+    return cfg, meta, index
+
+
 def load_checkpoint(path: str | os.PathLike, *, expect_kind: str | None = None, mesh=None):
     """Restore (cfg, params). Every tensor the config implies must be present with the right shape
     and dtype, and nothing else may be there; otherwise CheckpointError names the tensors.
@@ -340,8 +351,6 @@ def load_checkpoint(path: str | os.PathLike, *, expect_kind: str | None = None, 
 def _with_shardings(cfg, kind: str, abstract, mesh):
     """The abstract tree with each ShapeDtypeStruct carrying its NamedSharding on `mesh` (None: the
     default device, whatever the platform the checkpoint was written on)."""
-    from kdtree_jax import sharding  # noqa: PLC0415
-
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)

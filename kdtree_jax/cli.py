@@ -534,19 +534,14 @@ def checkpoint_info(path: str | Path) -> dict[str, Any]:
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
-    from kdtree_jax.checkpoint import _KINDS, _check_tree, _saved_index, checkpoint_config  # noqa: PLC0415
+    from kdtree_jax.checkpoint import checkpoint_index  # noqa: PLC0415
 
     # absolute: Orbax reads a relative path's tensor index as None ("'NoneType' object has no attribute 'tree'")
     path = _check_dir(str(path), "checkpoint directory").absolute()
     if not (path / "config.json").exists() and any(path.glob("*.safetensors")):
         raise CLIError(f"{path} is a Hugging Face checkpoint, not a kdtree-jax one: convert it first "
                        f"('{PROG} convert {path} OUT_DIR')")
-    cfg, meta = checkpoint_config(path)
-    import jax.numpy as jnp  # noqa: PLC0415
-
-    expected = _KINDS[meta["kind"]][2](cfg, jnp.dtype(meta["param_dtype"]), meta)
-    index = _saved_index(path, meta, expected)
-    _check_tree(expected, index, f"checkpoint {path}")
+    _, meta, index = checkpoint_index(path)
     leaves = jax.tree_util.tree_flatten_with_path(index)[0]
     by_dtype: Counter = Counter()
     count = 0

@@ -24,9 +24,9 @@ import jax.numpy as jnp
 
 from kdtree_jax import sharding
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.drafter import (DrafterCache, DrafterConfig, drafter_extend_context, drafter_forward,
-                                init_drafter_cache)
-from kdtree_jax.generate import (GenerateOutput, SamplingParams, cache_length, emit, on_mesh, prefill, sample)
+from kdtree_jax.decoding import GenerateOutput, SamplingParams, cache_length, emit, on_mesh, prefill, sample
+from kdtree_jax.drafter import (DrafterCache, DrafterConfig, check_drafter_params, drafter_extend_context,
+                                drafter_forward, init_drafter_cache)
 from kdtree_jax.linear import is_int4_leaf
 from kdtree_jax.model import KVCache, Params, forward_with_cache, init_cache, write_rows
 from kdtree_jax.tree import Tree, build_chain, build_tree
@@ -98,12 +98,15 @@ class OracleDraft:
 
 
 def as_draft_model(cfg: ModelConfig, drafter):
-    if isinstance(drafter, (DFlashDraft, OracleDraft)):
+    if isinstance(drafter, OracleDraft):
         return drafter
+    if isinstance(drafter, DFlashDraft):
+        drafter = (drafter.dcfg, drafter.dparams)
     if isinstance(drafter, tuple) and len(drafter) == 2 and isinstance(drafter[0], DrafterConfig):
         dcfg, dparams = drafter
         dcfg.validate()
         dcfg.check_target(cfg)
+        check_drafter_params(dcfg, dparams)
         return DFlashDraft(dcfg, dparams)
     raise ValueError("drafter must be (DrafterConfig, drafter params), a DFlashDraft or an OracleDraft, "
                      f"got {type(drafter).__name__}")

@@ -253,6 +253,37 @@ def _init_drafter_params(dcfg: DrafterConfig, key: jax.Array, dtype) -> dict:
     return {name: _init_component(dcfg, name, k, dtype) for name, k in zip(names, keys)}
 
 
+@functools.lru_cache(maxsize=16)
+def _expected_shapes(dcfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """{"layers_0/attn/q": shape, ...} of the params `dcfg` implies."""
+    abstract = jax.eval_shape(lambda: _init_drafter_params(dcfg, jax.random.key(0), jnp.dtype(jnp.float32)))
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+
+
+def check_drafter_params(dcfg: DrafterConfig, dparams) -> None:
+    """Raise ValueError unless `dparams` is the nested dict of floating arrays `dcfg` implies (same
+    entries, same shapes): a drafter tree made for another config fails here, not deep inside jit."""
+    if not isinstance(dparams, Mapping):
+        raise ValueError(f"drafter params must be a nested dict of arrays, got {type(dparams).__name__}")
+    expected = _expected_shapes(dcfg)
+    found = {jax.tree_util.keystr(path, simple=True, separator="/"): leaf
+             for path, leaf in jax.tree_util.tree_flatten_with_path(dparams)[0]}
+    missing = sorted(set(expected) - set(found))
+    extra = sorted(set(found) - set(expected))
+    if missing or extra:
+        raise ValueError(f"drafter params do not match the DrafterConfig (num_hidden_layers="
+                         f"{dcfg.num_hidden_layers}): missing {missing[:6]}, unexpected {extra[:6]}")
+    for name, shape in expected.items():
+        leaf = found[name]
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)):
+            raise ValueError(f"drafter param {name!r} must be a floating array, got {type(leaf).__name__} "
+                             f"{getattr(leaf, 'dtype', '')}")
+        if tuple(leaf.shape) != shape:
+            raise ValueError(f"drafter param {name!r} has shape {list(leaf.shape)}, the DrafterConfig needs "
+                             f"{list(shape)} (params made for another config?)")
+
+
 # ------------------------------------------------------------------------------------------- cache
 class DrafterCache(NamedTuple):
     """Keys/values of the context features for every drafter layer (part of the decode state).

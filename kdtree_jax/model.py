@@ -379,6 +379,12 @@ def forward(params: Params, cfg: ModelConfig, tokens) -> jax.Array:
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be an integer array [batch, seq], got {tokens.dtype}{list(tokens.shape)}")
+    if 0 in tokens.shape:
+        raise ValueError(f"tokens must hold at least one sequence of at least one token, got shape "
+                         f"{list(tokens.shape)}")
+    if tokens.shape[1] > cfg.max_position_embeddings:  # the model (and its YaRN scaling) is defined up to there
+        raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's max_position_embeddings="
+                         f"{cfg.max_position_embeddings}")
     if not isinstance(tokens, jax.core.Tracer):
         check_tokens(cfg, tokens)
     return _forward(params, cfg, tokens.astype(jnp.int32))

@@ -189,6 +189,29 @@ def test_bad_speculative_arguments(tiny, kwargs, match):
         kj.generate(TINY, params, prompts, max_new_tokens=4, **kwargs)
 
 
+@pytest.mark.parametrize("method,budget", [("ddtree", 8), ("dflash", None)])
+def test_tiny_temperature_speculative_equals_greedy(tiny, method, budget):
+    """T = 1e-39 samples every verified node at the argmax (it overflowed to nan: all-zero tokens)."""
+    params, prompts, ar = tiny
+    out = kj.generate(TINY, params, prompts, max_new_tokens=14, method=method, tree_budget=budget,
+                      drafter=make_drafter(TINY, seed=3), stop_tokens=(), temperature=1e-39, key=jax.random.key(2))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens))
+
+
+def test_mismatched_drafter_params_get_clear_errors(tiny):
+    params, prompts, _ = tiny
+    dcfg, dparams = make_drafter(TINY, 0)
+    deeper = make_drafter(TINY, 0, layers=2)[1]  # a tree for another config: one layer too many
+    wider = {**dparams, "fc": jnp.zeros((dparams["fc"].shape[0], 7))}
+    cases = [(deeper, r"unexpected \['layers_1/attn/k'"), (wider, r"'fc' has shape \[\d+, 7\], .* needs"),
+             ({**dparams, "fc": "w"}, "'fc' must be a floating array"), ([dparams], "nested dict")]
+    for bad, match in cases:
+        for drafter in ((dcfg, bad), kj.DFlashDraft(dcfg, bad)):
+            with pytest.raises(ValueError, match=match):
+                kj.generate(TINY, params, prompts, max_new_tokens=4, method="ddtree", drafter=drafter,
+                            tree_budget=4)
+
+
 def test_finished_rows_never_write_past_the_cache(tiny, monkeypatch):
     """A row cut by max_new_tokens mid-block commits only what it emitted: later verify rounds (run
     for the rows still going) write inside the cache."""

@@ -90,6 +90,11 @@ def test_top_p_tiny_keeps_only_the_argmax(params):
     (dict(prompts=[[1, 2]], method="beam"), "method"),
     (dict(prompts=[[1, 2]], stop_tokens=[999]), "stop token"),
     (dict(prompts=[[1, 2]], tree_budget=4), "takes no drafter"),
+    (dict(prompts=[[1, 2]], temperature=float("inf"), key=jax.random.key(0)), "temperature must be >= 0 and finite"),
+    (dict(prompts=[[1, 2]], temperature=1.0, key=123), "key must be one PRNG key, .* got int 123"),
+    (dict(prompts=[[1, 2]], key=123), "key must be one PRNG key, .* got int 123"),
+    (dict(prompts=[[1, 2]], temperature=1.0, key=np.zeros(3, np.uint32)), r"got an array of uint32\[3\]"),
+    (dict(prompts=[[1, 2]], temperature=1.0, key=jax.random.split(jax.random.key(0), 2)), "one PRNG key"),
 ])
 def test_bad_inputs_get_clear_errors(params, kwargs, match):
     kwargs.setdefault("max_new_tokens", 4)
@@ -100,12 +105,12 @@ def test_bad_inputs_get_clear_errors(params, kwargs, match):
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.7, 5, None), (1.3, None, 0.8),
                                                      (0.9, 12, 0.6), (1.0, 3, 0.999)])
 def test_sampling_filters_match_numpy(temperature, top_k, top_p):
-    from kdtree_jax.generate import SamplingParams, sampling_logits
+    from kdtree_jax.decoding import SamplingParams, sampling_logits
 
     logits = np.random.default_rng(5).standard_normal((6, 50)) * 3
     got = np.asarray(sampling_logits(jnp.asarray(logits, jnp.float32),
                                      SamplingParams(temperature, top_k, top_p)))
-    expected = logits / temperature
+    expected = (logits - logits.max(-1, keepdims=True)) / temperature  # softmax-invariant shift
     for row in expected:  # HF order: top-k, then top-p on what is left
         order = np.argsort(-row, kind="stable")
         if top_k is not None:
@@ -117,3 +122,57 @@ def test_sampling_filters_match_numpy(temperature, top_k, top_p):
             row[order[mass_before >= top_p]] = -np.inf
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(expected))
     np.testing.assert_allclose(got[np.isfinite(got)], expected[np.isfinite(expected)], rtol=1e-5)
+
+
+def test_legacy_uint32_key_is_accepted(params):
+    out = kj.generate(TINY, params, [[4, 5]], max_new_tokens=3, temperature=1.0, key=jax.random.PRNGKey(7))
+    assert int(out.lengths[0]) >= 1
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-45, 1e-60, 1e-30, 1e-3, 1e30])
+def test_sampling_logits_are_finite_and_exact_for_every_temperature(temperature):
+    """(logits - max) / T in float64 rounded to float32: no inf/nan overflow at tiny T (issue: 1e-39
+    gave all-zero tokens), -inf only where float32 underflows, the best tokens exactly 0."""
+    from kdtree_jax.decoding import SamplingParams, sampling_logits
+
+    logits = np.random.default_rng(2).standard_normal((4, 30)).astype(np.float32) * 5
+    logits[0, 7] = logits[0, 3] = logits[0].max() + 1  # an exact tie for the best token
+    got = np.asarray(sampling_logits(jnp.asarray(logits), SamplingParams(temperature)))
+    with np.errstate(over="ignore"):
+        expected = ((logits.astype(np.float64) - logits.max(-1, keepdims=True)) / temperature).astype(np.float32)
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(got[0, [3, 7]], [0.0, 0.0])
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(expected))
+    np.testing.assert_allclose(got[np.isfinite(got)], expected[np.isfinite(expected)], rtol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-60])
+def test_tiny_temperature_samples_the_argmax_ties_uniformly(temperature):
+    """softmax(logits / T) -> the argmax as T -> 0, split evenly between exactly tied maxima."""
+    from kdtree_jax.decoding import SamplingParams, sample
+
+    logits = np.random.default_rng(3).standard_normal((2, 50)).astype(np.float32) * 4
+    logits[1, 11] = logits[1, 40] = logits[1].max() + 0.5  # row 1: two tied best tokens
+    keys = jax.random.split(jax.random.key(9), 400)
+    tokens = np.asarray(jax.vmap(lambda k: sample(jnp.asarray(logits), k, SamplingParams(temperature)))(keys))
+    assert set(tokens[:, 0]) == {int(np.argmax(logits[0]))}
+    counts = np.bincount(tokens[:, 1], minlength=50)
+    assert counts[11] + counts[40] == 400 and 140 < counts[11] < 260  # each tie about half of 400
+
+
+@pytest.mark.parametrize("temperature", [1e31, 1e37, 1e39])
+def test_huge_temperature_is_uniform_not_nan(temperature):
+    """T near or past float32's range (1e39 is inf in float32): uniform, and a masked -inf stays -inf."""
+    from kdtree_jax.decoding import SamplingParams, sampling_logits
+
+    logits = jnp.asarray([[3.0, -2.0, 0.5, -jnp.inf]], jnp.float32)
+    got = sampling_logits(logits, SamplingParams(temperature))
+    np.testing.assert_allclose(np.asarray(jax.nn.softmax(got)), [[1 / 3, 1 / 3, 1 / 3, 0.0]], rtol=1e-6)
+
+
+def test_tiny_temperature_generates_the_greedy_tokens(params):
+    prompts = [[4, 5, 6], [9]]
+    greedy = kj.generate(TINY, params, prompts, max_new_tokens=8, stop_tokens=())
+    tiny_t = kj.generate(TINY, params, prompts, max_new_tokens=8, stop_tokens=(), temperature=1e-39,
+                         key=jax.random.key(1))
+    np.testing.assert_array_equal(np.asarray(tiny_t.tokens), np.asarray(greedy.tokens))

@@ -121,6 +121,18 @@ def test_forward_rejects_bad_tokens(tiny_params):
         kj.forward(tiny_params, TINY, np.array([[1.0, 2.0]]))
 
 
+@pytest.mark.parametrize("shape", [(1, 0), (0, 3)])
+def test_forward_rejects_empty_tokens(tiny_params, shape):
+    with pytest.raises(ValueError, match=rf"at least one token, got shape \[{shape[0]}, {shape[1]}\]"):
+        kj.forward(tiny_params, TINY, np.zeros(shape, np.int32))
+
+
+def test_forward_rejects_sequences_past_max_position_embeddings(tiny_params):
+    limit = TINY.max_position_embeddings
+    with pytest.raises(ValueError, match=f"sequence length {limit + 1} exceeds .*max_position_embeddings={limit}"):
+        kj.forward(tiny_params, TINY, np.ones((1, limit + 1), np.int32))
+
+
 def test_kimi_k26_preset_abstract_shapes():
     cfg = kj.ModelConfig.kimi_k26()
     abstract = jax.eval_shape(lambda: kj.init_params(cfg.replace(num_hidden_layers=2), jax.random.key(0),
