@@ -191,19 +191,29 @@ def commit(tmp: Path, dest: Path, *, replace: bool) -> None:
         raise CheckpointError(f"{dest} appeared while the checkpoint was being written; not replacing it")
     old = _sibling(dest, f"old-{tmp.name.rsplit('-', 1)[1]}") if os.path.lexists(dest) else None
     journal = _sibling(dest, "commit")
-    with deferred_interrupts():  # a Ctrl-C lands before or after the renames, never between them
+    with deferred_interrupts():  # a Ctrl-C lands before or after the commit, never inside it
         with open(journal, "w") as f:
             json.dump({"tmp": tmp.name, "old": old.name if old else None, "pid": os.getpid()}, f)
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(dest.parent)
-        if old is not None:
-            os.rename(dest, old)
-        os.rename(tmp, dest)
+        moved_old = False
+        try:
+            if old is not None:
+                os.rename(dest, old)
+                moved_old = True
+            os.rename(tmp, dest)
+        except BaseException:
+            # Still alive: put the old checkpoint back now rather than leave it to the next load. If this
+            # fails too, the journal stays and the next load or write recovers.
+            if moved_old and not os.path.lexists(dest):
+                os.rename(old, dest)
+            os.unlink(journal)
+            raise
         _fsync_dir(dest.parent)
-    if old is not None:
-        shutil.rmtree(old)
-    os.unlink(journal)
+        if old is not None:
+            shutil.rmtree(old)
+        os.unlink(journal)
 
 
 def _recover_locked(dest: Path) -> list[str]:
