@@ -192,7 +192,7 @@ class CheckpointWriter:
             raise CheckpointError(f"params entry {entry!r} was already written")
         _check_tree({entry: self.expected[entry]}, {entry: _abstract(subtree)}, f"params to save at {self.path}")
         self._checkpointer.save(self._tmp / "params" / entry, {entry: subtree})
-        self.checksums.update(storage.checksums(_flatten({entry: subtree})))  # while Orbax writes
+        self.checksums.update(storage.checksums(storage.flat_tensors({entry: subtree})))  # while Orbax writes
         self._checkpointer.wait_until_finished()
         self.written.append(entry)
 
@@ -409,7 +409,7 @@ def _restore(path: Path, meta: dict, expected, checksums: dict[str, str] | None)
         except Exception as e:  # noqa: BLE001 (TensorStore/Orbax raise many types for damaged data)
             raise CheckpointError(storage.read_error_message(e, directory)) from None
         if checksums is not None:
-            storage.verify_checksums(_flatten(restored), checksums, f"checkpoint {path}")
+            storage.verify_checksums(storage.flat_tensors(restored), checksums, f"checkpoint {path}")
         yield restored
 
 

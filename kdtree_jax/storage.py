@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jax
 import numpy as np
 
 CHECKSUM_ALGORITHM = "sha256"
@@ -327,6 +328,18 @@ def deferred_interrupts() -> Iterator[None]:
 
 
 # -------------------------------------------------------------------------------------- checksums
+def flat_tensors(tree) -> dict[str, object]:
+    """{"a/b/c": leaf} of a pytree; dict keys, dataclass fields and list indices all give plain names, so
+    a tree saved with typed nodes and restored as dicts names its tensors the same."""
+    def part(key) -> str:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                return str(getattr(key, attr))
+        return str(key)
+
+    return {"/".join(part(k) for k in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def _host_bytes(array) -> memoryview:
     host = np.ascontiguousarray(np.asarray(array))  # a jax Array (sharded or not) comes to the host here
     return memoryview(host.reshape(-1).view(np.uint8))
