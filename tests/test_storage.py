@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -28,7 +29,12 @@ import pytest
 
 import kdtree_jax as kj
 from kdtree_jax import cli, storage
-from kdtree_jax.checkpoint import CheckpointError, CheckpointWriter, load_checkpoint, save_checkpoint
+from kdtree_jax.checkpoint import (
+    CheckpointError,
+    CheckpointWriter,
+    load_checkpoint,
+    save_checkpoint,
+)
 from kdtree_jax.convert import convert_hf
 from kdtree_jax.storage import CheckpointRecoveryWarning, UnverifiedCheckpointWarning
 
@@ -307,6 +313,31 @@ def test_ctrl_c_during_the_commit_is_held_until_it_is_done(tmp_path, monkeypatch
         warnings.simplefilter("error")  # no recovery needed
         assert_same(load_checkpoint(path)[1], drafter_params(2))
     assert sorted(os.listdir(tmp_path)) == ["X"]
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3, 1.0])
+def test_ctrl_c_during_cli_convert_leaves_nothing(tmp_path, delay):
+    """The issue's scenario: SIGINT to a real `kdtree-jax convert` once its temporary exists."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, "-m", "kdtree_jax.cli", "convert", FIXTURES / "hf_k2_int4",
+                             tmp_path / "out", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(n.startswith(".out.tmp-") for n in os.listdir(tmp_path)) and proc.poll() is None:
+            assert time.monotonic() < deadline, "the conversion never started writing"
+            time.sleep(0.01)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    if proc.returncode == 0:  # finished before the signal arrived: the checkpoint, nothing else
+        assert os.listdir(tmp_path) == ["out"]
+    else:
+        assert proc.returncode == 130 and err.strip().endswith("kdtree-jax: interrupted"), err
+        assert os.listdir(tmp_path) == []
 
 
 def test_temporaries_of_dead_writers_are_removed_by_the_next_write(tmp_path):
