@@ -272,7 +272,9 @@ def _warn(messages: list[str]) -> None:
 def recover(dest: str | os.PathLike) -> None:
     """Before a load: finish or roll back an interrupted commit of dest, with a warning. Touches nothing
     (takes no lock) unless there is something to recover, and leaves a commit by a live writer alone."""
-    dest = destination(dest)
+    dest = Path(os.path.realpath(os.fspath(dest)))
+    if dest.parent == dest:
+        return
     if not _sibling(dest, "commit").exists() and (os.path.lexists(dest) or not _temporaries(dest, "old")):
         return
     lock = WriteLock(dest)

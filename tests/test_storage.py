@@ -65,7 +65,7 @@ def child(code: str, *args) -> subprocess.CompletedProcess:
     """Run `code` in a fresh Python (kdtree_jax importable, CPU) with sys.argv[1:] = args."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env,
-                          cwd=REPO, timeout=300)
+                          cwd=REPO, timeout=300, check=False)
 
 
 CHILD_PREAMBLE = """
@@ -139,8 +139,8 @@ def test_dotdot_destination_is_the_same_directory(tmp_path, capsys):
     assert path == tmp_path / "X"
     assert_same(load_checkpoint(tmp_path / "X")[1], second)
     assert os.listdir(tmp_path) == ["X"]
-    rc, out, _ = run_cli(["init", tmp_path / "X" / ".." / "X", "--drafter", "--overwrite"], capsys)
-    assert rc == 0 and os.listdir(tmp_path) == ["X"]
+    rc, _, err = run_cli(["init", tmp_path / "X" / ".." / "X", "--drafter", "--overwrite"], capsys)
+    assert rc == 0 and err == "" and os.listdir(tmp_path) == ["X"]
     assert load_checkpoint(tmp_path / "X")[0].block_size == 16  # the CLI's drafter replaced the one above
 
 
@@ -250,7 +250,7 @@ def test_a_second_process_cannot_write_while_the_first_does(tmp_path):
         assert done.returncode != 0
         assert f"is being written by another process (pid {os.getpid()})" in done.stderr
         cli_done = subprocess.run([sys.executable, "-m", "kdtree_jax.cli", "init", path, "--drafter"],
-                                  capture_output=True, text=True, cwd=REPO, timeout=300,
+                                  capture_output=True, text=True, cwd=REPO, timeout=300, check=False,
                                   env={**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"})
         assert cli_done.returncode == 2 and "is being written by another process" in cli_done.stderr
         assert len(cli_done.stderr.splitlines()) == 1
