@@ -216,11 +216,12 @@ class CheckpointWriter:
         """Drop everything written so far and release the lock (idempotent)."""
         if self._state == "open":
             self._state = "aborted"
-        with storage.deferred_interrupts():
-            # A save still running in Orbax's background thread would write into what we remove. Its
+        with storage.deferred_interrupts(), storage.quiet_tensor_io():
+            # A save still running in Orbax's background threads would write into what we remove. Its
             # failure is why we abort: the caller already has the real error.
             with contextlib.suppress(Exception):
                 self._checkpointer.wait_until_finished()
+            storage.wait_for_background_saves()
             storage.remove_tree(self._tmp)
             self._lock.release()
 

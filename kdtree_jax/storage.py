@@ -28,6 +28,7 @@ import re
 import shutil
 import signal
 import threading
+import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -299,6 +300,17 @@ def prepare_write(dest: Path) -> list[str]:
                     f"({size / 2**20:.1f} MiB): {[p.name for p in stale]}")
     _warn(done)
     return done
+
+
+def wait_for_background_saves(timeout: float = 600.0) -> None:
+    """Join Orbax's save threads that are still running: a Ctrl-C inside `save` stops the main thread
+    but not them, and they would keep writing into a directory being removed (and log its errors)."""
+    deadline = time.monotonic() + timeout
+    for thread in threading.enumerate():
+        if thread is threading.current_thread() or not thread.is_alive():
+            continue
+        if type(thread).__module__.startswith("orbax.") or thread.name == "async_save":
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def remove_tree(path: Path) -> None:
