@@ -17,32 +17,29 @@ HF INT4 import) when not given.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
-import uuid
+import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from kdtree_jax import sharding
+from kdtree_jax import sharding, storage
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.drafter import DrafterConfig, init_drafter_params
 from kdtree_jax.model import init_params
 from kdtree_jax.quant import GROUP_SIZE, is_int4_leaf, is_mosaic_leaf
+from kdtree_jax.storage import CheckpointError
 
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
 # The float dtypes weights are written in (the router stays float32, INT4 leaves are typed nodes).
 PARAM_DTYPES = ("bfloat16", "float16", "float32")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, unreadable or does not match its config."""
 
 
 # kind -> (config class, config loader, abstract params builder (cfg, dtype, meta) -> ShapeDtypeStruct tree)
@@ -140,7 +137,10 @@ class CheckpointWriter:
     """Writes a checkpoint entry by entry into a temporary sibling directory; `commit()` checks the
     written tensor index against the config's abstract tree, then renames it into place. Any failure
     or interrupt before that (use it as a context manager) removes the temporary directory, so a
-    half-written checkpoint never appears at `path`.
+    half-written checkpoint never appears at `path`. The writer holds an exclusive lock on `path`
+    from construction to commit/abort and records a sha256 per tensor (kdtree_jax.storage).
+    overwrite replaces only a kdtree-jax checkpoint; `inputs` ({description: path}) may be neither
+    `path` nor inside it.
 
         with CheckpointWriter(path, cfg, param_dtype="bfloat16") as w:
             for entry, subtree in ...:    # in any order; every entry of w.entries exactly once
@@ -148,10 +148,8 @@ class CheckpointWriter:
     """
 
     def __init__(self, path: str | os.PathLike, cfg, *, param_dtype, quantization: dict | None = None,
-                 overwrite: bool = False):
-        self.path = Path(path).absolute()
-        if self.path.exists() and not overwrite:
-            raise CheckpointError(f"{self.path} already exists (pass overwrite=True to replace it)")
+                 overwrite: bool = False, inputs: Mapping[str, str | os.PathLike] = {}):
+        self.path = check_destination(path, overwrite=overwrite, inputs=inputs)  # fail early, nothing touched
         cfg.validate()
         kind = _kind_of(cfg)
         try:
@@ -165,11 +163,24 @@ class CheckpointWriter:
         self.entries: tuple[str, ...] = tuple(self.expected)
         self.meta["entries"] = list(self.entries)
         self.written: list[str] = []
-        self._tmp = self.path.parent / f".{self.path.name}.tmp-{uuid.uuid4().hex[:8]}"
+        self.checksums: dict[str, str] = {}  # tensor name -> sha256 of its bytes
+        self.overwrite = overwrite
+        self._tmp = storage.new_temporary(self.path)
         self._checkpointer = ocp.StandardCheckpointer()
         self._state = "open"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        (self._tmp / "params").mkdir(parents=True)
+        self._lock = storage.WriteLock(self.path)
+        with storage.deferred_interrupts():  # a Ctrl-C here must not leave the lock or the temporary behind
+            self._lock.acquire()
+            try:
+                storage.prepare_write(self.path)  # finish an interrupted commit, drop dead writers' temporaries
+                check_destination(self.path, overwrite=overwrite, inputs=inputs)  # again, now under the lock
+                (self._tmp / "params").mkdir(parents=True)
+            except BaseException:
+                self._state = "aborted"
+                storage.remove_tree(self._tmp)
+                self._lock.release()
+                raise
 
     def write(self, entry: str, subtree) -> None:
         """Check `subtree` against the config and write it as params/<entry>; blocks until on disk, so
@@ -182,6 +193,7 @@ class CheckpointWriter:
             raise CheckpointError(f"params entry {entry!r} was already written")
         _check_tree({entry: self.expected[entry]}, {entry: _abstract(subtree)}, f"params to save at {self.path}")
         self._checkpointer.save(self._tmp / "params" / entry, {entry: subtree})
+        self.checksums.update(storage.checksums(storage.flat_tensors({entry: subtree})))  # while Orbax writes
         self._checkpointer.wait_until_finished()
         self.written.append(entry)
 
@@ -194,22 +206,25 @@ class CheckpointWriter:
             raise CheckpointError(f"checkpoint {self.path} is incomplete: entries {missing} were never written")
         _check_tree(self.expected, _saved_index(self._tmp, self.meta, self.expected),
                     f"checkpoint written at {self.path}")
+        self.meta["checksums"] = {"algorithm": storage.CHECKSUM_ALGORITHM, "tensors": dict(sorted(self.checksums.items()))}
         (self._tmp / "config.json").write_text(json.dumps(self.meta, indent=2))
-        if self.path.exists():  # overwrite: swap in the new one, then drop the old
-            trash = self.path.parent / f".{self.path.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(self.path, trash)
-            os.rename(self._tmp, self.path)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(self._tmp, self.path)
+        storage.commit(self._tmp, self.path, replace=self.overwrite)
         self._state = "committed"
+        self._lock.release()
         return self.path
 
     def abort(self) -> None:
-        """Drop everything written so far (idempotent)."""
+        """Drop everything written so far and release the lock (idempotent)."""
         if self._state == "open":
             self._state = "aborted"
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        with storage.deferred_interrupts(), storage.quiet_tensor_io():
+            # A save still running in Orbax's background threads would write into what we remove. Its
+            # failure is why we abort: the caller already has the real error.
+            with contextlib.suppress(Exception):
+                self._checkpointer.wait_until_finished()
+            storage.wait_for_background_saves()
+            storage.remove_tree(self._tmp)
+            self._lock.release()
 
     def __enter__(self) -> "CheckpointWriter":
         return self
@@ -229,9 +244,7 @@ def save_checkpoint(path: str | os.PathLike, cfg, params, *, quantization: dict 
                     overwrite: bool = False) -> Path:
     """Write cfg + params to `path` atomically (see CheckpointWriter): an interrupted or failed save
     leaves no checkpoint and no temporary directory."""
-    path = Path(path).absolute()
-    if path.exists() and not overwrite:
-        raise CheckpointError(f"{path} already exists (pass overwrite=True to replace it)")
+    path = check_destination(path, overwrite=overwrite)
     mosaic = [leaf for leaf in jax.tree.leaves(params, is_leaf=is_mosaic_leaf) if is_mosaic_leaf(leaf)]
     if mosaic:
         raise CheckpointError(f"{len(mosaic)} leaves are in the Mosaic GPU layout (kj.to_mosaic_experts, a "
@@ -246,6 +259,14 @@ def save_checkpoint(path: str | os.PathLike, cfg, params, *, quantization: dict 
         for entry in writer.entries:
             writer.write(entry, params[entry])
     return path
+
+
+def check_destination(path: str | os.PathLike, *, overwrite: bool = False,
+                      inputs: Mapping[str, str | os.PathLike] = {}) -> Path:
+    """The normalised path a checkpoint would be written at, or CheckpointError when it exists (without
+    overwrite), holds anything but a kdtree-jax checkpoint (with overwrite), or is or contains one of
+    `inputs` ({description: path})."""
+    return storage.check_destination(path, overwrite=overwrite, read_meta=read_checkpoint_meta, inputs=inputs)
 
 
 def read_checkpoint_meta(path: str | os.PathLike) -> dict:
@@ -269,9 +290,14 @@ def read_checkpoint_meta(path: str | os.PathLike) -> dict:
 
 def _item_metadata(directory: Path):
     try:
-        return ocp.StandardCheckpointer().metadata(directory).item_metadata.tree
+        with storage.quiet_tensor_io():
+            item = ocp.StandardCheckpointer().metadata(directory).item_metadata
     except Exception as e:  # orbax raises many types for damaged directories
         raise CheckpointError(f"cannot read the tensor index of {directory}: {e}") from None
+    if item is None:  # Orbax returns None (after logging a warning) when its index files are damaged
+        raise CheckpointError(f"cannot read the tensor index of {directory}: its Orbax metadata files are "
+                              "missing or damaged")
+    return item.tree
 
 
 def _saved_index(path: Path, meta: dict, expected) -> dict:
@@ -320,32 +346,87 @@ def checkpoint_index(path: str | os.PathLike, *, expect_kind: str | None = None)
     return cfg, meta, index
 
 
-def load_checkpoint(path: str | os.PathLike, *, expect_kind: str | None = None, mesh=None):
+def load_checkpoint(path: str | os.PathLike, *, expect_kind: str | None = None, mesh=None, verify: bool = True):
     """Restore (cfg, params). Every tensor the config implies must be present with the right shape
     and dtype, and nothing else may be there; otherwise CheckpointError names the tensors.
+
+    verify: check every tensor's bytes against the sha256 recorded at save (CheckpointError naming a
+    corrupt tensor); False skips it (trusted storage: hashing costs about a second per GB). A checkpoint
+    written before checksums were recorded loads with an UnverifiedCheckpointWarning.
 
     mesh (a jax Mesh or a spec like "expert=2,tensor=1"): every array is restored straight into its
     NamedSharding (kdtree_jax.sharding; a drafter is replicated), each device reading only its own
     shard, so the whole model never sits on one device or the host. MeshError when the mesh does not
     divide the model."""
     path = Path(path).absolute()  # Orbax needs absolute paths
+    storage.recover(path)  # finish or roll back an interrupted commit of path (with a warning)
     cfg, meta = checkpoint_config(path, expect_kind=expect_kind)
+    checksums = _recorded_checksums(path, meta) if verify else None
+    if verify and checksums is None:
+        warnings.warn(f"{path} carries no tensor checksums (written before kdtree-jax recorded them): its "
+                      "tensors are loaded unverified", storage.UnverifiedCheckpointWarning, stacklevel=2)
     expected = _KINDS[meta["kind"]][2](cfg, jnp.dtype(meta["param_dtype"]), meta)
     _check_tree(expected, _saved_index(path, meta, expected), f"checkpoint {path}")
     # Every leaf gets an explicit sharding: Orbax otherwise rebuilds the one stored at save time (e.g.
     # "cpu:0" for the shipped pair) and refuses to restore on another platform ("Topology mismatch").
     expected = _with_shardings(cfg, meta["kind"], expected, mesh)
+    params: dict[str, Any] = {}
+    for restored in _restore(path, meta, expected, checksums):
+        params.update(restored)
+    return cfg, _plain(params)
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict[str, int]:
+    """Read every tensor of a checkpoint (one params entry at a time, on the default device) and check
+    its bytes against the recorded sha256; {"tensors": count, "bytes": total}. CheckpointError names
+    the first corrupt tensor, or says the checkpoint carries no checksums."""
+    path = Path(path).absolute()
+    storage.recover(path)
+    cfg, meta = checkpoint_config(path)
+    checksums = _recorded_checksums(path, meta)
+    if checksums is None:
+        raise CheckpointError(f"{path} carries no tensor checksums (written before kdtree-jax recorded them): "
+                              "there is nothing to verify its tensors against")
+    expected = _KINDS[meta["kind"]][2](cfg, jnp.dtype(meta["param_dtype"]), meta)
+    _check_tree(expected, _saved_index(path, meta, expected), f"checkpoint {path}")
+    expected = _with_shardings(cfg, meta["kind"], expected, None)
+    count = nbytes = 0
+    for restored in _restore(path, meta, expected, checksums):
+        leaves = jax.tree.leaves(restored)
+        count += len(leaves)
+        nbytes += sum(leaf.nbytes for leaf in leaves)
+    if count != len(checksums):  # every recorded tensor must have been read and matched
+        raise CheckpointError(f"{path}: {len(checksums)} checksums recorded but {count} tensors read")
+    return {"tensors": count, "bytes": nbytes}
+
+
+def _recorded_checksums(path: Path, meta: dict) -> dict[str, str] | None:
+    """{tensor name: sha256} from config.json, None for checkpoints written before they were recorded."""
+    record = meta.get("checksums")
+    if record is None:
+        return None
+    if (not isinstance(record, dict) or record.get("algorithm") != storage.CHECKSUM_ALGORITHM
+            or not isinstance(record.get("tensors"), dict)):
+        raise CheckpointError(f"{path / 'config.json'}: 'checksums' must be {{'algorithm': "
+                              f"'{storage.CHECKSUM_ALGORITHM}', 'tensors': {{name: hex digest}}}}, got {record!r:.200}")
+    return record["tensors"]
+
+
+def _restore(path: Path, meta: dict, expected, checksums: dict[str, str] | None) -> Iterator[dict]:
+    """Restore the Orbax items of a checkpoint one at a time (against `expected`, with shardings) and
+    check each against `checksums` (None: unchecked)."""
     checkpointer = ocp.StandardCheckpointer()
     items = ([(path / "params", expected)] if meta["format"] == 1 else
              [(path / "params" / entry, {entry: expected[entry]}) for entry in expected])
-    params: dict[str, Any] = {}
     for directory, target in items:
         try:
-            params.update(checkpointer.restore(directory, target))
-        except Exception as e:
-            raise CheckpointError(f"cannot read the tensors of {directory} (truncated or damaged?): "
-                                  f"{type(e).__name__}: {e}") from None
-    return cfg, _plain(params)
+            with storage.quiet_tensor_io():  # a damaged item makes asyncio log every failed read's traceback
+                restored = checkpointer.restore(directory, target)
+        except Exception as e:  # noqa: BLE001 (TensorStore/Orbax raise many types for damaged data)
+            raise CheckpointError(storage.read_error_message(e, directory)) from None
+        if checksums is not None:
+            storage.verify_checksums(storage.flat_tensors(restored), checksums, f"checkpoint {path}")
+        yield restored
 
 
 def _with_shardings(cfg, kind: str, abstract, mesh):

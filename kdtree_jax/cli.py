@@ -1,10 +1,11 @@
-"""The `kdtree-jax` command line: generate, convert, init, info.
+"""The `kdtree-jax` command line: generate, convert, init, info, verify.
 
     kdtree-jax generate --shipped --prompt "def fibonacci(n):" --method all
     kdtree-jax generate --preset tiny --prompt "1 2 3" --method all
     kdtree-jax convert /models/Kimi-K2.6 /ckpt/k26 --dtype bfloat16
     kdtree-jax init /ckpt/tiny --preset tiny; kdtree-jax init /ckpt/tiny-drafter --drafter --target /ckpt/tiny
     kdtree-jax info /ckpt/k26
+    kdtree-jax verify /ckpt/k26
 
 `main(argv)` returns the exit status (0 ok, 2 error, 130 interrupted). Every error is one line on
 stderr, `kdtree-jax: error: ...`, without a traceback (`--traceback` shows one, for bug reports).
@@ -145,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mesh", metavar="SPEC", help="run the target sharded over a device mesh, e.g. "
                    "'expert=2,tensor=1' (axes expert and tensor; uses the first expert*tensor devices; "
                    "docs/sharding.md)")
+    g.add_argument("--no-verify", action="store_true", help="skip checking each tensor of --checkpoint / "
+                   "--drafter against the sha256 recorded when it was written (for trusted storage; checking "
+                   "reads every byte once more)")
     g.add_argument("--no-warmup", action="store_true", help="time the first call (compile time included) "
                    "instead of a second, compiled one")
     g.add_argument("--moe-kernel", choices=("auto", "mosaic", "triton"), default="auto",
@@ -169,8 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out_dir", metavar="OUT_DIR", help="where to write the checkpoint (must not exist)")
     c.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype of the dense weights "
                    "(router stays float32, INT4 experts stay INT4; default: %(default)s)")
-    c.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists (only once the new "
-                   "checkpoint is complete)")
+    c.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it is a kdtree-jax checkpoint "
+                   "(only once the new one is complete); anything else at OUT_DIR, HF_DIR itself or a directory "
+                   "holding it is never replaced")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_convert)
 
@@ -194,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--seed", type=_seed, default=0, help=f"PRNG seed of the weights, 0 to {MAX_SEED} "
                    "(default: %(default)s)")
     i.add_argument("--dtype", choices=DTYPES, default="float32", help="weight dtype (default: %(default)s)")
-    i.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    i.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it is a kdtree-jax checkpoint "
+                   "(only once the new one is complete; anything else is never replaced)")
     i.set_defaults(func=cmd_init)
 
     n = sub.add_parser("info", help="describe a checkpoint without loading its tensors",
@@ -203,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("checkpoint", metavar="CHECKPOINT", help="a kdtree-jax checkpoint directory")
     n.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     n.set_defaults(func=cmd_info)
+
+    v = sub.add_parser("verify", help="check every tensor of a checkpoint against its recorded checksum",
+                       description="Read every tensor of CHECKPOINT (one layer at a time) and compare its bytes "
+                       "with the sha256 recorded when it was written. Exit status 0 when all match; 2 naming the "
+                       "first corrupt tensor, or when the checkpoint predates checksums.")
+    v.add_argument("checkpoint", metavar="CHECKPOINT", help="a kdtree-jax checkpoint directory")
+    v.set_defaults(func=cmd_verify)
     return parser
 
 
@@ -324,7 +337,7 @@ def _load_model(args):
         from kdtree_jax.checkpoint import load_checkpoint  # noqa: PLC0415
 
         cfg, params = load_checkpoint(_check_dir(args.checkpoint, "checkpoint directory"), expect_kind="target",
-                                      mesh=args.mesh)  # restored straight into its shardings
+                                      mesh=args.mesh, verify=not args.no_verify)  # straight into its shardings
         return cfg, params, f"checkpoint {args.checkpoint}"
     if args.hf:
         from kdtree_jax.hf import load_hf  # noqa: PLC0415
@@ -367,7 +380,8 @@ def _load_drafter(args, cfg, methods):
         from kdtree_jax.checkpoint import load_checkpoint  # noqa: PLC0415
         from kdtree_jax.config import ConfigError  # noqa: PLC0415
 
-        dcfg, dparams = load_checkpoint(_check_dir(args.drafter, "drafter directory"), expect_kind="drafter")
+        dcfg, dparams = load_checkpoint(_check_dir(args.drafter, "drafter directory"), expect_kind="drafter",
+                                        verify=not args.no_verify)
         try:
             dcfg.check_target(cfg)
         except ConfigError as e:
@@ -486,11 +500,11 @@ def cmd_generate(args) -> None:
 
 
 def cmd_convert(args) -> None:
+    from kdtree_jax.checkpoint import check_destination  # noqa: PLC0415
     from kdtree_jax.convert import convert_hf  # noqa: PLC0415
 
     _check_dir(args.hf_dir, "Hugging Face directory")
-    if Path(args.out_dir).exists() and not args.overwrite:
-        raise CLIError(f"{args.out_dir} already exists (pass --overwrite to replace it)")
+    check_destination(args.out_dir, overwrite=args.overwrite, inputs={"Hugging Face directory": args.hf_dir})
     start = time.perf_counter()
     path = convert_hf(args.hf_dir, args.out_dir, _dtype(args.dtype), overwrite=args.overwrite,
                       progress=not args.no_progress)
@@ -499,10 +513,11 @@ def cmd_convert(args) -> None:
 
 
 def cmd_init(args) -> None:
-    from kdtree_jax.checkpoint import load_checkpoint, save_checkpoint  # noqa: PLC0415
+    from kdtree_jax.checkpoint import check_destination, load_checkpoint, save_checkpoint  # noqa: PLC0415
 
-    if Path(args.out_dir).exists() and not args.overwrite:  # before building any weights
-        raise CLIError(f"{args.out_dir} already exists (pass --overwrite to replace it)")
+    # before building any weights; a drafter never replaces the target it is made for
+    check_destination(args.out_dir, overwrite=args.overwrite,
+                      inputs={"target checkpoint": args.target} if args.drafter and args.target else {})
     dtype = _dtype(args.dtype)
     if not args.drafter:
         for flag in ("target", "mask_token_id"):
@@ -586,6 +601,16 @@ def cmd_info(args) -> None:
         print("INT4 tensors: none")
 
 
+def cmd_verify(args) -> None:
+    from kdtree_jax.checkpoint import verify_checkpoint  # noqa: PLC0415
+
+    path = _check_dir(args.checkpoint, "checkpoint directory")
+    start = time.perf_counter()
+    result = verify_checkpoint(path)
+    print(f"{path}: all {result['tensors']} tensors ({result['bytes'] / 2**20:.1f} MiB) match their sha256 checksums "
+          f"({time.perf_counter() - start:.1f} s)")
+
+
 def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -612,7 +637,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         if args.command is None:
-            raise CLIError(f"no command given: choose one of generate, convert, init, info (see '{PROG} --help')")
+            raise CLIError(f"no command given: choose one of generate, convert, init, info, verify (see '{PROG} --help')")
         args.func(args)
         return 0
     except KeyboardInterrupt:

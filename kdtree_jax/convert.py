@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from kdtree_jax.checkpoint import CheckpointError, CheckpointWriter
+from kdtree_jax.checkpoint import CheckpointWriter
 from kdtree_jax.hf import open_hf
 
 
@@ -38,16 +38,13 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype=jnp.
 
     dtype: floating dtype of the dense weights (router in float32; INT4 experts untouched).
     Raises HFCheckpointError for a bad HF directory (before anything is written) and CheckpointError
-    when out_dir exists (unless overwrite) or the written checkpoint does not verify.
+    when out_dir exists (unless overwrite; with it, when out_dir is anything but a kdtree-jax checkpoint),
+    is or contains hf_dir, is being written by another process, or the written checkpoint does not verify.
     """
     hf = open_hf(hf_dir, dtype)  # every header check runs here, before a byte is written
-    out_dir = Path(out_dir).absolute()
-    if out_dir.exists() and not overwrite:
-        raise CheckpointError(f"{out_dir} already exists (pass overwrite=True / --overwrite to replace it)")
-    if out_dir == Path(hf_dir).absolute():
-        raise CheckpointError(f"the output directory {out_dir} is the Hugging Face directory itself")
+    # overwrite replaces only a kdtree-jax checkpoint, and never the HF input or a directory holding it
     writer = CheckpointWriter(out_dir, hf.cfg, param_dtype=hf.dtype, quantization=hf_quantization(hf.int4_leaves),
-                              overwrite=overwrite)
+                              overwrite=overwrite, inputs={"Hugging Face directory": hf_dir})
     with writer, tqdm(total=len(hf.entries), desc=f"converting {hf.path.name}", unit="entry",
                       disable=not progress) as bar:
         for entry, subtree in hf:

@@ -73,7 +73,7 @@ def models(tmp_path_factory):
 def test_every_option_of_every_command_is_explained(capsys):
     parser = cli.build_parser()
     subparsers = next(a for a in parser._actions if a.dest == "command").choices
-    assert sorted(subparsers) == ["convert", "generate", "info", "init"]
+    assert sorted(subparsers) == ["convert", "generate", "info", "init", "verify"]
     for name, sub in subparsers.items():
         with pytest.raises(SystemExit) as exit_info:
             cli.main([name, "--help"])
@@ -378,6 +378,10 @@ BAD = [
     (["info", "{tmp}/nope"], "does not exist"),
     (["info", "{hfbad}"], "is a Hugging Face checkpoint, not a kdtree-jax one: convert it first"),
     (["info", "{damaged}"], "is not valid JSON"),
+    (["verify", "{tmp}/nope"], "does not exist"),
+    (["verify", "{damaged}"], "is not valid JSON"),
+    (["init", "{tmp}", "--overwrite"], "refusing to overwrite"),
+    (["convert", "{hf}", "{hf}/..", "--overwrite"], "it contains the Hugging Face directory"),
 ]
 
 
@@ -447,7 +451,7 @@ def _subprocess(*args):
 
 def test_subprocess_help_and_error_exit_status(models):
     done = _subprocess("--help")
-    assert done.returncode == 0 and all(c in done.stdout for c in ("generate", "convert", "init", "info"))
+    assert done.returncode == 0 and all(c in done.stdout for c in ("generate", "convert", "init", "info", "verify"))
     done = _subprocess("info", models / "missing")
     assert done.returncode == 2
     assert re.fullmatch(r"kdtree-jax: error: checkpoint directory '.*missing' does not exist\n", done.stderr)

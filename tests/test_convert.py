@@ -126,9 +126,17 @@ def test_existing_output_is_refused_then_replaced_with_overwrite(tmp_path):
     (out / "keep.txt").write_text("mine")
     with pytest.raises(CheckpointError, match="already exists"):
         convert_hf(FIXTURES / "hf_dsv3_f32", out, jnp.float32, progress=False)
-    assert (out / "keep.txt").read_text() == "mine"
+    # overwrite replaces only a kdtree-jax checkpoint: a directory of other files stays as it is
+    with pytest.raises(CheckpointError, match=r"refusing to overwrite .*out: it holds files that are not part "
+                       r"of a checkpoint: \['keep.txt'\]"):
+        convert_hf(FIXTURES / "hf_dsv3_f32", out, jnp.float32, progress=False, overwrite=True)
+    assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    out.rmdir()
+    convert_hf(FIXTURES / "hf_k2_dense", out, jnp.float32, progress=False)
     convert_hf(FIXTURES / "hf_dsv3_f32", out, jnp.float32, progress=False, overwrite=True)
-    assert not (out / "keep.txt").exists()
+    cfg, _ = load_checkpoint(out)
+    assert cfg == load_hf(FIXTURES / "hf_dsv3_f32", jnp.float32, progress=False)[0]  # the new one replaced the old
     assert sorted(os.listdir(tmp_path)) == ["out"]
 
 
@@ -140,7 +148,7 @@ def test_bad_hf_directory_fails_before_anything_is_written(tmp_path):
         convert_hf(bad, tmp_path / "out", progress=False)
     with pytest.raises(HFCheckpointError, match="floating dtype"):
         convert_hf(FIXTURES / "hf_dsv3_f32", tmp_path / "out", jnp.int32, progress=False)
-    with pytest.raises(CheckpointError, match="Hugging Face directory itself"):
+    with pytest.raises(CheckpointError, match="refusing to write a checkpoint at .*: it is the Hugging Face directory"):
         convert_hf(FIXTURES / "hf_dsv3_f32", FIXTURES / "hf_dsv3_f32", progress=False, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["hf"]
 
