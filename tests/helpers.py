@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,3 +33,14 @@ def random_params(cfg: kj.ModelConfig, seed: int = 0, dtype=jnp.float32) -> dict
         return leaf
 
     return jax.tree_util.tree_map_with_path(perturb, params)
+
+
+# generate's progress on stderr: "kdtree-jax: loading the target ... 1.2 s" (open while the step runs), or
+# "kdtree-jax: loading the target ..." and later "kdtree-jax: loading the target: 1.2 s" when a note came between
+PROGRESS = re.compile(r"kdtree-jax: ((?:loading|compiling|generating) [^:]*?)"
+                      r"(?: \.\.\.| \.\.\. (?P<t>\d+(?:\.\d)? m?s)|: (?P<t2>\d+(?:\.\d)? m?s))")
+
+
+def error_lines(err: str) -> list[str]:
+    """stderr without generate's progress lines."""
+    return [line for line in err.strip().splitlines() if not PROGRESS.fullmatch(line)]

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import PROGRESS, error_lines
 
 import kdtree_jax as kj
 from kdtree_jax import cli
@@ -38,15 +39,6 @@ def run(argv, capsys) -> tuple[int, str, str]:
     return rc, out, err
 
 
-# generate's progress on stderr: "kdtree-jax: loading the target ... 1.2 s" (open while the step runs), or
-# "kdtree-jax: loading the target ..." and later "kdtree-jax: loading the target: 1.2 s" when a note came between
-PROGRESS = re.compile(r"kdtree-jax: ((?:loading|compiling|generating) [^:]*?)"
-                      r"(?: \.\.\.| \.\.\. (?P<t>\d+(?:\.\d)? m?s)|: (?P<t2>\d+(?:\.\d)? m?s))")
-
-
-def error_lines(err: str) -> list[str]:
-    """stderr without generate's progress lines."""
-    return [line for line in err.strip().splitlines() if not PROGRESS.fullmatch(line)]
 
 
 def token_lines(out: str) -> list[list[int]]:
