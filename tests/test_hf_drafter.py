@@ -78,7 +78,7 @@ def draft_logits(dcfg: DrafterConfig, dparams: dict, data) -> tuple[list[np.ndar
                                    jnp.asarray(lengths, jnp.int32))
     bonus = jnp.asarray([int(data[f"bonus_{r}"]) for r in range(2)], jnp.int32)
     start = jnp.asarray([int(data[f"start_{r}"]) + lengths[r] for r in range(2)], jnp.int32)
-    got = np.asarray(drafter_forward(dparams, dcfg, cache, jnp.asarray(embed), jnp.asarray(data["lm_head"]),
+    got = np.asarray(drafter_forward(dparams, dcfg, cache, jnp.asarray(embed), jnp.asarray(data["lm_head"], jnp.float32),
                                      bonus, start))
     return [got[r] for r in range(2)], [data[f"logits_{r}"] for r in range(2)]
 
@@ -97,7 +97,7 @@ def test_logits_match_dflash_reference(name):
 def test_fixture_configs_are_read_as_written():
     gqa, _ = load_hf_drafter(FIXTURES / "dflash_b16_gqa", jnp.float32)
     assert gqa == DrafterConfig(hidden_size=192, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                head_dim=32, intermediate_size=256, block_size=16, target_layer_ids=(1, 3),
+                                head_dim=32, intermediate_size=96, block_size=16, target_layer_ids=(1, 3),
                                 mask_token_id=399, rms_norm_eps=1e-6, rope_theta=50000.0)
     yarn, params = load_hf_drafter(FIXTURES / "dflash_b8_yarn", jnp.bfloat16)
     assert (yarn.block_size, yarn.target_layer_ids, yarn.num_attention_heads, yarn.num_key_value_heads) == (
@@ -145,7 +145,7 @@ def test_greedy_speculative_decoding_with_an_imported_drafter_equals_autoregress
 # ------------------------------------------------------------------------------------ export
 @pytest.mark.parametrize("name", ALL)
 def test_export_then_import_is_bit_exact(name, tmp_path):
-    dtype = jnp.float32 if name == "dflash_b16_gqa" else jnp.bfloat16  # the files' own dtypes
+    dtype = jnp.float16 if name == "dflash_b16_gqa" else jnp.bfloat16  # the files' own dtypes
     dcfg, dparams = load_hf_drafter(FIXTURES / name, dtype)
     out = export_hf_drafter(dcfg, dparams, tmp_path / "exported", target=TINY)
     dcfg2, dparams2 = load_hf_drafter(out, dtype, target=TINY)
@@ -220,7 +220,7 @@ def test_dflash_config_wins_over_top_level_like_dflash():
 
 
 BASE = {"hidden_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 32, "intermediate_size": 256, "dflash_config": {"mask_token_id": 399, "target_layer_ids": [1, 3]}}
+        "head_dim": 32, "intermediate_size": 96, "dflash_config": {"mask_token_id": 399, "target_layer_ids": [1, 3]}}
 
 
 @pytest.mark.parametrize("change,match", [
