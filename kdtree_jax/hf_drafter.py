@@ -89,7 +89,7 @@ def _rope(raw: Mapping[str, Any], head_dim: int) -> tuple[float, YarnScaling | N
     partial = (params or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         _refuse("partial_rotary_factor", partial, "the drafter rotates the whole head")
-    if rope_type == "default":
+    if rope_type == "default" or scaling is None:
         return float(theta), None
     if rope_type != "yarn":
         _refuse("rope type", rope_type, "only 'default' and 'yarn' RoPE are implemented")

@@ -78,8 +78,8 @@ def draft_logits(dcfg: DrafterConfig, dparams: dict, data) -> tuple[list[np.ndar
                                    jnp.asarray(lengths, jnp.int32))
     bonus = jnp.asarray([int(data[f"bonus_{r}"]) for r in range(2)], jnp.int32)
     start = jnp.asarray([int(data[f"start_{r}"]) + lengths[r] for r in range(2)], jnp.int32)
-    got = np.asarray(drafter_forward(dparams, dcfg, cache, jnp.asarray(embed), jnp.asarray(data["lm_head"], jnp.float32),
-                                     bonus, start))
+    lm_head = jnp.asarray(data["lm_head"], jnp.float32)  # [D, V]
+    got = np.asarray(drafter_forward(dparams, dcfg, cache, jnp.asarray(embed), lm_head, bonus, start))
     return [got[r] for r in range(2)], [data[f"logits_{r}"] for r in range(2)]
 
 
