@@ -132,6 +132,14 @@ def drafter_config_from_hf(raw: Mapping[str, Any]) -> DrafterConfig:
     def value(name: str, default: Any = None) -> Any:  # DFlash's _draft_value: dflash_config, then top level
         return dflash.get(name, raw.get(name, default))
 
+    def number(name: str, default: float) -> float:  # a numeric DFlash option; null reads as the default
+        v = value(name, default)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            _refuse(name, v, "expected a number")
+        return float(v)
+
     def field(name: str) -> Any:  # a Qwen3Config field: top level, else Qwen3Config's default
         return raw.get(name, QWEN3_DEFAULTS[name])
 
@@ -149,20 +157,24 @@ def drafter_config_from_hf(raw: Mapping[str, Any]) -> DrafterConfig:
         _refuse("attention_bias", raw["attention_bias"], "the drafter's q/k/v/o projections have no bias")
     if field("hidden_act") != "silu":
         _refuse("hidden_act", raw["hidden_act"], "the drafter's MLP is SwiGLU (silu)")
-    if float(value("input_embedding_scale", 1.0)) != 1.0:
+    if number("input_embedding_scale", 1.0) != 1.0:
         _refuse("input_embedding_scale", value("input_embedding_scale"), "the block is the target's plain embedding")
-    if float(value("output_multiplier", 1.0)) != 1.0:
+    if number("output_multiplier", 1.0) != 1.0:
         _refuse("output_multiplier", value("output_multiplier"), "the draft logits are the plain lm_head output")
-    softcap = value("final_logit_softcapping")
-    if softcap is not None and float(softcap) > 0:
+    softcap = number("final_logit_softcapping", 0.0)
+    if softcap > 0:
         _refuse("final_logit_softcapping", softcap, "the draft logits are not soft-capped")
     layers = field("num_hidden_layers")
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers <= 0:
+        _refuse("num_hidden_layers", layers, "expected a positive integer")
     layer_types = raw.get("layer_types")
     if layer_types is None:  # Qwen3Config derives them: sliding from max_window_layers on, if enabled
         window = field("sliding_window") if field("use_sliding_window") else None
         layer_types = ["sliding_attention" if window is not None and i >= field("max_window_layers")
                        else "full_attention" for i in range(layers)]
-    bad_types = sorted({t for t in layer_types if t != "full_attention"})
+    if not isinstance(layer_types, list) or len(layer_types) != layers:
+        _refuse("layer_types", layer_types, f"expected a list of {layers} layer types (num_hidden_layers)")
+    bad_types = sorted({str(t) for t in layer_types if t != "full_attention"})
     if bad_types:
         _refuse("layer_types", bad_types, "only 'full_attention' drafter layers (no sliding window, which "
                 "DFlash also makes causal)")

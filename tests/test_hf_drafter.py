@@ -213,6 +213,12 @@ def test_absent_fields_take_qwen3_defaults_and_dflash_placement():
         "mask_token_id": 0, "target_layer_ids": [1]}}).num_key_value_heads == 32
 
 
+def test_null_options_read_as_their_defaults():
+    dcfg = drafter_config_from_hf(dict(BASE, input_embedding_scale=None, output_multiplier=None,
+                                       final_logit_softcapping=None, layer_types=None))
+    assert dcfg.num_hidden_layers == 2
+
+
 def test_dflash_config_wins_over_top_level_like_dflash():
     dcfg = drafter_config_from_hf({"block_size": 4, "mask_token_id": 1, "target_layer_ids": [9],
                                    "dflash_config": {"block_size": 8, "target_layer_ids": [2, 3]}})
@@ -231,6 +237,9 @@ BASE = {"hidden_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4, "n
     ({"dflash_config": dict(BASE["dflash_config"], final_logit_softcapping=20.0)}, "final_logit_softcapping=20.0"),
     ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types=\\['sliding_attention'\\]"),
     ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}, "layer_types"),
+    ({"layer_types": ["full_attention"]}, "expected a list of 2 layer types"),
+    ({"num_hidden_layers": "2"}, "num_hidden_layers='2'"),
+    ({"input_embedding_scale": "x"}, "input_embedding_scale='x'.*expected a number"),
     ({"is_causal": True}, "is_causal=True"),
     ({"architectures": ["DFlash2DraftModel"]}, "DFlash2"),
     ({"dflash_config": dict(BASE["dflash_config"], conv_kernel_size=2)}, "DFlash2.*conv_kernel_size"),
@@ -345,3 +354,12 @@ def test_cli_convert_both_ways_and_generate_with_an_hf_drafter(tmp_path, capsys)
                    str(FIXTURES / "dflash_b16_gqa"), "--method", "ddtree", "--budget", "4"])
     err = capsys.readouterr().err
     assert rc != 0 and "does not fit the target" in err and "target_layer_ids [3]" in err
+
+
+def test_the_float64_reference_drafter_refuses_yarn_instead_of_ignoring_it():
+    from reference import drafter as ref_drafter  # noqa: PLC0415
+
+    dcfg, dparams = load_hf_drafter(FIXTURES / "dflash_b8_yarn", jnp.float32)
+    p = jax.tree.map(np.asarray, dparams)
+    with pytest.raises(NotImplementedError, match="plain RoPE only"):
+        ref_drafter.project_kv(p["layers_0"]["attn"], dcfg, np.zeros((1, 192)), np.zeros(1, np.int64))
