@@ -8,6 +8,7 @@ Public API (see README.md):
                       drafter=(dcfg, dparams), tree_budget=32)
     kj.save_checkpoint(path, cfg, params); cfg, params = kj.load_checkpoint(path)
     cfg, params = kj.load_hf(hf_dir)
+    dcfg, dparams = kj.load_hf_drafter(dflash_dir, target=cfg)   # a published z-lab DFlash drafter
 """
 
 from kdtree_jax.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -18,12 +19,14 @@ from kdtree_jax.drafter import (DrafterCache, DrafterConfig, drafter_extend_cont
                                 init_drafter_cache, init_drafter_params)
 from kdtree_jax.generate import MoEKernelPerformanceWarning, generate
 from kdtree_jax.hf import HFCheckpointError, load_hf
+from kdtree_jax.hf_drafter import DrafterFormatError, export_hf_drafter, load_hf_drafter
 from kdtree_jax.model import KVCache, forward, forward_with_cache, init_cache, init_params
 from kdtree_jax.quantize import mosaic_moe_unsupported, quantize, to_mosaic_experts
 from kdtree_jax.tree import Tree, build_chain, build_tree
 
 __all__ = [
-    "CheckpointError", "ConfigError", "DFlashDraft", "DrafterCache", "DrafterConfig", "GenerateOutput",
+    "CheckpointError", "ConfigError", "DFlashDraft", "DrafterCache", "DrafterConfig", "DrafterFormatError",
+    "GenerateOutput", "export_hf_drafter", "load_hf_drafter",
     "HFCheckpointError", "KVCache", "ModelConfig", "OracleDraft", "Tree", "YarnScaling", "build_chain",
     "build_tree", "drafter_extend_context", "drafter_forward", "forward", "forward_with_cache", "generate",
     "init_cache", "init_drafter_cache", "init_drafter_params", "init_params", "load_checkpoint", "load_hf",

@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: the preset's)")
     g.add_argument("--drafter", metavar="DIR", help="a drafter checkpoint (needed by dflash / ddtree unless "
                    "--preset; 'init --drafter' writes a random one)")
+    g.add_argument("--hf-drafter", metavar="DIR", help="instead of --drafter: a z-lab DFlash drafter directory "
+                   "(config.json with dflash_config + safetensors, e.g. Kimi-K2.5-DFlash), loaded in the "
+                   "target's dtype and checked against the target (docs/drafter.md)")
     g.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt: space-separated token ids, "
                    "or text when --tokenizer is given. Repeat for a batch (default: the BOS token)")
     g.add_argument("--tokenizer", metavar="FILE", help="a tokenizer.json (Hugging Face 'tokenizers' format): "
@@ -169,8 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "to a kdtree-jax Orbax checkpoint at OUT_DIR, one layer at a time (peak host memory "
                        "about one layer). OUT_DIR appears only once complete and verified; a failure or "
                        "Ctrl-C leaves nothing behind.")
-    c.add_argument("hf_dir", metavar="HF_DIR", help="the Hugging Face checkpoint directory")
+    c.add_argument("hf_dir", metavar="HF_DIR", help="the Hugging Face checkpoint directory (with "
+                   "--to-hf-drafter: the kdtree-jax drafter checkpoint)")
     c.add_argument("out_dir", metavar="OUT_DIR", help="where to write the checkpoint (must not exist)")
+    drafter_dir = c.add_mutually_exclusive_group()
+    drafter_dir.add_argument("--drafter", action="store_true", help="HF_DIR is a z-lab DFlash drafter "
+                             "(config.json with dflash_config); write a kdtree-jax drafter checkpoint")
+    drafter_dir.add_argument("--to-hf-drafter", action="store_true", help="the other way: HF_DIR is a "
+                             "kdtree-jax drafter checkpoint; write it in DFlash's Hugging Face format "
+                             "(config.json + model.safetensors, weights in their saved dtype)")
     c.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype of the dense weights "
                    "(router stays float32, INT4 experts stay INT4; default: %(default)s)")
     c.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it is a kdtree-jax checkpoint "
@@ -369,11 +379,26 @@ def _choose_moe_kernel(choice: str, cfg, params, model_desc: str):
     return params, model_desc + ", routed experts on the Mosaic GPU MoE kernel"
 
 
-def _load_drafter(args, cfg, methods):
+def _load_drafter(args, cfg, methods, params=None):
     if not any(m in ("dflash", "ddtree") for m in methods):
-        if args.drafter:
-            raise CLIError(f"--drafter is not used by --method {args.method}")
+        if args.drafter or args.hf_drafter:
+            flag = "--drafter" if args.drafter else "--hf-drafter"
+            raise CLIError(f"{flag} is not used by --method {args.method}")
         return None, None
+    if args.hf_drafter:
+        from kdtree_jax.config import ConfigError  # noqa: PLC0415
+        from kdtree_jax.hf_drafter import load_hf_drafter  # noqa: PLC0415
+
+        if args.drafter:
+            raise CLIError("give --drafter or --hf-drafter, not both")
+        # the drafter runs in the target's activation dtype (its embedding's)
+        dtype = params["embed_tokens"].dtype if params is not None else "bfloat16"
+        try:
+            dcfg, dparams = load_hf_drafter(_check_dir(args.hf_drafter, "DFlash drafter directory"),
+                                            dtype, target=cfg)
+        except ConfigError as e:
+            raise CLIError(f"drafter {args.hf_drafter} does not fit the target: {e}") from None
+        return (dcfg, dparams), f"DFlash drafter {args.hf_drafter} ({dtype})"
     if args.shipped and not args.drafter:
         args.drafter = str(SHIPPED / "drafter")
     if args.drafter:
@@ -462,7 +487,7 @@ def cmd_generate(args) -> None:
     prompts = _parse_prompts(args.prompt, tokenizer, cfg)
     needs_drafter = any(m in ("dflash", "ddtree") for m in methods)
     with STATUS.step("loading the drafter") if needs_drafter else contextlib.nullcontext():
-        drafter, drafter_desc = _load_drafter(args, cfg, methods)
+        drafter, drafter_desc = _load_drafter(args, cfg, methods, params)
     print(f"model: {model_desc}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
           f"vocab {cfg.vocab_size}" + (f"; {drafter_desc}" if drafter_desc else ""))
     sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, seed {args.seed}"
@@ -503,6 +528,8 @@ def cmd_convert(args) -> None:
     from kdtree_jax.checkpoint import check_destination  # noqa: PLC0415
     from kdtree_jax.convert import convert_hf  # noqa: PLC0415
 
+    if args.drafter or args.to_hf_drafter:
+        return _convert_drafter(args)
     _check_dir(args.hf_dir, "Hugging Face directory")
     check_destination(args.out_dir, overwrite=args.overwrite, inputs={"Hugging Face directory": args.hf_dir})
     start = time.perf_counter()
@@ -510,6 +537,23 @@ def cmd_convert(args) -> None:
                       progress=not args.no_progress)
     print(f"wrote {path} ({_dir_bytes(path) / 2**20:.1f} MiB, {time.perf_counter() - start:.1f} s); "
           f"verified against the config's tensor list")
+
+
+def _convert_drafter(args) -> None:
+    """convert --drafter (DFlash HF -> Orbax) and --to-hf-drafter (Orbax -> DFlash HF)."""
+    from kdtree_jax.checkpoint import check_destination, load_checkpoint, save_checkpoint  # noqa: PLC0415
+    from kdtree_jax.hf_drafter import export_hf_drafter, load_hf_drafter  # noqa: PLC0415
+
+    check_destination(args.out_dir, overwrite=args.overwrite, inputs={"input directory": args.hf_dir})
+    if args.to_hf_drafter:
+        dcfg, dparams = load_checkpoint(_check_dir(args.hf_dir, "drafter checkpoint"), expect_kind="drafter")
+        path = export_hf_drafter(dcfg, dparams, args.out_dir, overwrite=args.overwrite)
+        print(f"wrote DFlash drafter {path} ({dcfg.num_hidden_layers} layers, block {dcfg.block_size})")
+        return
+    dcfg, dparams = load_hf_drafter(_check_dir(args.hf_dir, "DFlash drafter directory"), _dtype(args.dtype))
+    path = save_checkpoint(args.out_dir, dcfg, dparams, overwrite=args.overwrite)
+    print(f"wrote drafter checkpoint {path} ({dcfg.num_hidden_layers} layers, block {dcfg.block_size}, reads "
+          f"target layers {list(dcfg.target_layer_ids)}, mask token {dcfg.mask_token_id})")
 
 
 def cmd_init(args) -> None:

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdtree_jax.config import ConfigError, ModelConfig
-from kdtree_jax.layers import apply_rope, rms_norm, rope_inv_freq, swiglu
+from kdtree_jax.config import ConfigError, ModelConfig, YarnScaling
+from kdtree_jax.layers import apply_rope, rms_norm, rope_frequencies, swiglu
 
 # DFlash drafters use blocks of 10-16. DDTree's tree build and accept walk unroll one step per drafted
 # position, so compile time grows about quadratically with the block (tiny model on a CPU: 16 -> 7 s,
@@ -53,6 +53,7 @@ class DrafterConfig:
     mask_token_id: int | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: YarnScaling | None = None  # YaRN (imported DFlash drafters may carry it); None = plain RoPE
 
     @property
     def num_target_layers(self) -> int:
@@ -99,6 +100,13 @@ class DrafterConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"DrafterConfig.{name} must be a positive number, got {value!r}")
+        rs = self.rope_scaling
+        if rs is not None:
+            if not isinstance(rs, YarnScaling):
+                raise ConfigError(f"DrafterConfig.rope_scaling must be a YarnScaling or None, got {rs!r}")
+            if not rs.factor >= 1.0 or rs.original_max_position_embeddings <= 0:
+                raise ConfigError(f"DrafterConfig.rope_scaling needs factor >= 1 and a positive "
+                                  f"original_max_position_embeddings, got {rs!r}")
         return self
 
     def check_target(self, cfg: ModelConfig) -> "DrafterConfig":
@@ -179,6 +187,11 @@ class DrafterConfig:
                 raise ConfigError(f"DrafterConfig.target_layer_ids must be a list, got "
                                   f"{data['target_layer_ids']!r}")
             data["target_layer_ids"] = tuple(data["target_layer_ids"])
+        if isinstance(data.get("rope_scaling"), Mapping):
+            try:
+                data["rope_scaling"] = YarnScaling(**data["rope_scaling"])
+            except TypeError as e:
+                raise ConfigError(f"bad DrafterConfig.rope_scaling fields: {e}") from None
         try:
             return cls(**data).validate()
         except TypeError as e:
@@ -311,8 +324,9 @@ def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return x @ w.astype(x.dtype)
 
 
-def _inv_freq(dcfg: DrafterConfig) -> np.ndarray:
-    return rope_inv_freq(dcfg.rope_theta, dcfg.head_dim)
+def _rope(dcfg: DrafterConfig) -> tuple[np.ndarray, float]:
+    """(inv_freq [hd/2], attention_factor): plain RoPE, or YaRN when `rope_scaling` is set."""
+    return rope_frequencies(dcfg.rope_theta, dcfg.head_dim, dcfg.rope_scaling)
 
 
 def _is_concrete(x: Any) -> bool:
@@ -332,7 +346,7 @@ def _project_kv(p_attn: dict, dcfg: DrafterConfig, x: jax.Array, positions: jax.
     B, T, _ = x.shape
     KVH, hd = dcfg.num_key_value_heads, dcfg.head_dim
     k = _linear(x, p_attn["k"]).reshape(B, T, KVH, hd)
-    k = apply_rope(rms_norm(k, p_attn["k_norm"], dcfg.rms_norm_eps), positions, _inv_freq(dcfg))
+    k = apply_rope(rms_norm(k, p_attn["k_norm"], dcfg.rms_norm_eps), positions, *_rope(dcfg))
     v = _linear(x, p_attn["v"]).reshape(B, T, KVH, hd)
     return k, v
 
@@ -413,7 +427,7 @@ def _block_attention(p_attn: dict, dcfg: DrafterConfig, x: jax.Array, positions:
     H, KVH, hd = dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim
     G = H // KVH  # query heads per KV head; head h uses KV head h // G (HF repeat_kv order)
     q = _linear(x, p_attn["q"]).reshape(B, Tb, H, hd)
-    q = apply_rope(rms_norm(q, p_attn["q_norm"], dcfg.rms_norm_eps), positions, _inv_freq(dcfg))
+    q = apply_rope(rms_norm(q, p_attn["q_norm"], dcfg.rms_norm_eps), positions, *_rope(dcfg))
     q = q.reshape(B, Tb, KVH, G, hd)  # [B, Tb, KVH, G, hd]
     k_blk, v_blk = _project_kv(p_attn, dcfg, x, positions)  # [B, Tb, KVH, hd]
 

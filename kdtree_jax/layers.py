@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdtree_jax.config import ModelConfig
+from kdtree_jax.config import ModelConfig, YarnScaling
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -32,16 +32,20 @@ def rope_inv_freq(theta: float, dim: int) -> np.ndarray:
 
 def yarn_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     """(inv_freq [r/2] float64, attention_factor) for the target's rope slice (YaRN when configured)."""
-    dim = cfg.qk_rope_head_dim
-    extra = rope_inv_freq(cfg.rope_theta, dim)
-    rs = cfg.rope_scaling
+    return rope_frequencies(cfg.rope_theta, cfg.qk_rope_head_dim, cfg.rope_scaling)
+
+
+def rope_frequencies(theta: float, dim: int, rs: YarnScaling | None) -> tuple[np.ndarray, float]:
+    """(inv_freq [dim/2] float64, attention_factor): plain RoPE, or YaRN (HF `_compute_yarn_parameters`
+    with truncate=True) when `rs` is given. Shared by the target and the drafter."""
+    extra = rope_inv_freq(theta, dim)
     if rs is None:
         return extra, 1.0
     inter = extra / rs.factor
 
     def correction_dim(num_rotations: float) -> float:
         return (dim * math.log(rs.original_max_position_embeddings / (num_rotations * 2 * math.pi))
-                / (2 * math.log(cfg.rope_theta)))
+                / (2 * math.log(theta)))
 
     low = max(math.floor(correction_dim(rs.beta_fast)), 0)
     high = min(math.ceil(correction_dim(rs.beta_slow)), dim - 1)

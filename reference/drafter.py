@@ -39,8 +39,15 @@ def context_features(p: dict, cfg: Any, target_hidden: np.ndarray) -> np.ndarray
     return rms_norm(concat @ p["fc"], p["hidden_norm"], cfg.rms_norm_eps)
 
 
+def _check_plain_rope(cfg: Any) -> None:
+    if getattr(cfg, "rope_scaling", None) is not None:  # YaRN drafters are checked against the DFlash fixtures
+        raise NotImplementedError("the reference drafter implements plain RoPE only, got rope_scaling="
+                                  f"{cfg.rope_scaling!r}")
+
+
 def project_kv(p_attn: dict, cfg: Any, x: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """x [T, D] at positions [T] -> keys [T, KVH, hd] (per-head k_norm then RoPE), values [T, KVH, hd]."""
+    _check_plain_rope(cfg)
     T = x.shape[0]
     KVH, hd = cfg.num_key_value_heads, cfg.head_dim
     keys = np.zeros((T, KVH, hd))
