@@ -8,6 +8,9 @@ Public API (see README.md):
                       drafter=(dcfg, dparams), tree_budget=32)
     kj.save_checkpoint(path, cfg, params); cfg, params = kj.load_checkpoint(path)
     cfg, params = kj.load_hf(hf_dir)
+    params = kj.prepare_params(params, cfg)           # once: the layout the chosen kernels run on
+    kj.kernel_plan(params, cfg)                       # which kernel each op runs here, and why
+    out = kj.generate(..., kernels=kj.Kernels(attention="xla"))  # override the choice per call
 """
 
 from kdtree_jax.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -15,16 +18,19 @@ from kdtree_jax.config import ConfigError, ModelConfig, YarnScaling
 from kdtree_jax.ddtree import DFlashDraft, OracleDraft
 from kdtree_jax.drafter import (DrafterCache, DrafterConfig, drafter_extend_context, drafter_forward,
                                 init_drafter_cache, init_drafter_params)
-from kdtree_jax.generate import GenerateOutput, MoEKernelPerformanceWarning, generate
+from kdtree_jax.generate import GenerateOutput, generate
 from kdtree_jax.hf import HFCheckpointError, load_hf
+from kdtree_jax.kernels import kernel_plan, plan_summary, prepare_params
 from kdtree_jax.model import KVCache, forward, forward_with_cache, init_cache, init_params
 from kdtree_jax.quantize import mosaic_moe_unsupported, quantize, to_mosaic_experts
 from kdtree_jax.tree import Tree, build_chain, build_tree
+from pallas_kernels.dispatch import KernelUnavailableError, Kernels
 
 __all__ = [
     "CheckpointError", "ConfigError", "DFlashDraft", "DrafterCache", "DrafterConfig", "GenerateOutput",
-    "HFCheckpointError", "KVCache", "ModelConfig", "OracleDraft", "Tree", "YarnScaling", "build_chain",
+    "HFCheckpointError", "KVCache", "KernelUnavailableError", "Kernels", "ModelConfig", "OracleDraft", "Tree", "YarnScaling", "build_chain",
     "build_tree", "drafter_extend_context", "drafter_forward", "forward", "forward_with_cache", "generate",
-    "init_cache", "init_drafter_cache", "init_drafter_params", "init_params", "load_checkpoint", "load_hf",
-    "MoEKernelPerformanceWarning", "mosaic_moe_unsupported", "quantize", "save_checkpoint", "to_mosaic_experts",
+    "init_cache", "init_drafter_cache", "init_drafter_params", "init_params", "kernel_plan", "load_checkpoint",
+    "load_hf", "mosaic_moe_unsupported", "plan_summary", "prepare_params", "quantize", "save_checkpoint",
+    "to_mosaic_experts",
 ]

@@ -96,7 +96,7 @@ def _pallas_runs(device, interpret: bool) -> str | None:
     """Why a Pallas kernel cannot run on `device`, or None."""
     if interpret or is_gpu(device):
         return None
-    return f"no GPU (this is {_device_name(device)})"
+    return f"no GPU, this is {_device_name(device)}"
 
 
 def _unavailable(op: str, impl: str, why: str, hint: str) -> KernelUnavailableError:
@@ -228,5 +228,6 @@ def choose_moe(experts: Any, *, act_dtype, impl: str = AUTO, device=None, interp
                       ("interpret mode" if interpret and not is_gpu(device) else "GPU"))
     if impl == AUTO and not is_gpu(device) and not interpret:
         return Choice("xla", why)  # the CPU plan: the XLA reference over the same weights
-    raise _unavailable("moe", impl if impl != AUTO else kernel, why,
-                       "keep the experts in the checkpoint layout (Triton kernel) or use the XLA reference")
+    hint = ("use the XLA reference (impl 'xla') or interpret mode" if kernel == "triton" else
+            "keep the experts in the checkpoint layout (Triton kernel) or use the XLA reference (impl 'xla')")
+    raise _unavailable("moe", impl if impl != AUTO else kernel, why, hint)
