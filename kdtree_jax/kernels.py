@@ -97,6 +97,9 @@ def kernel_plan(params: dict, cfg: ModelConfig, device=None, kernels: Kernels | 
     if experts is None:
         plan["moe"] = ("none", "no MoE layers")
     elif not is_quantized(experts["gate"]):
+        if kernels.moe in ("triton", "mosaic_gpu"):
+            raise dispatch.KernelUnavailableError(f"moe impl={kernels.moe!r} needs INT4 routed experts; this model "
+                                                  "has dense experts")
         plan["moe"] = ("xla", "dense experts (not INT4)")
     else:
         layout = _moe_layout(experts, act_dtype, cfg, kernels, device)
