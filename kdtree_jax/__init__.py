@@ -28,7 +28,8 @@ from pallas_kernels.dispatch import KernelUnavailableError, Kernels
 
 __all__ = [
     "CheckpointError", "ConfigError", "DFlashDraft", "DrafterCache", "DrafterConfig", "GenerateOutput",
-    "HFCheckpointError", "KVCache", "KernelUnavailableError", "Kernels", "ModelConfig", "OracleDraft", "Tree", "YarnScaling", "build_chain",
+    "HFCheckpointError", "KVCache", "KernelUnavailableError", "Kernels", "ModelConfig", "OracleDraft", "Tree",
+    "YarnScaling", "build_chain",
     "build_tree", "drafter_extend_context", "drafter_forward", "forward", "forward_with_cache", "generate",
     "init_cache", "init_drafter_cache", "init_drafter_params", "init_params", "kernel_plan", "load_checkpoint",
     "load_hf", "mosaic_moe_unsupported", "plan_summary", "prepare_params", "quantize", "save_checkpoint",

@@ -321,7 +321,8 @@ class DecoderLayer(nn.Module):
     def __call__(self, h, positions, latent_cache=None, start=None, visibility=None):
         cfg, dt = self.cfg, self.param_dtype
         normed = rms_norm(h, _weight(self, "input_norm", (cfg.hidden_size,), dt, _ones), cfg.rms_norm_eps)
-        attn_out, latent_cache = MLA(cfg, dt, self.kernels, name="attn")(normed, positions, latent_cache, start, visibility)
+        attn_out, latent_cache = MLA(cfg, dt, self.kernels, name="attn")(normed, positions, latent_cache, start,
+                                                                          visibility)
         h = h + attn_out
         normed = rms_norm(h, _weight(self, "post_attn_norm", (cfg.hidden_size,), dt, _ones),
                           cfg.rms_norm_eps)

@@ -83,7 +83,8 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
     scale_t [E, K/32, N]); expert_ids [T, k] int32 in [0, E);
     weights [T, k] float (zero-weight choices are dropped: they touch nothing). block_m: rows per tile
     (a multiple of 8, <= 256). config_up (gate and up launches) / config_down: tilings, by default
-    `tuned.default_mosaic_config` of their K. interpret: None natively, or InterpretGPUParams (needs a_operand="smem")."""
+    `tuned.default_mosaic_config` of their K. interpret: None natively, or InterpretGPUParams (needs
+    a_operand="smem")."""
     if x.ndim != 2 or x.dtype != jnp.bfloat16:
         raise ValueError(f"x must be bf16 [T, D], got {x.dtype} {x.shape}")
     if block_m % 8 or not 8 <= block_m <= 256:
