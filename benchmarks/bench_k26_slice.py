@@ -141,7 +141,7 @@ def post_attention(p, h, attn, cfg):
 def routed(experts, x, idx, w, impl):
     """The routed MoE by impl: "mosaic" (experts in the Mosaic layout), "triton", or an XLA alternative."""
     from pallas_kernels import moe_w4a16 as moe
-    from pallas_kernels.w4a16_mgpu.moe import grouped_moe_w4a16_mgpu
+    from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_moe_w4a16_mgpu
 
     if impl == "mosaic":
         return grouped_moe_w4a16_mgpu(x, experts, idx, w)
