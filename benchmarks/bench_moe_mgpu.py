@@ -43,7 +43,7 @@ def main():
     import kdtree_jax as kj
     from benchmarks.common import Timer, copy_bandwidth, metadata, write_results
     from benchmarks.cost_model import BF16_BYTES, CostModel
-    from pallas_kernels.w4a16_mgpu import MgpuConfig
+    from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig
     from pallas_kernels.w4a16_mgpu.moe import grouped_moe_w4a16_mgpu, routed_moe_mosaic_reference
 
     if jax.default_backend() != "gpu":

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import Timer, metadata, write_json, write_markdown, write_png, write_results  # noqa: E402
 from pallas_kernels.tree_attention import BlockConfig, pick_config, tree_mla_attention_reference  # noqa: E402
-from pallas_kernels.tree_attention.kernel import tree_attention_pallas  # noqa: E402
+from pallas_kernels.tree_attention.triton import tree_attention_pallas  # noqa: E402
 
 COPY_BW = 3.4e12  # bytes/s, measured device copy on the H200 (docs/kernels.md)
 PEAK_FLOPS = 800e12  # bf16 dense, measured 8192^3 matmul is 823 TFLOP/s

@@ -42,7 +42,7 @@ def main():
     from benchmarks.common import Timer, metadata, write_results
     from pallas_kernels.w4a16 import w4a16_matmul, w4a16_matmul_reference
     from pallas_kernels.w4a16_mgpu import MgpuConfig, to_mgpu_layout
-    from pallas_kernels.w4a16_mgpu.kernel import w4a16_matmul_mgpu_kernel
+    from pallas_kernels.experimental.w4a16_mosaic_gpu import w4a16_matmul_mgpu_kernel
 
     if jax.default_backend() != "gpu":
         raise SystemExit("bench_w4a16_mgpu needs a Hopper GPU: CPU timings prove nothing")

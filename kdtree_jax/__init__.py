@@ -9,6 +9,9 @@ Public API (see README.md):
     kj.save_checkpoint(path, cfg, params); cfg, params = kj.load_checkpoint(path)
     cfg, params = kj.load_hf(hf_dir)
     dcfg, dparams = kj.load_hf_drafter(dflash_dir, target=cfg)   # a published z-lab DFlash drafter
+    params = kj.prepare_params(params, cfg)           # once: the layout the chosen kernels run on
+    kj.kernel_plan(params, cfg)                       # which kernel each op runs here, and why
+    out = kj.generate(..., kernels=kj.Kernels(attention="xla"))  # override the choice per call
 """
 
 from kdtree_jax.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -17,18 +20,21 @@ from kdtree_jax.ddtree import DFlashDraft, OracleDraft
 from kdtree_jax.decoding import GenerateOutput
 from kdtree_jax.drafter import (DrafterCache, DrafterConfig, drafter_extend_context, drafter_forward,
                                 init_drafter_cache, init_drafter_params)
-from kdtree_jax.generate import MoEKernelPerformanceWarning, generate
+from kdtree_jax.generate import generate
 from kdtree_jax.hf import HFCheckpointError, load_hf
 from kdtree_jax.hf_drafter import DrafterFormatError, export_hf_drafter, load_hf_drafter
+from kdtree_jax.kernels import kernel_plan, plan_summary, prepare_params
 from kdtree_jax.model import KVCache, forward, forward_with_cache, init_cache, init_params
 from kdtree_jax.quantize import mosaic_moe_unsupported, quantize, to_mosaic_experts
 from kdtree_jax.tree import Tree, build_chain, build_tree
+from pallas_kernels.dispatch import KernelUnavailableError, Kernels
 
 __all__ = [
     "CheckpointError", "ConfigError", "DFlashDraft", "DrafterCache", "DrafterConfig", "DrafterFormatError",
-    "GenerateOutput", "export_hf_drafter", "load_hf_drafter",
-    "HFCheckpointError", "KVCache", "ModelConfig", "OracleDraft", "Tree", "YarnScaling", "build_chain",
+    "GenerateOutput", "HFCheckpointError", "KVCache", "KernelUnavailableError", "Kernels", "ModelConfig",
+    "OracleDraft", "Tree", "YarnScaling", "build_chain", "export_hf_drafter", "load_hf_drafter",
     "build_tree", "drafter_extend_context", "drafter_forward", "forward", "forward_with_cache", "generate",
-    "init_cache", "init_drafter_cache", "init_drafter_params", "init_params", "load_checkpoint", "load_hf",
-    "MoEKernelPerformanceWarning", "mosaic_moe_unsupported", "quantize", "save_checkpoint", "to_mosaic_experts",
+    "init_cache", "init_drafter_cache", "init_drafter_params", "init_params", "kernel_plan", "load_checkpoint",
+    "load_hf", "mosaic_moe_unsupported", "plan_summary", "prepare_params", "quantize", "save_checkpoint",
+    "to_mosaic_experts",
 ]

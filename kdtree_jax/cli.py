@@ -36,6 +36,8 @@ METHODS = ("ar", "dflash", "ddtree", "all")
 DEFAULT_BUDGET = 32
 # jax.random.key keeps the low 32 bits of a seed (64-bit ints are off): 2**32 would give seed 0's numbers.
 MAX_SEED = 2**32 - 1
+# The implementations `--moe-kernel` etc. accept: pallas_kernels.dispatch.IMPLS (not imported here: start-up time).
+KERNEL_CHOICES = {"attention": ("triton", "xla"), "linear": ("triton", "xla"), "moe": ("triton", "mosaic_gpu", "xla")}
 # The trained pair shipped in the package (training/, docs/training.md): target, drafter, tokenizer.
 SHIPPED = Path(__file__).resolve().parent / "assets"
 
@@ -154,13 +156,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "reads every byte once more)")
     g.add_argument("--no-warmup", action="store_true", help="time the first call (compile time included) "
                    "instead of a second, compiled one")
-    g.add_argument("--moe-kernel", choices=("auto", "mosaic", "triton"), default="auto",
-                   help="kernel for the INT4 routed experts. mosaic: the Mosaic GPU grouped MoE kernel (Hopper, "
-                   "bf16; the fastest MoE path measured: docs/kernels.md), the experts' layout converted once after "
-                   "loading (kj.to_mosaic_experts); without a "
-                   "GPU an XLA path runs, with a note. triton: the Triton grouped kernel on the checkpoint "
-                   "layout (also float32 models). auto (default): mosaic where it can run (a Hopper GPU, bf16 "
-                   "params, INT4 experts with bf16 scales, expert dims multiples of 64), else triton")
+    g.add_argument("--moe-kernel", choices=("auto", *KERNEL_CHOICES["moe"]), default="auto",
+                   help="kernel for the INT4 routed experts. mosaic_gpu: the Mosaic GPU grouped MoE kernel "
+                   "(Hopper, bf16 params; the experts' layout is converted once after loading); triton: the "
+                   "Triton grouped kernel on the checkpoint layout (any GPU, also float32 models); xla: the "
+                   "plain-JAX reference. auto (default): mosaic_gpu where it can run, else triton on a GPU, "
+                   "else xla. A kernel that cannot run here is an error (docs/kernels.md)")
+    g.add_argument("--attention-kernel", choices=("auto", *KERNEL_CHOICES["attention"]), default="auto",
+                   help="kernel for the tree attention: triton (a GPU) or xla (the plain-JAX reference); auto "
+                   "(default): triton on a GPU, else xla")
+    g.add_argument("--linear-kernel", choices=("auto", *KERNEL_CHOICES["linear"]), default="auto",
+                   help="kernel for INT4 dense linears: triton (a GPU) or xla; auto (default): triton on a GPU, "
+                   "else xla")
     g.add_argument("--matmul-precision", choices=("highest", "default"), default="highest",
                    help="float32 matmul precision (default: %(default)s). On NVIDIA GPUs 'default' is TF32, "
                    "whose rounding differs between the AR step and the tree-shaped verify, so greedy DDTree "
@@ -361,22 +368,32 @@ def _load_model(args):
     return cfg, _random_target(cfg, args.seed, _dtype(dtype)), f"preset {args.preset} (random, seed {args.seed}, {dtype})"
 
 
-def _choose_moe_kernel(choice: str, cfg, params, model_desc: str):
-    """--moe-kernel: (params, description); mosaic converts the routed experts' layout (once; experts
-    restored onto a --mesh stay there)."""
-    import jax  # noqa: PLC0415
+def _kernels(args):
+    from kdtree_jax.kernels import Kernels  # noqa: PLC0415
 
-    from kdtree_jax.quantize import mosaic_moe_unsupported, to_mosaic_experts  # noqa: PLC0415
+    return Kernels(attention=args.attention_kernel, linear=args.linear_kernel, moe=args.moe_kernel)
 
-    if choice == "auto":
-        why = mosaic_moe_unsupported(params, cfg)
-        choice = "triton" if why else "mosaic"
-        if why and jax.default_backend() == "gpu":  # say why the fast kernel is not used where it could be
-            model_desc += f", routed experts not on the Mosaic GPU MoE kernel ({why})"
-    if choice == "triton":
-        return params, model_desc
-    params = to_mosaic_experts(params, cfg)  # a ValueError names the layer when the experts are not INT4
-    return params, model_desc + ", routed experts on the Mosaic GPU MoE kernel"
+
+_FLAGS = {"attention": "--attention-kernel", "linear": "--linear-kernel", "moe": "--moe-kernel"}
+
+
+def kernel_plan_line(params, cfg, kernels=None) -> str:
+    """The one line saying which kernel every op runs here, with hints a CLI user can act on: where a
+    flag pinned an op to something other than what auto would run, and where the model's dtype keeps the
+    routed experts off the Mosaic GPU kernel."""
+    from kdtree_jax.kernels import Kernels, kernel_plan, plan_summary  # noqa: PLC0415
+
+    kernels = kernels or Kernels()
+    plan = kernel_plan(params, cfg, kernels=kernels)
+    hints = []
+    pinned = [op for op in _FLAGS if getattr(kernels, op) != "auto"]
+    if pinned:
+        auto = kernel_plan(params, cfg, kernels=Kernels(interpret=kernels.interpret))
+        hints += [f"{_FLAGS[op]} auto would run {auto[op][0]}" for op in pinned if auto[op][0] != plan[op][0]]
+    if plan["moe"][0] == "triton" and "bf16 activations" in plan["moe"][1]:
+        hints.append("a bfloat16 model runs the routed experts on the Mosaic GPU kernel (--dtype bfloat16, or "
+                     "'convert --dtype bfloat16')")
+    return f"kernels: {plan_summary(plan)}" + (f"; hint: {'; '.join(hints)}" if hints else "")
 
 
 def _load_drafter(args, cfg, methods, params=None):
@@ -431,24 +448,21 @@ def _run(cfg, params, prompts, method, drafter, args):
     """(output, seconds of the timed call). Compiles first with an untimed call unless --no-warmup."""
     import jax  # noqa: PLC0415
 
-    from kdtree_jax.generate import MoEKernelPerformanceWarning, generate  # noqa: PLC0415
+    from kdtree_jax.generate import generate  # noqa: PLC0415
 
     kwargs = dict(max_new_tokens=args.max_new_tokens, method=method, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, key=jax.random.key(args.seed), stop_tokens=args.stop,
-                  mesh=args.mesh)
+                  mesh=args.mesh, kernels=_kernels(args))
     if method != "ar":
         kwargs["drafter"] = drafter
     if method == "ddtree":
         kwargs["tree_budget"] = args.budget
-    with warnings.catch_warnings():
-        if args.moe_kernel == "triton":  # asked for: no note that the Mosaic kernel would be faster
-            warnings.simplefilter("ignore", MoEKernelPerformanceWarning)
-        if not args.no_warmup:  # compile first, so tokens/s measures the compiled program
-            with STATUS.step(f"compiling {method} (a first, untimed call)"):
-                jax.block_until_ready(generate(cfg, params, prompts, **kwargs))
-        what = f"generating {method}" + (" (compilation included: --no-warmup)" if args.no_warmup else "")
-        with STATUS.step(what) as timing:
-            out = jax.block_until_ready(generate(cfg, params, prompts, **kwargs))
+    if not args.no_warmup:  # compile first, so tokens/s measures the compiled program
+        with STATUS.step(f"compiling {method} (a first, untimed call)"):
+            jax.block_until_ready(generate(cfg, params, prompts, **kwargs))
+    what = f"generating {method}" + (" (compilation included: --no-warmup)" if args.no_warmup else "")
+    with STATUS.step(what) as timing:
+        out = jax.block_until_ready(generate(cfg, params, prompts, **kwargs))
     return out, timing["seconds"]
 
 
@@ -481,15 +495,20 @@ def cmd_generate(args) -> None:
         from kdtree_jax.sharding import make_mesh  # noqa: PLC0415
 
         args.mesh = make_mesh(args.mesh)
+    from kdtree_jax.kernels import prepare_params  # noqa: PLC0415
+
     with STATUS.step("loading the target"):
         cfg, params, model_desc = _load_model(args)
-        params, model_desc = _choose_moe_kernel(args.moe_kernel, cfg, params, model_desc)
+        kernels = _kernels(args)
+        plan_line = kernel_plan_line(params, cfg, kernels)  # before converting: a kernel that cannot run fails here
+        params = prepare_params(params, cfg, kernels)  # routed experts to the Mosaic layout where it runs (once)
     prompts = _parse_prompts(args.prompt, tokenizer, cfg)
     needs_drafter = any(m in ("dflash", "ddtree") for m in methods)
     with STATUS.step("loading the drafter") if needs_drafter else contextlib.nullcontext():
         drafter, drafter_desc = _load_drafter(args, cfg, methods, params)
     print(f"model: {model_desc}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
           f"vocab {cfg.vocab_size}" + (f"; {drafter_desc}" if drafter_desc else ""))
+    print(plan_line)
     sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, seed {args.seed}"
     results = []
     for method in methods:
@@ -600,7 +619,7 @@ def checkpoint_info(path: str | Path) -> dict[str, Any]:
     if not (path / "config.json").exists() and any(path.glob("*.safetensors")):
         raise CLIError(f"{path} is a Hugging Face checkpoint, not a kdtree-jax one: convert it first "
                        f"('{PROG} convert {path} OUT_DIR')")
-    _, meta, index = checkpoint_index(path)
+    cfg, meta, index = checkpoint_index(path)
     leaves = jax.tree_util.tree_flatten_with_path(index)[0]
     by_dtype: Counter = Counter()
     count = 0
@@ -621,7 +640,21 @@ def checkpoint_info(path: str | Path) -> dict[str, Any]:
     return {"path": str(path), "kind": meta["kind"], "format": meta["format"], "param_dtype": meta["param_dtype"],
             "config": meta["config"], "quantization": meta.get("quantization"), "parameters": count,
             "bytes_by_dtype": dict(sorted(by_dtype.items())), "total_bytes": sum(by_dtype.values()),
-            "int4_tensors": int4}
+            "int4_tensors": int4, **_info_kernels(meta["kind"], cfg, index)}
+
+
+def _info_kernels(kind: str, cfg, index) -> dict[str, Any]:
+    """For a target: the kernel plan on this machine's first device (from shapes and dtypes only)."""
+    if kind != "target":
+        return {}
+    import jax  # noqa: PLC0415
+
+    from kdtree_jax.kernels import kernel_plan  # noqa: PLC0415
+
+    abstract = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), index)
+    plan = kernel_plan(abstract, cfg)
+    return {"kernels": {op: {"kernel": kernel, "reason": reason} for op, (kernel, reason) in plan.items()},
+            "kernels_line": kernel_plan_line(abstract, cfg)}
 
 
 def cmd_info(args) -> None:
@@ -643,6 +676,8 @@ def cmd_info(args) -> None:
             print(f"  {name}: {desc['shape [.., N, K]']} scales {desc.get('scale_dtype')}")
     else:
         print("INT4 tensors: none")
+    if "kernels_line" in info:
+        print(f"{info['kernels_line']} (on this machine)")
 
 
 def cmd_verify(args) -> None:

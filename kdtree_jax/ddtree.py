@@ -158,16 +158,17 @@ class _State(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "budget", "max_new_tokens", "max_len",
-                                             "sampling", "stop_tokens"))
+                                             "sampling", "stop_tokens", "kernels"))
 def _generate(params, draft_model, prompt_tokens, prompt_lengths, key, *, cfg, method, budget,
-              max_new_tokens, max_len, sampling, stop_tokens):
+              max_new_tokens, max_len, sampling, stop_tokens, kernels=None):
     batch = prompt_tokens.shape[0]
     dtype = params["embed_tokens"].dtype
     depth = draft_model.block_size - 1
     hidden_layers = draft_model.hidden_layers
 
     cache = init_cache(cfg, batch, max_len, dtype)
-    last_logits, hidden, cache = prefill(params, cfg, prompt_tokens, prompt_lengths, cache, hidden_layers)
+    last_logits, hidden, cache = prefill(params, cfg, prompt_tokens, prompt_lengths, cache, hidden_layers,
+                                             kernels=kernels)
     draft_state = draft_model.init_state(batch, max_len, dtype)
     positions = jnp.broadcast_to(jnp.arange(prompt_tokens.shape[1], dtype=jnp.int32), prompt_tokens.shape)
     draft_state = draft_model.extend(draft_state, hidden, positions, prompt_lengths)
@@ -190,7 +191,8 @@ def _generate(params, draft_model, prompt_tokens, prompt_lengths, key, *, cfg, m
             tree = build_tree(draft_logits, budget, root_tokens=s.bonus)
         positions = start[:, None] + tree.depths  # [B, T]
         logits, hidden, cache = forward_with_cache(params, cfg, tree.tokens, positions, s.cache,
-                                                   visibility=tree.visible, hidden_layers=hidden_layers)
+                                                   visibility=tree.visible, hidden_layers=hidden_layers,
+                                                   kernels=kernels)
         key, sub = jax.random.split(s.key)
         posterior = sample(logits, sub, sampling)  # [B, T]: independent per node when sampling
         path, length, next_bonus = accept_path(tree, posterior, depth)
@@ -216,7 +218,8 @@ def _generate(params, draft_model, prompt_tokens, prompt_lengths, key, *, cfg, m
 
 def generate_speculative(cfg: ModelConfig, params: Params, tokens, lengths, key, *, drafter, method: str,
                          tree_budget: int | None, max_new_tokens: int, sampling: SamplingParams,
-                         stop_tokens: tuple[int, ...], max_len: int | None, mesh=None) -> GenerateOutput:
+                         stop_tokens: tuple[int, ...], max_len: int | None, mesh=None,
+                         kernels=None) -> GenerateOutput:
     """DDTree / DFlash generation (called by `kdtree_jax.generate`, which checks the prompts and
     places params on `mesh`, a jax Mesh or None)."""
     if drafter is None:
@@ -243,4 +246,4 @@ def generate_speculative(cfg: ModelConfig, params: Params, tokens, lengths, key,
     with on_mesh(mesh):
         return _generate(params, draft_model, jnp.asarray(tokens), jnp.asarray(lengths), key, cfg=cfg,
                          method=method, budget=tree_budget, max_new_tokens=max_new_tokens, max_len=cache_rows,
-                         sampling=sampling, stop_tokens=stop_tokens)
+                         sampling=sampling, stop_tokens=stop_tokens, kernels=kernels)

@@ -15,6 +15,7 @@ import numpy as np
 
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model import KVCache, Params, check_tokens, forward_with_cache
+from pallas_kernels.dispatch import Kernels
 
 
 class GenerateOutput(NamedTuple):
@@ -157,12 +158,12 @@ def cache_length(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, slack: 
 
 
 def prefill(params: Params, cfg: ModelConfig, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
-            cache: KVCache, hidden_layers: tuple[int, ...] = ()):
+            cache: KVCache, hidden_layers: tuple[int, ...] = (), kernels: Kernels | None = None):
     """Causal forward over the padded prompts [B, P] into an empty cache. Returns (logits of each
     row's last prompt token [B, V], hidden [B, P, n, D], cache with lengths = prompt_lengths)."""
     positions = jnp.broadcast_to(jnp.arange(prompt_tokens.shape[1], dtype=jnp.int32), prompt_tokens.shape)
     logits, hidden, cache = forward_with_cache(params, cfg, prompt_tokens, positions, cache,
-                                               hidden_layers=hidden_layers)
+                                               hidden_layers=hidden_layers, kernels=kernels)
     last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     return last, hidden, cache._replace(lengths=prompt_lengths)
 

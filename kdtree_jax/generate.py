@@ -8,7 +8,6 @@ dispatch. The pieces every method shares (sampling, prefill, ...) live in kdtree
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import NamedTuple, Sequence
 
 import jax
@@ -21,22 +20,11 @@ from kdtree_jax.ddtree import generate_speculative
 from kdtree_jax.decoding import (GenerateOutput, SamplingParams, cache_length, check_key, check_sampling, emit,
                                  is_int, on_mesh, prefill, prepare_prompts, resolve_stop_tokens, sample)
 from kdtree_jax.model import KVCache, Params, forward_with_cache, init_cache
+from pallas_kernels.dispatch import Kernels
 
 METHODS = ("ar", "dflash", "ddtree")
 
 
-class MoEKernelPerformanceWarning(UserWarning):
-    """generate() got canonical INT4 routed experts where the faster Mosaic GPU MoE kernel could run them."""
-
-
-def _note_faster_moe_kernel(cfg: ModelConfig, params: Params) -> None:
-    from kdtree_jax.quantize import mosaic_moe_unsupported  # noqa: PLC0415 (cheap: the device check is first)
-
-    if mosaic_moe_unsupported(params, cfg) is None:
-        warnings.warn("the routed experts run on the Triton MoE kernel; on this Hopper GPU the Mosaic GPU kernel "
-                      "runs them faster (docs/kernels.md): params = kj.to_mosaic_experts(params, cfg) once "
-                      "after loading (what `kdtree-jax generate` does by default)", MoEKernelPerformanceWarning,
-                      stacklevel=3)
 
 
 # ------------------------------------------------------------------------------------ autoregressive
@@ -51,12 +39,13 @@ class _ARState(NamedTuple):
     accepted: jax.Array  # [B, N]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "max_len", "sampling", "stop_tokens"))
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "max_len", "sampling", "stop_tokens",
+                                             "kernels"))
 def _generate_ar(params, prompt_tokens, prompt_lengths, key, *, cfg, max_new_tokens, max_len, sampling,
-                 stop_tokens):
+                 stop_tokens, kernels=None):
     batch = prompt_tokens.shape[0]
     cache = init_cache(cfg, batch, max_len, params["embed_tokens"].dtype)
-    last_logits, _, cache = prefill(params, cfg, prompt_tokens, prompt_lengths, cache)
+    last_logits, _, cache = prefill(params, cfg, prompt_tokens, prompt_lengths, cache, kernels=kernels)
     key, sub = jax.random.split(key)
     first = sample(last_logits, sub, sampling)
     out = jnp.zeros((batch, max_new_tokens), jnp.int32)
@@ -68,7 +57,7 @@ def _generate_ar(params, prompt_tokens, prompt_lengths, key, *, cfg, max_new_tok
 
     def body(s: _ARState) -> _ARState:
         positions = s.cache.lengths[:, None]
-        logits, _, cache = forward_with_cache(params, cfg, s.last[:, None], positions, s.cache)
+        logits, _, cache = forward_with_cache(params, cfg, s.last[:, None], positions, s.cache, kernels=kernels)
         cache = cache._replace(lengths=cache.lengths + (~s.done).astype(jnp.int32))
         key, sub = jax.random.split(s.key)
         token = sample(logits[:, 0], sub, sampling)
@@ -86,7 +75,8 @@ def _generate_ar(params, prompt_tokens, prompt_lengths, key, *, cfg, max_new_tok
 def generate(cfg: ModelConfig, params: Params, prompts, max_new_tokens: int = 64, method: str = "ar",
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              key: jax.Array | None = None, stop_tokens: Sequence[int] | None = None, drafter=None,
-             tree_budget: int | None = None, max_len: int | None = None, mesh=None) -> GenerateOutput:
+             tree_budget: int | None = None, max_len: int | None = None, mesh=None,
+             kernels: Kernels | None = None) -> GenerateOutput:
     """Generate up to `max_new_tokens` per prompt with one device dispatch.
 
     prompts: a list of token-id lists (ragged) or an int array [B, P]. method: "ar" (autoregressive),
@@ -96,7 +86,9 @@ def generate(cfg: ModelConfig, params: Params, prompts, max_new_tokens: int = 64
     (jax.random.key(seed), required). stop_tokens default to cfg.eos_token_id. max_len: cache rows
     (default: exactly what the call needs). mesh: a jax Mesh or a spec like "expert=2,tensor=1"
     (kdtree_jax.sharding): the target runs sharded over it (params not yet there are placed on it,
-    drafter and tree replicated); MeshError when the mesh does not divide the model."""
+    drafter and tree replicated); MeshError when the mesh does not divide the model. kernels: which kernel
+    each op runs, e.g. kj.Kernels(attention="xla") (default: pallas_kernels.dispatch decides; routed experts
+    run the Mosaic GPU kernel only once converted: kj.prepare_params)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if not is_int(max_new_tokens) or max_new_tokens < 1:
@@ -114,7 +106,10 @@ def generate(cfg: ModelConfig, params: Params, prompts, max_new_tokens: int = 64
     check_key(key)
     tokens, lengths = prepare_prompts(cfg, prompts)
     stops = resolve_stop_tokens(cfg, stop_tokens)
-    _note_faster_moe_kernel(cfg, params)
+    if kernels is None:
+        kernels = Kernels()
+    if not isinstance(kernels, Kernels):
+        raise ValueError(f"kernels must be a kdtree_jax.Kernels, got {type(kernels).__name__}")
     if mesh is not None:
         mesh = sharding.make_mesh(mesh)
         params = sharding.shard_params(cfg, params, mesh)  # checks the mesh divides the model
@@ -125,7 +120,8 @@ def generate(cfg: ModelConfig, params: Params, prompts, max_new_tokens: int = 64
         with on_mesh(mesh):
             return _generate_ar(params, jnp.asarray(tokens), jnp.asarray(lengths), key, cfg=cfg,
                                 max_new_tokens=max_new_tokens, max_len=cache_rows, sampling=sampling,
-                                stop_tokens=stops)
+                                stop_tokens=stops, kernels=kernels)
     return generate_speculative(cfg, params, tokens, lengths, key, drafter=drafter, method=method,
                                 tree_budget=tree_budget, max_new_tokens=max_new_tokens,
-                                sampling=sampling, stop_tokens=stops, max_len=max_len, mesh=mesh)
+                                sampling=sampling, stop_tokens=stops, max_len=max_len, mesh=mesh,
+                                kernels=kernels)

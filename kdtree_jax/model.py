@@ -24,8 +24,11 @@ from jax.sharding import PartitionSpec as P
 from kdtree_jax import attention, sharding
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.layers import apply_rope, rms_norm, swiglu, yarn_inv_freq
-from kdtree_jax.linear import is_int4_leaf, linear
-from kdtree_jax.quant import is_mosaic_leaf
+from kdtree_jax.linear import linear as _linear
+from kdtree_jax.quant import is_int4_leaf, is_mosaic_leaf
+from pallas_kernels.dispatch import Kernels
+from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight, is_quantized
+from pallas_kernels.moe_w4a16 import grouped_moe_w4a16
 
 Params = dict[str, Any]
 
@@ -81,6 +84,7 @@ def _ones(key, shape, dtype):
 class MLA(nn.Module):
     cfg: ModelConfig
     param_dtype: Any
+    kernels: Kernels = Kernels()
 
     @nn.compact
     def __call__(self, x, positions, latent_cache=None, start=None, visibility=None):
@@ -88,6 +92,7 @@ class MLA(nn.Module):
         With latent_cache [B, S, c+r] and start [B]: writes the T new rows at start+t, attends with
         `visibility` [B, T, T] among the new tokens, returns (out [B, T, D], new latent_cache)."""
         cfg, dt = self.cfg, self.param_dtype
+        linear = functools.partial(_linear, kernels=self.kernels)
         heads, nope, rope, vdim, c = (cfg.num_attention_heads, cfg.qk_nope_head_dim,
                                       cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank)
         batch, steps, _ = x.shape
@@ -134,7 +139,8 @@ class MLA(nn.Module):
         query = jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1)  # [B, T, H, c+r]
         if visibility is None:
             visibility = jnp.broadcast_to(jnp.tril(jnp.ones((steps, steps), bool)), (batch, steps, steps))
-        attend = functools.partial(attention.mla_attention, scale=cfg.softmax_scale, value_dim=c)
+        attend = functools.partial(attention.mla_attention, scale=cfg.softmax_scale, value_dim=c,
+                                   kernels=self.kernels)
         mesh = sharding.active_mesh()
         if mesh is not None:  # heads split over "tensor": each shard runs the kernel on its own heads
             by_head = sharding.spec(None, None, "heads", None)
@@ -149,6 +155,7 @@ class DenseMLP(nn.Module):
     width: int
     hidden: int
     param_dtype: Any
+    kernels: Kernels = Kernels()
 
     @nn.compact
     def __call__(self, x=None):
@@ -159,7 +166,8 @@ class DenseMLP(nn.Module):
                    "down": _weight(self, "down", (self.width, self.hidden), dt)}
         if x is None:
             return weights
-        return swiglu(x, weights["gate"], weights["up"], weights["down"], linear=linear)
+        return swiglu(x, weights["gate"], weights["up"], weights["down"],
+                      linear=functools.partial(_linear, kernels=self.kernels))
 
 
 def route(cfg: ModelConfig, x: jax.Array, router: jax.Array, router_bias: jax.Array):
@@ -188,6 +196,7 @@ def route(cfg: ModelConfig, x: jax.Array, router: jax.Array, router_bias: jax.Ar
 class MoE(nn.Module):
     cfg: ModelConfig
     param_dtype: Any
+    kernels: Kernels = Kernels()
 
     @nn.compact
     def __call__(self, x):
@@ -201,12 +210,12 @@ class MoE(nn.Module):
         idx, weights = route(cfg, flat, router, router_bias)
         mesh = sharding.active_mesh()
         if mesh is not None:
-            shared = (DenseMLP(cfg.shared_intermediate_size, d, dt, name="shared")() if cfg.n_shared_experts
-                      else {})
-            return moe_sharded(mesh, flat, idx, weights, experts, shared).reshape(*lead, d)
-        out = routed_experts(flat, experts, idx, weights)
+            shared = (DenseMLP(cfg.shared_intermediate_size, d, dt, self.kernels, name="shared")()
+                      if cfg.n_shared_experts else {})
+            return moe_sharded(mesh, flat, idx, weights, experts, shared, self.kernels).reshape(*lead, d)
+        out = routed_experts(flat, experts, idx, weights, self.kernels)
         if cfg.n_shared_experts:
-            shared = DenseMLP(cfg.shared_intermediate_size, d, dt, name="shared")
+            shared = DenseMLP(cfg.shared_intermediate_size, d, dt, self.kernels, name="shared")
             out = out + shared(flat)
         return out.reshape(*lead, d)
 
@@ -228,27 +237,35 @@ class ExpertWeights(nn.Module):
                 "down": _weight(self, "down", (e, i, d), dt)}
 
 
-def routed_experts(x: jax.Array, experts: dict, idx: jax.Array, weights: jax.Array) -> jax.Array:
+def routed_experts(x: jax.Array, experts: dict, idx: jax.Array, weights: jax.Array,
+                   kernels: Kernels = Kernels()) -> jax.Array:
     """sum_k weights[n, k] * SwiGLU_{idx[n, k]}(x[n]). x [N, D], idx/weights [N, k] -> [N, D].
 
     Dense experts: small token counts gather only the chosen experts' weights (decode reads k
     experts, not E); larger ones run every expert on every token with a dense combine matrix.
-    INT4 experts: the grouped W4A16 MoE (pallas_kernels/moe_w4a16) reads only the touched experts; in
-    the Mosaic layout (kdtree_jax.quantize.to_mosaic_experts) the Mosaic GPU grouped kernel does."""
-    return _routed_experts_f32(x, experts, idx, weights).astype(x.dtype)
+    INT4 experts: the grouped W4A16 MoE (pallas_kernels.moe_w4a16) reads only the touched experts; the
+    kernel follows from their type (Int4Weight: Triton, MosaicInt4Weight: Mosaic GPU) and `kernels.moe`."""
+    return _routed_experts_f32(x, experts, idx, weights, kernels).astype(x.dtype)
 
 
-def _routed_experts_f32(x: jax.Array, experts: dict, idx: jax.Array, weights: jax.Array) -> jax.Array:
+def _typed_experts(experts: dict) -> dict:
+    """TODO(merge): the stored dict leaves as typed weights, until params hold Int4Weight / MosaicInt4Weight."""
+    def typed(w):
+        if is_int4_leaf(w):
+            return Int4Weight.from_dict(w)
+        if is_mosaic_leaf(w):
+            return MosaicInt4Weight(w_i4=w["w_i4"], scale_t=w["scale_t"])
+        return w
+    return {name: typed(w) for name, w in experts.items()}
+
+
+def _routed_experts_f32(x: jax.Array, experts: dict, idx: jax.Array, weights: jax.Array,
+                        kernels: Kernels = Kernels()) -> jax.Array:
     """routed_experts before the final cast: float32 [N, D] (a shard's partial sum stays float32)."""
-    if is_mosaic_leaf(experts["gate"]):  # kdtree_jax.quantize.to_mosaic_experts: the Mosaic GPU kernel
-        from pallas_kernels.w4a16_mgpu.moe import routed_moe_mosaic  # noqa: PLC0415
-
-        return routed_moe_mosaic(x, experts, idx.astype(jnp.int32), weights, out_dtype=jnp.float32)
-    if is_int4_leaf(experts["gate"]):  # zero-weight choices (other shards' experts) are skipped
-        # imported here: the kernel package imports kdtree_jax.quant, which imports this package
-        from pallas_kernels.moe_w4a16 import grouped_moe_w4a16  # noqa: PLC0415
-
-        return grouped_moe_w4a16(x, experts, idx.astype(jnp.int32), weights, out_dtype=jnp.float32)
+    experts = _typed_experts(experts)  # TODO(merge)
+    if is_quantized(experts["gate"]):  # zero-weight choices (other shards' experts) are skipped
+        return grouped_moe_w4a16(x, experts, idx.astype(jnp.int32), weights, impl=kernels.moe,
+                                 interpret=kernels.interpret, out_dtype=jnp.float32)
     num_tokens, top_k = idx.shape
     num_experts = experts["gate"].shape[0]
     if num_tokens * top_k < num_experts:
@@ -265,7 +282,8 @@ def _routed_experts_f32(x: jax.Array, experts: dict, idx: jax.Array, weights: ja
     return jnp.einsum("end,ne->nd", y.astype(jnp.float32), combine)
 
 
-def moe_sharded(mesh, x: jax.Array, idx: jax.Array, weights: jax.Array, experts: dict, shared: dict) -> jax.Array:
+def moe_sharded(mesh, x: jax.Array, idx: jax.Array, weights: jax.Array, experts: dict, shared: dict,
+                kernels: Kernels = Kernels()) -> jax.Array:
     """The MoE block per shard in `shard_map`: routed experts split over "expert" (and their
     intermediate dim over "tensor"), the shared expert split over "tensor". x [N, D] and the routing
     idx/weights [N, k] come in replicated; every shard runs its local experts on every token (the
@@ -280,9 +298,11 @@ def moe_sharded(mesh, x: jax.Array, idx: jax.Array, weights: jax.Array, experts:
         shard = jax.lax.axis_index(sharding.EXPERT)
         first = shard * local
         mine = (idx >= first) & (idx < first + local)  # [N, k]
-        out = _routed_experts_f32(x, experts, jnp.where(mine, idx - first, 0), jnp.where(mine, weights, 0.0))
+        out = _routed_experts_f32(x, experts, jnp.where(mine, idx - first, 0), jnp.where(mine, weights, 0.0),
+                                  kernels)
         if shared:  # every expert shard holds the same tensor slice of it: count it once
-            y = swiglu(x, shared["gate"], shared["up"], shared["down"], linear=linear).astype(jnp.float32)
+            y = swiglu(x, shared["gate"], shared["up"], shared["down"],
+                       linear=functools.partial(_linear, kernels=kernels)).astype(jnp.float32)
             out = out + jnp.where(shard == 0, y, 0.0)
         return jax.lax.psum(out, sharding.AXES)  # [N, D] float32
 
@@ -295,25 +315,28 @@ class DecoderLayer(nn.Module):
     cfg: ModelConfig
     layer: int
     param_dtype: Any
+    kernels: Kernels = Kernels()
 
     @nn.compact
     def __call__(self, h, positions, latent_cache=None, start=None, visibility=None):
         cfg, dt = self.cfg, self.param_dtype
         normed = rms_norm(h, _weight(self, "input_norm", (cfg.hidden_size,), dt, _ones), cfg.rms_norm_eps)
-        attn_out, latent_cache = MLA(cfg, dt, name="attn")(normed, positions, latent_cache, start, visibility)
+        attn_out, latent_cache = MLA(cfg, dt, self.kernels, name="attn")(normed, positions, latent_cache, start,
+                                                                          visibility)
         h = h + attn_out
         normed = rms_norm(h, _weight(self, "post_attn_norm", (cfg.hidden_size,), dt, _ones),
                           cfg.rms_norm_eps)
         if cfg.is_moe_layer(self.layer):
-            h = h + MoE(cfg, dt, name="moe")(normed)
+            h = h + MoE(cfg, dt, self.kernels, name="moe")(normed)
         else:
-            h = h + DenseMLP(cfg.intermediate_size, cfg.hidden_size, dt, name="mlp")(normed)
+            h = h + DenseMLP(cfg.intermediate_size, cfg.hidden_size, dt, self.kernels, name="mlp")(normed)
         return h, latent_cache
 
 
 class Transformer(nn.Module):
     cfg: ModelConfig
     param_dtype: Any = jnp.float32
+    kernels: Kernels = Kernels()  # which kernel each op runs (pallas_kernels.dispatch); static
 
     @nn.compact
     def __call__(self, tokens, positions, cache_latent=None, start=None, visibility=None,
@@ -329,7 +352,7 @@ class Transformer(nn.Module):
         saved, new_latent = {}, []
         for layer in range(cfg.num_hidden_layers):
             layer_cache = None if cache_latent is None else cache_latent[layer]
-            h, layer_cache = DecoderLayer(cfg, layer, dt, name=f"layers_{layer}")(
+            h, layer_cache = DecoderLayer(cfg, layer, dt, self.kernels, name=f"layers_{layer}")(
                 h, positions, layer_cache, start, visibility)
             new_latent.append(layer_cache)
             if layer in hidden_layers:
@@ -338,7 +361,7 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             logits = h @ embed.T.astype(h.dtype)
         else:
-            logits = linear(h, _weight(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), dt))
+            logits = _linear(h, _weight(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), dt), self.kernels)
         hidden = (jnp.stack([saved[layer] for layer in hidden_layers], axis=2) if hidden_layers
                   else jnp.zeros(h.shape[:2] + (0, cfg.hidden_size), h.dtype))
         latent = None if cache_latent is None else sharding.constrain(jnp.stack(new_latent), None, None, None,
@@ -367,15 +390,24 @@ def check_tokens(cfg: ModelConfig, tokens) -> None:
         raise ValueError(f"token id {int(bad)} is outside the vocabulary [0, {cfg.vocab_size})")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _forward(params, cfg, tokens):
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels"))
+def _forward(params, cfg, tokens, kernels):
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    logits, _, _ = Transformer(cfg, _param_dtype(params)).apply({"params": params}, tokens, positions)
+    logits, _, _ = Transformer(cfg, _param_dtype(params), kernels).apply({"params": params}, tokens, positions)
     return logits
 
 
-def forward(params: Params, cfg: ModelConfig, tokens) -> jax.Array:
-    """Plain causal forward (naive MLA, no cache): tokens [B, S] int32 -> logits [B, S, V] float32."""
+def _kernels(kernels: Kernels | None) -> Kernels:
+    if kernels is None:
+        return Kernels()
+    if not isinstance(kernels, Kernels):
+        raise ValueError(f"kernels must be a kdtree_jax.Kernels, got {type(kernels).__name__}")
+    return kernels
+
+
+def forward(params: Params, cfg: ModelConfig, tokens, kernels: Kernels | None = None) -> jax.Array:
+    """Plain causal forward (naive MLA, no cache): tokens [B, S] int32 -> logits [B, S, V] float32.
+    kernels: which kernel each op runs (default Kernels(): pallas_kernels.dispatch decides)."""
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be an integer array [batch, seq], got {tokens.dtype}{list(tokens.shape)}")
@@ -387,17 +419,17 @@ def forward(params: Params, cfg: ModelConfig, tokens) -> jax.Array:
                          f"{cfg.max_position_embeddings}")
     if not isinstance(tokens, jax.core.Tracer):
         check_tokens(cfg, tokens)
-    return _forward(params, cfg, tokens.astype(jnp.int32))
+    return _forward(params, cfg, tokens.astype(jnp.int32), _kernels(kernels))
 
 
 def forward_with_cache(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
                        cache: KVCache, visibility: jax.Array | None = None,
-                       hidden_layers: tuple[int, ...] = ()):
+                       hidden_layers: tuple[int, ...] = (), kernels: Kernels | None = None):
     """One cached forward (traceable; call inside jit). tokens/positions [B, T]; the T new latent rows
     are written at cache slots lengths[b] + t; new token t sees every committed row and the new rows u
     with visibility[b, t, u] (default causal). Returns (logits [B, T, V] f32, hidden [B, T, n, D],
-    cache with the rows written; `lengths` unchanged - the caller commits)."""
-    logits, hidden, latent = Transformer(cfg, _param_dtype(params)).apply(
+    cache with the rows written; `lengths` unchanged - the caller commits). kernels: as in `forward`."""
+    logits, hidden, latent = Transformer(cfg, _param_dtype(params), _kernels(kernels)).apply(
         {"params": params}, tokens, positions, cache.latent, cache.lengths, visibility,
         hidden_layers=tuple(hidden_layers))
     return logits, hidden, cache._replace(latent=latent)

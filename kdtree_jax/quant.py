@@ -1,5 +1,5 @@
 """INT4 W4A16 group-32 weights: the file format (compressed-tensors `pack-quantized`), the params leaf
-the model carries, and `int4_linear`.
+the model carries (the W4A16 linear itself: kdtree_jax.linear).
 
 File layout (what safetensors holds, what `reference/int4.py` defines):
   packed int32 [..., N, K/8]: word j of a row holds input columns 8j..8j+7, column 8j+i in bits
@@ -168,22 +168,3 @@ def int4_leaf_dequantize(leaf: dict[str, jax.Array], dtype=jnp.float32) -> jax.A
     """INT4 leaf -> dense W [..., N, K] ([out, in]) in `dtype`."""
     packed, scale = int4_leaf_to_compressed(leaf)
     return dequantize_int4(unpack_int4(packed), scale, dtype)
-
-
-def int4_linear(x: jax.Array, leaf: dict[str, jax.Array], *, impl: str = "auto") -> jax.Array:
-    """x [..., K] @ dequant(W)^T -> [..., N] in x.dtype, via `pallas_kernels.w4a16.w4a16_matmul`.
-
-    `impl` is passed through: "auto" runs the Pallas kernel on a GPU and, on CPU, the XLA
-    dequantize-then-dot path with a one-time W4A16FallbackWarning; "xla" / "pallas" force a path.
-    Stacked (expert) leaves are not accepted here: index the expert first.
-    """
-    from pallas_kernels.w4a16 import w4a16_matmul  # noqa: PLC0415 (keeps kdtree_jax importable alone)
-
-    n, k = check_int4_leaf(leaf)
-    if leaf["qweight"].ndim != 2:
-        raise ValueError(f"int4_linear wants an unstacked leaf (qweight [N, K/4]), got {leaf['qweight'].shape}")
-    if x.shape[-1] != k:
-        raise ValueError(f"x last dim {x.shape[-1]} != weight input dim K={k}")
-    lead = x.shape[:-1]
-    y = w4a16_matmul(x.reshape(-1, k), leaf, impl=impl)  # [M, N]
-    return y.reshape(*lead, n)

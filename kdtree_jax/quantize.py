@@ -17,6 +17,8 @@ from kdtree_jax.config import ModelConfig
 from kdtree_jax.quant import (GROUP_SIZE, SCALE_DTYPES, int4_leaf_from_dense, is_any_int4_leaf, is_int4_leaf,
                               is_mosaic_leaf)
 from kdtree_jax.sharding import leaf_spec
+from pallas_kernels import dispatch
+from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
 
 POLICIES = {
     "experts": ("experts",),
@@ -64,59 +66,60 @@ def quantize(params: dict, cfg: ModelConfig, policy: str = "experts", scale_dtyp
     return out
 
 
-def mosaic_moe_unsupported(params: dict, cfg: ModelConfig, device=None) -> str | None:
-    """Why the model should not run its routed experts on the Mosaic GPU grouped kernel here, or None
-    when it should (what `kdtree-jax generate --moe-kernel auto` asks): the kernel needs a Hopper GPU
-    (`device`, default the first JAX device), bf16 activations (bf16 params), canonical INT4 routed
-    experts with bf16 scales (f32 scales would be rounded: different numbers than the Triton path) and
-    expert dims that are multiples of 64."""
-    from pallas_kernels.w4a16_mgpu.moe import shape_unsupported  # noqa: PLC0415 (kernels import this package)
+def _routed_experts(params: dict, cfg: ModelConfig) -> list[tuple[str, dict]]:
+    """(layer name, {"gate", "up", "down"}) of every MoE layer's routed experts."""
+    return [(name, params[name]["moe"]["experts"]) for name, _ in _targets(params, cfg, "experts")]
 
-    device = device or jax.devices()[0]
-    if device.platform != "gpu" or not str(getattr(device, "compute_capability", "")).startswith("9."):
-        return f"needs a Hopper GPU (sm_90), this is {device.device_kind}"
-    if params["embed_tokens"].dtype != jnp.bfloat16:
-        return f"needs bf16 activations, the model runs in {params['embed_tokens'].dtype}"
-    moe_layers = [name for name, _ in _targets(params, cfg, "experts")]
-    if not moe_layers:
+
+def _scale_dtype(leaf):
+    """TODO(merge): the scale dtype of a stored dict leaf or an Int4Weight."""
+    return leaf["scale"].dtype if is_int4_leaf(leaf) else leaf.scale.dtype
+
+
+def mosaic_moe_unsupported(params: dict, cfg: ModelConfig, device=None) -> str | None:
+    """Why the routed experts should not be converted to the Mosaic GPU layout here, or None when they
+    should (what kj.prepare_params and `kdtree-jax generate --moe-kernel auto` do): the rule is
+    pallas_kernels.dispatch.choose_moe_layout (a Hopper GPU `device`, default the first JAX device; bf16
+    activations; bf16 INT4 scales; expert dims multiples of 64), asked for canonical INT4 routed experts."""
+    layers = _routed_experts(params, cfg)
+    if not layers:
         return "the model has no MoE layers"
-    for name in moe_layers:
+    for _, experts in layers:
         for weight in ("gate", "up", "down"):
-            leaf = params[name]["moe"]["experts"][weight]
-            if not is_int4_leaf(leaf):
-                return "the routed experts are not canonical INT4 leaves"
-            if leaf["scale"].dtype != jnp.bfloat16:
-                return f"the INT4 scales are {leaf['scale'].dtype}, not bfloat16"
-    return shape_unsupported(cfg.hidden_size, cfg.moe_intermediate_size)
+            if not (is_int4_leaf(experts[weight]) or isinstance(experts[weight], Int4Weight)):  # TODO(merge)
+                return "the routed experts are not canonical INT4 weights"
+    scale_dtype = _scale_dtype(layers[0][1]["gate"])
+    choice = dispatch.choose_moe_layout(act_dtype=params["embed_tokens"].dtype, scale_dtype=scale_dtype,
+                                        hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size, device=device)
+    return None if choice.impl == "mosaic_gpu" else choice.reason
 
 
 def to_mosaic_experts(params: dict, cfg: ModelConfig) -> dict:
-    """A copy of INT4 `params` whose routed experts are in the Mosaic GPU kernel layout (quant.is_mosaic_leaf):
-    the model then runs its MoE with the Mosaic GPU grouped kernel (pallas_kernels/w4a16_mgpu/moe.py) on a
-    GPU, bf16 activations only. A one-time pass over the expert weights (same bytes: int4 [E, N, K] plus
-    bf16 scales transposed to [E, K/32, N]); do it once after loading, not per call. Experts sharded over a
-    mesh stay on it, placed by the Mosaic layout's sharding rules (kdtree_jax.sharding.leaf_spec), so no
-    generate(mesh=...) call moves them again. Checkpoints keep the canonical layout: save the params you
-    loaded, not these."""
-    from pallas_kernels.w4a16_mgpu import to_mgpu_layout  # noqa: PLC0415 (kernels import this package)
-    from pallas_kernels.w4a16_mgpu.moe import shape_unsupported  # noqa: PLC0415
-
-    if (why := shape_unsupported(cfg.hidden_size, cfg.moe_intermediate_size)) is not None:
+    """A copy of INT4 `params` whose routed experts are in the Mosaic GPU kernel layout (MosaicInt4Weight):
+    the dispatcher then runs the Mosaic GPU grouped kernel for them (pallas_kernels/moe_w4a16/mosaic_gpu.py;
+    a Hopper GPU, bf16 activations). A one-time pass over the expert weights (same bytes: int4 [E, N, K]
+    plus bf16 scales transposed to [E, K/32, N]); do it once after loading, not per call (kj.prepare_params
+    decides when). Experts sharded over a mesh stay on it, placed by the Mosaic layout's sharding rules
+    (kdtree_jax.sharding.leaf_spec), so no generate(mesh=...) call moves them again. Checkpoints keep the
+    canonical layout: save the params you loaded, not these."""
+    if (why := dispatch.mosaic_moe_shape_unsupported(cfg.hidden_size, cfg.moe_intermediate_size)) is not None:
         raise ValueError(f"the Mosaic GPU MoE kernel cannot run this model's experts: {why}")
-    convert = jax.jit(to_mgpu_layout)
+    convert = jax.jit(Int4Weight.to_mosaic)
     out = jax.tree.map(lambda x: x, params, is_leaf=is_any_int4_leaf)  # a fresh nested-dict copy
     converted = 0
-    for name, _ in _targets(out, cfg, "experts"):
-        experts = out[name]["moe"]["experts"]
+    for name, experts in _routed_experts(out, cfg):
         for weight in ("gate", "up", "down"):
             leaf = experts[weight]
             where = f"{name}/moe/experts/{weight}"
-            if is_mosaic_leaf(leaf):
+            if is_mosaic_leaf(leaf) or isinstance(leaf, MosaicInt4Weight):
                 raise ValueError(f"{where} is already in the Mosaic layout")
-            if not is_int4_leaf(leaf):
+            if not (is_int4_leaf(leaf) or isinstance(leaf, Int4Weight)):
                 raise ValueError(f"{where} is not INT4: quantize the experts first (kj.quantize)")
-            converted_leaf = dict(zip(("w_i4", "scale_t"), convert(leaf["qweight"], leaf["scale"])))
-            placed = getattr(leaf["qweight"], "sharding", None)
+            typed = Int4Weight.from_dict(leaf) if is_int4_leaf(leaf) else leaf  # TODO(merge)
+            mosaic = convert(typed)
+            # TODO(merge): stored as the dict {"w_i4", "scale_t"} until sharding/checkpoint take MosaicInt4Weight
+            converted_leaf = {"w_i4": mosaic.w_i4, "scale_t": mosaic.scale_t}
+            placed = getattr(typed.qweight, "sharding", None)
             if isinstance(placed, NamedSharding):  # keep it on its mesh, in the layout's own shardings
                 specs = leaf_spec((name, "moe", "experts", weight), converted_leaf)
                 converted_leaf = {k: jax.device_put(v, NamedSharding(placed.mesh, specs[k]))

@@ -1,26 +1,233 @@
-"""Choosing between a Pallas kernel and its XLA path - loudly, never silently."""
+"""The one place that decides which implementation each kernel op runs.
+
+Ops and their implementations:
+  attention (tree-masked absorbed MLA):     "triton" | "xla"
+  linear    (dense W4A16 GEMM, Int4Weight): "triton" | "xla"
+  moe       (routed INT4 experts):           "triton" (Int4Weight) | "mosaic_gpu" (MosaicInt4Weight) | "xla"
+"xla" is the op's plain-jnp reference run by XLA: correct everywhere, not fast.
+
+Rules for impl="auto" (from backend, dtype, shape and weight type):
+  - a Pallas kernel needs a GPU, or `interpret=True` (the CPU simulation the tests use); elsewhere "xla";
+  - tree attention's Triton kernel needs power-of-two latent and RoPE widths >= 16, else "xla";
+  - the routed MoE kernel follows from the experts' type: Int4Weight -> "triton", MosaicInt4Weight ->
+    "mosaic_gpu" (a Hopper GPU, bf16 activations, expert dims multiples of 64).
+An explicit impl that cannot run where it is asked for raises KernelUnavailableError (never a fallback).
+Which layout the routed experts should be in (`choose_moe_layout`) is decided here too; the engine converts
+them once (kdtree_jax.kernels.prepare_params) and the kernel then follows from the weight type.
+"""
 
 from __future__ import annotations
 
-import warnings
+import dataclasses
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-IMPLS = ("auto", "pallas", "xla")
+from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
+
+AUTO = "auto"
+IMPLS = {
+    "attention": ("triton", "xla"),
+    "linear": ("triton", "xla"),
+    "moe": ("triton", "mosaic_gpu", "xla"),
+}
+MOSAIC_DIM_MULTIPLE = 64  # Mosaic MoE: hidden and intermediate are N of one launch (wgmma M) and K of another
 
 
-def resolve_impl(impl: str, *, interpret: bool, op: str, fallback: str, kernel: str,
-                 warning: type[Warning]) -> str:
-    """"pallas" or "xla". impl="auto" is the kernel on a GPU (or in interpret mode); elsewhere it is
-    the XLA path, announced with `warning` (Python shows it once per call site unless filters say
-    otherwise)."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl != "auto":
-        return impl
-    if interpret or jax.default_backend() == "gpu":
-        return "pallas"
-    warnings.warn(f"{op}(impl='auto') on backend {jax.default_backend()!r}: running {fallback}, NOT {kernel} "
-                  "(pass impl='xla' to silence, or interpret=True to run the kernel in interpret mode).",
-                  warning, stacklevel=4)
-    return "xla"
+class KernelUnavailableError(ValueError):
+    """An explicitly requested kernel cannot run here (device, dtype, shape or weight type)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """Per-call kernel choice, passed statically through forward / generate (hashable).
+
+    attention: "auto" | "triton" | "xla"; linear: "auto" | "triton" | "xla";
+    moe: "auto" | "triton" | "mosaic_gpu" | "xla" (also which layout prepare_params gives the routed experts);
+    interpret: run the Pallas kernels in interpret mode (CPU simulation; tests only, slow)."""
+
+    attention: str = AUTO
+    linear: str = AUTO
+    moe: str = AUTO
+    interpret: bool = False
+
+    def __post_init__(self):
+        for op, impls in IMPLS.items():
+            value = getattr(self, op)
+            if value != AUTO and value not in impls:
+                raise ValueError(f"Kernels.{op} must be one of {(AUTO, *impls)}, got {value!r}")
+        if not isinstance(self.interpret, bool):
+            raise ValueError(f"Kernels.interpret must be a bool, got {self.interpret!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What an op runs: impl (one of IMPLS[op]) and why, in a few words."""
+
+    impl: str
+    reason: str
+
+
+# ------------------------------------------------------------------------------------------- devices
+def default_device():
+    return jax.devices()[0]
+
+
+def is_gpu(device) -> bool:
+    return getattr(device, "platform", None) == "gpu"
+
+
+def is_hopper(device) -> bool:
+    """An sm_90 GPU (H100 / H200): what the Mosaic GPU kernels target."""
+    return is_gpu(device) and str(getattr(device, "compute_capability", "")).startswith("9.")
+
+
+def _device_name(device) -> str:
+    return getattr(device, "device_kind", None) or getattr(device, "platform", "?")
+
+
+def _check_impl(op: str, impl: str) -> None:
+    if impl != AUTO and impl not in IMPLS[op]:
+        raise ValueError(f"{op} impl must be one of {(AUTO, *IMPLS[op])}, got {impl!r}")
+
+
+def _pallas_runs(device, interpret: bool) -> str | None:
+    """Why a Pallas kernel cannot run on `device`, or None."""
+    if interpret or is_gpu(device):
+        return None
+    return f"no GPU, this is {_device_name(device)}"
+
+
+def _unavailable(op: str, impl: str, why: str, hint: str) -> KernelUnavailableError:
+    return KernelUnavailableError(f"{op} impl={impl!r} cannot run: {why}; {hint}")
+
+
+# ------------------------------------------------------------------------------------------- attention
+def attention_shape_unsupported(latent_dim: int, rope_dim: int) -> str | None:
+    """Why the Triton tree-attention kernel cannot take these widths, or None (Triton tensors are powers
+    of two; padding the cache would copy it)."""
+    bad = [f"{name} {d}" for name, d in (("latent width", latent_dim), ("RoPE width", rope_dim))
+           if d < 16 or d & (d - 1)]
+    return f"{' and '.join(bad)} not a power of two >= 16" if bad else None
+
+
+def choose_attention(*, latent_dim: int, rope_dim: int, impl: str = AUTO, device=None,
+                     interpret: bool = False) -> Choice:
+    _check_impl("attention", impl)
+    device = device or default_device()
+    if impl == "xla":
+        return Choice("xla", "asked for")
+    why = _pallas_runs(device, interpret) or attention_shape_unsupported(latent_dim, rope_dim)
+    if impl == "triton":
+        if why:
+            raise _unavailable("attention", impl, why, "use the XLA reference (impl 'xla') or interpret mode")
+        return Choice("triton", "asked for")
+    if why:
+        return Choice("xla", why)
+    return Choice("triton", "interpret mode" if interpret and not is_gpu(device) else "GPU")
+
+
+# ------------------------------------------------------------------------------------------- linear
+def choose_linear(weight: Any, *, impl: str = AUTO, device=None, interpret: bool = False) -> Choice:
+    """A dense INT4 linear: the Triton W4A16 GEMM for an Int4Weight."""
+    _check_impl("linear", impl)
+    if not isinstance(weight, Int4Weight):
+        kind = type(weight).__name__
+        raise KernelUnavailableError(f"the W4A16 linear takes an Int4Weight (checkpoint layout), got {kind}"
+                                     + (": the Mosaic layout is for routed experts only"
+                                        if isinstance(weight, MosaicInt4Weight) else ""))
+    device = device or default_device()
+    if impl == "xla":
+        return Choice("xla", "asked for")
+    why = _pallas_runs(device, interpret)
+    if impl == "triton":
+        if why:
+            raise _unavailable("linear", impl, why, "use the XLA reference (impl 'xla') or interpret mode")
+        return Choice("triton", "asked for")
+    if why:
+        return Choice("xla", why)
+    return Choice("triton", "interpret mode" if interpret and not is_gpu(device) else "GPU")
+
+
+# ------------------------------------------------------------------------------------------- moe
+def mosaic_moe_shape_unsupported(hidden: int, inter: int) -> str | None:
+    """Why experts hidden -> inter -> hidden cannot run on the Mosaic GPU MoE kernel, or None."""
+    bad = [f"{name} {dim}" for name, dim in (("hidden", hidden), ("intermediate", inter))
+           if dim % MOSAIC_DIM_MULTIPLE]
+    return f"{' and '.join(bad)} not a multiple of {MOSAIC_DIM_MULTIPLE}" if bad else None
+
+
+def _mosaic_runs(device, interpret: bool, act_dtype, hidden: int, inter: int) -> str | None:
+    """Why the Mosaic GPU MoE kernel cannot run here, or None."""
+    if not interpret and not is_hopper(device):
+        return f"needs a Hopper GPU (sm_90), this is {_device_name(device)}"
+    if jnp.dtype(act_dtype) != jnp.dtype(jnp.bfloat16):
+        return f"needs bf16 activations, the model runs in {jnp.dtype(act_dtype).name}"
+    return mosaic_moe_shape_unsupported(hidden, inter)
+
+
+def _experts_type(experts: Any) -> type | None:
+    """Int4Weight / MosaicInt4Weight when all of gate/up/down have that type, None for dense arrays."""
+    if not isinstance(experts, dict) or set(experts) != {"gate", "up", "down"}:
+        got = sorted(experts) if isinstance(experts, dict) else type(experts).__name__
+        raise ValueError(f"experts must be a dict with keys down, gate, up, got {got}")
+    kinds = {type(w) for w in experts.values()}
+    if len(kinds) != 1:
+        raise ValueError(f"experts gate/up/down must share one type, got {sorted(k.__name__ for k in kinds)}")
+    kind = kinds.pop()
+    return kind if kind in (Int4Weight, MosaicInt4Weight) else None
+
+
+def choose_moe_layout(*, act_dtype, scale_dtype, hidden: int, inter: int, impl: str = AUTO, device=None,
+                      interpret: bool = False) -> Choice:
+    """Which layout canonical INT4 routed experts should run in: "mosaic_gpu" (convert once to
+    MosaicInt4Weight) or "triton" (keep Int4Weight; also the layout of the "xla" path). impl: the
+    requested moe kernel; "mosaic_gpu" raises when it cannot run. f32 scales stay canonical under "auto"
+    (the Mosaic layout rounds them to bf16: different numbers than the Triton path)."""
+    _check_impl("moe", impl)
+    device = device or default_device()
+    if impl in ("triton", "xla"):
+        return Choice("triton", "asked for")
+    why = _mosaic_runs(device, interpret, act_dtype, hidden, inter)
+    if why is None and impl == AUTO and jnp.dtype(scale_dtype) != jnp.dtype(jnp.bfloat16):
+        why = f"the INT4 scales are {jnp.dtype(scale_dtype).name}, not bfloat16"
+    if impl == "mosaic_gpu":
+        if why:
+            raise _unavailable("moe", impl, why, "use the Triton kernel (impl 'triton') or the XLA reference")
+        return Choice("mosaic_gpu", "asked for")
+    if why:
+        return Choice("triton", why)
+    return Choice("mosaic_gpu", "Hopper GPU, bf16")
+
+
+def choose_moe(experts: Any, *, act_dtype, impl: str = AUTO, device=None, interpret: bool = False) -> Choice:
+    """The routed experts' implementation from their weight type (experts: {"gate","up","down"} of
+    Int4Weight or MosaicInt4Weight, stacked [E, ...])."""
+    _check_impl("moe", impl)
+    kind = _experts_type(experts)
+    if kind is None:
+        raise KernelUnavailableError("the grouped MoE kernels take INT4 experts (Int4Weight or MosaicInt4Weight), "
+                                     f"got {type(experts['gate']).__name__}")
+    device = device or default_device()
+    kernel = "mosaic_gpu" if kind is MosaicInt4Weight else "triton"
+    if impl == "xla":
+        return Choice("xla", "asked for")
+    if impl not in (AUTO, kernel):
+        layout = {"triton": "the checkpoint layout (Int4Weight)", "mosaic_gpu": "the Mosaic layout (MosaicInt4Weight)"}
+        raise KernelUnavailableError(f"moe impl={impl!r} needs experts in {layout[impl]}, got {kind.__name__}: "
+                                     "convert the params once (kdtree_jax.kernels.prepare_params) with the same "
+                                     "kernel choice")
+    if kernel == "triton":
+        why = _pallas_runs(device, interpret)
+    else:
+        hidden, inter = experts["gate"].in_features, experts["gate"].out_features
+        why = _pallas_runs(device, interpret) or _mosaic_runs(device, interpret, act_dtype, hidden, inter)
+    if why is None:
+        return Choice(kernel, "asked for" if impl == kernel else
+                      ("interpret mode" if interpret and not is_gpu(device) else "GPU"))
+    if impl == AUTO and not is_gpu(device) and not interpret:
+        return Choice("xla", why)  # the CPU plan: the XLA reference over the same weights
+    hint = ("use the XLA reference (impl 'xla') or interpret mode" if kernel == "triton" else
+            "keep the experts in the checkpoint layout (Triton kernel) or use the XLA reference (impl 'xla')")
+    raise _unavailable("moe", impl if impl != AUTO else kernel, why, hint)

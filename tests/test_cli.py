@@ -8,7 +8,6 @@ called directly (tokens).
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
@@ -144,36 +143,49 @@ def test_generate_all_methods_compares_them(models, capsys):
     assert ar == [np.asarray(direct.tokens)[b, : int(direct.lengths[b])].tolist() for b in range(2)]
 
 
-def test_generate_mosaic_moe_gives_the_same_tokens(models, capsys):
-    """--moe-kernel mosaic on the INT4 checkpoint (float32 here, so on a CPU its XLA path runs, said in a
-    note): the same greedy tokens as the canonical layout (what auto picks here: no Hopper GPU)."""
+def test_generate_prints_one_kernel_plan_line_and_takes_pinned_kernels(models, capsys):
+    """generate states which kernel each op runs in one line (no per-call notes); --*-kernel flags pin them, the
+    tokens stay those of kj.generate; a kernel that cannot run here is a one-line error."""
     common = ["--checkpoint", models / "int4_tiny", "--prompt", "3 17 42 5", "--max-new-tokens", "5", "--no-warmup"]
-    rc, canonical, _ = run(["generate", *common], capsys)
-    assert rc == 0 and "routed experts on the Mosaic GPU MoE kernel" not in canonical.splitlines()[0]
-    rc, mosaic, err = run(["generate", *common, "--moe-kernel", "mosaic"], capsys)
-    if jax.default_backend() == "gpu":  # the kernel itself runs there, and takes bf16 models only
-        assert rc == 2 and "takes bf16 activations" in err
-        return
+    rc, auto, err = run(["generate", *common], capsys)
+    assert rc == 0 and "note:" not in err
+    plan_lines = [line for line in auto.splitlines() if line.startswith("kernels: ")]
+    assert len(plan_lines) == 1
+    if jax.default_backend() == "cpu":
+        assert plan_lines[0] == ("kernels: attention xla (no GPU, this is cpu), linear none (no INT4 dense weights), "
+                                 "moe xla (no GPU, this is cpu)")
+    rc, pinned, err = run(["generate", *common, "--moe-kernel", "xla", "--attention-kernel", "xla"], capsys)
     assert rc == 0, err
-    assert "routed experts on the Mosaic GPU MoE kernel" in mosaic
-    assert "note: routed_moe_mosaic(impl='auto') on backend 'cpu'" in err
-    assert token_lines(mosaic) == token_lines(canonical)
+    assert "attention xla (asked for)" in pinned and "moe xla (asked for)" in pinned
+    cfg, params = kj.load_checkpoint(models / "int4_tiny")
+    direct = kj.generate(cfg, params, [[3, 17, 42, 5]], max_new_tokens=5)
+    assert token_lines(pinned) == token_lines(auto) == [np.asarray(direct.tokens)[0, : int(direct.lengths[0])].tolist()]
+    if jax.default_backend() == "cpu":
+        rc, _, err = run(["generate", *common, "--moe-kernel", "triton"], capsys)
+        assert rc == 2 and "moe impl='triton' cannot run: no GPU, this is cpu" in err
 
 
-def test_moe_kernel_auto_follows_mosaic_moe_unsupported(models, capsys, monkeypatch):
-    """Where kj.mosaic_moe_unsupported says the kernel can run (faked here), auto converts the experts, and
-    an explicit --moe-kernel triton keeps them without kj.generate's note that Mosaic would be faster."""
-    quantize_module = importlib.import_module("kdtree_jax.quantize")  # kj.quantize is the function
-    monkeypatch.setattr(quantize_module, "mosaic_moe_unsupported", lambda params, cfg, device=None: None)
-    common = ["--checkpoint", models / "int4_tiny", "--prompt", "3 17 42 5", "--max-new-tokens", "3", "--no-warmup"]
-    rc, auto, _ = run(["generate", *common], capsys)
-    assert rc == 0 and "routed experts on the Mosaic GPU MoE kernel" in auto.splitlines()[0]
-    rc, triton, err = run(["generate", *common, "--moe-kernel", "triton"], capsys)
-    assert rc == 0 and "Mosaic GPU MoE kernel" not in triton.splitlines()[0]
-    assert "kj.to_mosaic_experts" not in err
-    params = kj.load_checkpoint(models / "int4_tiny")[1]
-    with pytest.warns(kj.MoEKernelPerformanceWarning):  # the library call does say it
-        kj.generate(kj.load_checkpoint(models / "int4_tiny")[0], params, [[3, 17]], max_new_tokens=1)
+def test_kernel_plan_on_a_faked_hopper_gpu(models, tmp_path, capsys, monkeypatch):
+    """On an H200 (faked: the dispatcher's default device) `info` says where the routed experts run and what a
+    user can do about it; a pinned flag gets a hint when auto would run something else."""
+    from pallas_kernels import dispatch
+
+    h200 = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
+    monkeypatch.setattr(dispatch, "default_device", lambda: h200)
+    rc, out, _ = run(["info", models / "int4_tiny"], capsys)  # float32 params: not the Mosaic kernel
+    assert rc == 0
+    assert ("kernels: attention triton (GPU), linear none (no INT4 dense weights), moe triton (Mosaic GPU kernel "
+            "not used: needs bf16 activations, the model runs in float32; GPU); hint: a bfloat16 model runs the "
+            "routed experts on the Mosaic GPU kernel (--dtype bfloat16, or 'convert --dtype bfloat16') "
+            "(on this machine)") in out
+    tiny = kj.ModelConfig.tiny().replace(num_hidden_layers=2)
+    bf16 = kj.quantize(kj.init_params(tiny, jax.random.key(3), jnp.bfloat16), tiny)
+    kj.save_checkpoint(tmp_path / "bf16", tiny, bf16)
+    rc, out, _ = run(["info", tmp_path / "bf16", "--json"], capsys)
+    assert rc == 0 and json.loads(out)["kernels"]["moe"] == {
+        "kernel": "mosaic_gpu", "reason": "experts converted to the Mosaic layout once at load; GPU"}
+    line = cli.kernel_plan_line(bf16, tiny, kj.Kernels(moe="triton"))
+    assert "moe triton (asked for)" in line and line.endswith("; hint: --moe-kernel auto would run mosaic_gpu")
 
 
 def test_generate_preset_samples_reproducibly_with_a_seed(capsys):
@@ -346,10 +358,10 @@ BAD = [
     (["generate", "--checkpoint", "{target}", "--temperature", "1", "--top-k", "0"], "top_k must be an integer"),
     (["generate", "--checkpoint", "{target}", "--stop", "999"], "stop token 999 is outside the vocabulary"),
     (["generate", "--checkpoint", "{target}", "--method", "beam"], "invalid choice: 'beam'"),
-    (["generate", "--checkpoint", "{target}", "--moe-kernel", "mosaic"],
-     "layers_1/moe/experts/gate is not INT4: quantize the experts first"),
-    (["generate", "--checkpoint", "{int4}", "--moe-kernel", "mosaic"],
-     "the Mosaic GPU MoE kernel cannot run this model's experts: intermediate 32 not a multiple of 64"),
+    (["generate", "--checkpoint", "{target}", "--moe-kernel", "mosaic"], "invalid choice: 'mosaic'"),
+    (["generate", "--checkpoint", "{target}", "--moe-kernel", "mosaic_gpu"],
+     "moe impl='mosaic_gpu' needs INT4 routed experts; this model has dense experts"),
+    (["generate", "--checkpoint", "{int4}", "--moe-kernel", "mosaic_gpu"], "moe impl='mosaic_gpu' cannot run: needs"),
     (["generate", "--preset", "tiny", "--layers", "1", "--max-new-tokens", "300"], "exceeds the model's max_position_embeddings"),
     (["generate", "--preset", "tiny", "--tokenizer", "{tmp}/tok.json"], "tokenizer file"),
     (["convert", "{tmp}/nope", "{tmp}/out"], "Hugging Face directory"),

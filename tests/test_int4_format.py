@@ -109,12 +109,16 @@ def test_leaf_passes_through_jit_as_pytree():
 
 
 def test_int4_linear_xla_path_vs_reference():
+    from kdtree_jax.linear import linear
+    from pallas_kernels.dispatch import Kernels
+    from pallas_kernels.int4 import Int4Weight
+
     rng = np.random.default_rng(7)
     q = rng.integers(-8, 8, size=(48, 64)).astype(np.int8)
     s = rng.uniform(0.01, 0.1, size=(48, 2)).astype(np.float32)
-    leaf = quant.int4_leaf_from_compressed(jnp.asarray(ref.pack(q)), jnp.asarray(s))
+    weight = Int4Weight.from_compressed(jnp.asarray(ref.pack(q)), jnp.asarray(s))
     x = rng.standard_normal((2, 3, 64)).astype(np.float32)
-    y = quant.int4_linear(jnp.asarray(x), leaf, impl="xla")
+    y = linear(jnp.asarray(x), weight, Kernels(linear="xla"))
     assert y.shape == (2, 3, 48)
     np.testing.assert_allclose(np.asarray(y), ref.matmul(x, ref.pack(q), s), rtol=1e-5, atol=1e-5)
 

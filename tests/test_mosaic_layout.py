@@ -1,9 +1,7 @@
-"""Routed experts in the Mosaic GPU kernel layout (kj.to_mosaic_experts): exact conversion, the model's MoE
-on it (XLA fallback on CPU, the kernel in interpret mode), sharding rules, and what must refuse it.
-The kernel itself natively: tests/test_moe_w4a16_kernel.py::test_kernel_native_gpu_k26_shapes (kernel="mosaic")."""
+"""Routed experts in the Mosaic GPU kernel layout (kj.to_mosaic_experts, chosen by kj.prepare_params): exact
+conversion, the model's MoE on it (the XLA path on CPU, the kernel in interpret mode), sharding rules, and what
+must refuse it. The kernel itself natively: tests/kernels/test_moe_w4a16.py::test_kernel_native_gpu_k26_shapes."""
 
-import importlib
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 import kdtree_jax as kj
 from helpers import random_params, rel_err
 from kdtree_jax import quant, sharding
-from pallas_kernels.moe_w4a16 import MoEW4A16FallbackWarning
+from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
+from pallas_kernels.moe_w4a16 import grouped_moe_w4a16
 
 CFG = kj.ModelConfig.tiny().replace(num_hidden_layers=3)  # layer 0 dense, layers 1-2 MoE
 
@@ -31,6 +30,8 @@ def mosaic_params(int4_params):
 
 def _dequant(leaf):
     """[..., N, K] float64 of either layout, written out here independently of the code under test."""
+    if isinstance(leaf, (Int4Weight, MosaicInt4Weight)):
+        leaf = dict(vars(leaf))
     if quant.is_mosaic_leaf(leaf):
         w = np.asarray(leaf["w_i4"].astype(jnp.int8), np.float64)
         s = np.swapaxes(np.asarray(leaf["scale_t"].astype(jnp.float32), np.float64), -1, -2)
@@ -94,52 +95,64 @@ def test_mosaic_moe_unsupported_says_why(int4_params, mosaic_params):
         kj.to_mosaic_experts(odd_params, odd)
 
 
-def test_generate_notes_the_faster_kernel_where_it_could_run(int4_params, monkeypatch):
-    """kj.generate on canonical INT4 experts says when the Mosaic kernel could run them (mosaic_moe_unsupported
-    is None: tested above for every reason it is not), and not here on a CPU."""
-    prompts = [[5, 17, 3]]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        warnings.simplefilter("error", kj.MoEKernelPerformanceWarning)
-        kj.generate(CFG, int4_params, prompts, max_new_tokens=2)  # this CPU: no note
-    quantize_module = importlib.import_module("kdtree_jax.quantize")  # kj.quantize is the function
-    monkeypatch.setattr(quantize_module, "mosaic_moe_unsupported", lambda params, cfg, device=None: None)  # "a Hopper GPU"
-    with pytest.warns(kj.MoEKernelPerformanceWarning, match="kj.to_mosaic_experts"):
-        kj.generate(CFG, int4_params, prompts, max_new_tokens=2)
+def test_prepare_params_and_kernel_plan_follow_the_dispatcher(int4_params, mosaic_params):
+    """kj.prepare_params converts the routed experts exactly where the dispatcher's layout rule says (auto on a
+    Hopper GPU, or moe='mosaic_gpu'), and kj.kernel_plan names the kernel that then runs; an explicit kernel that
+    cannot run raises."""
+    hopper, cpu = _FakeDevice(), _FakeDevice(platform="cpu", compute_capability=None, device_kind="cpu")
+    converted = kj.prepare_params(int4_params, CFG, device=hopper)
+    for w in ("gate", "up", "down"):
+        got, want = converted["layers_2"]["moe"]["experts"][w], mosaic_params["layers_2"]["moe"]["experts"][w]
+        np.testing.assert_array_equal(_dequant(got), _dequant(want))
+    kernel, reason = kj.kernel_plan(int4_params, CFG, device=hopper)["moe"]
+    assert kernel == "mosaic_gpu" and "converted to the Mosaic layout" in reason
+    assert kj.kernel_plan(converted, CFG, device=hopper)["moe"][0] == "mosaic_gpu"
+    assert kj.kernel_plan(int4_params, CFG, device=hopper)["attention"][0] == "triton"  # c 64, r 16: powers of 2
+    # this CPU: nothing converted, the XLA paths are the plan
+    assert kj.prepare_params(int4_params, CFG, device=cpu) is int4_params
+    assert kj.kernel_plan(int4_params, CFG, device=cpu) == {
+        "attention": ("xla", "no GPU, this is cpu"), "linear": ("none", "no INT4 dense weights"),
+        "moe": ("xla", "no GPU, this is cpu")}
+    # an A100: the Triton kernel, and why not the Mosaic one
+    ampere = _FakeDevice(compute_capability="8.0", device_kind="A100")
+    assert kj.prepare_params(int4_params, CFG, device=ampere) is int4_params
+    kernel, reason = kj.kernel_plan(int4_params, CFG, device=ampere)["moe"]
+    assert kernel == "triton" and "needs a Hopper GPU (sm_90), this is A100" in reason
+    # pinned per call
+    triton = kj.Kernels(moe="triton")
+    assert kj.prepare_params(int4_params, CFG, triton, device=hopper) is int4_params
+    assert kj.kernel_plan(int4_params, CFG, device=hopper, kernels=triton)["moe"] == ("triton", "asked for")
+    with pytest.raises(kj.KernelUnavailableError, match="moe impl='mosaic_gpu' cannot run: needs a Hopper GPU"):
+        kj.prepare_params(int4_params, CFG, kj.Kernels(moe="mosaic_gpu"), device=cpu)
+    with pytest.raises(kj.KernelUnavailableError, match="moe impl='mosaic_gpu' cannot run: needs a Hopper GPU"):
+        kj.kernel_plan(int4_params, CFG, device=ampere, kernels=kj.Kernels(moe="mosaic_gpu"))
+    with pytest.raises(kj.KernelUnavailableError, match="needs experts in the checkpoint layout"):
+        kj.kernel_plan(converted, CFG, device=hopper, kernels=triton)
 
 
 def test_model_forward_on_mosaic_experts_matches_canonical(int4_params, mosaic_params):
-    """CPU: the XLA fallback of the Mosaic layout (loud) == the canonical INT4 path (GPU: the kernels);
-    tokens of greedy DDTree == AR on the converted params."""
+    """CPU: the XLA path over the Mosaic layout == the canonical INT4 path (GPU: the kernels); tokens of
+    greedy DDTree == AR on the converted params."""
     tokens = jnp.asarray([[5, 17, 3, 99, 42, 7, 8]], jnp.int32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        want = kj.forward(int4_params, CFG, tokens)
-    if jax.default_backend() == "gpu":  # the kernel itself
-        got = kj.forward(mosaic_params, CFG, tokens)
-    else:
-        with pytest.warns(MoEW4A16FallbackWarning, match="NOT the Mosaic GPU grouped MoE kernel"):
-            got = kj.forward(mosaic_params, CFG, tokens)
+    want = kj.forward(int4_params, CFG, tokens)
+    got = kj.forward(mosaic_params, CFG, tokens)  # GPU: the Mosaic kernel itself; CPU: its XLA path
     assert rel_err(got, want) < 2e-2  # bf16 model: gate/up/down rounded to bf16 on one side only
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ar = kj.generate(CFG, mosaic_params, [[5, 17, 3]], max_new_tokens=6, stop_tokens=())
-        oracle = kj.OracleDraft(jnp.concatenate([jnp.asarray([[5, 17, 3]]), ar.tokens], 1), 4, CFG.vocab_size)
-        tree = kj.generate(CFG, mosaic_params, [[5, 17, 3]], max_new_tokens=6, stop_tokens=(), method="ddtree",
-                           drafter=oracle, tree_budget=4)
+    ar = kj.generate(CFG, mosaic_params, [[5, 17, 3]], max_new_tokens=6, stop_tokens=())
+    oracle = kj.OracleDraft(jnp.concatenate([jnp.asarray([[5, 17, 3]]), ar.tokens], 1), 4, CFG.vocab_size)
+    tree = kj.generate(CFG, mosaic_params, [[5, 17, 3]], max_new_tokens=6, stop_tokens=(), method="ddtree",
+                       drafter=oracle, tree_budget=4)
     np.testing.assert_array_equal(np.asarray(tree.tokens), np.asarray(ar.tokens))
 
 
 def test_model_routed_experts_kernel_interpret_matches_reference():
-    """routed_moe_mosaic with interpret=True (the Mosaic kernel, simulated) == its XLA path == float64."""
-    from pallas_kernels.w4a16_mgpu.moe import experts_to_mgpu_layout, routed_moe_mosaic
-
+    """grouped_moe_w4a16 on MosaicInt4Weight experts: the Mosaic kernel in interpret mode (simulated) == the
+    XLA path == float64."""
     rng = np.random.default_rng(0)
     E, D, I, T, k = 4, 128, 64, 3, 2
-    experts = {n: quant.int4_leaf_from_dense(jnp.asarray(rng.standard_normal((E,) + shape) / np.sqrt(shape[0]),
-                                                         jnp.float32))
+    experts = {n: Int4Weight.from_dense(jnp.asarray(rng.standard_normal((E,) + shape) / np.sqrt(shape[0]),
+                                                    jnp.float32))
                for n, shape in (("gate", (D, I)), ("up", (D, I)), ("down", (I, D)))}
-    mosaic = experts_to_mgpu_layout(experts)
+    mosaic = {n: w.to_mosaic() for n, w in experts.items()}
     ids = jnp.asarray([[0, 2], [2, 3], [1, 2]], jnp.int32)
     weights = jnp.asarray(rng.uniform(0.1, 1.0, (T, k)), jnp.float32)
     x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
@@ -150,18 +163,20 @@ def test_model_routed_experts_kernel_interpret_matches_reference():
             e = int(ids[t, j])
             g, u = _dequant(experts["gate"])[e] @ xf[t], _dequant(experts["up"])[e] @ xf[t]
             want[t] += float(weights[t, j]) * (_dequant(experts["down"])[e] @ (g / (1 + np.exp(-g)) * u))
-    xla = routed_moe_mosaic(x, mosaic, ids, weights, impl="xla")
+    xla = grouped_moe_w4a16(x, mosaic, ids, weights, impl="xla", out_dtype=jnp.float32)
     assert rel_err(xla, want) < 1e-2  # x is bf16; the reference dequantizes in float32
     try:
         kernel = jax.block_until_ready(  # finish before the finally resets the interpreter
-            routed_moe_mosaic(x, mosaic, ids, weights, impl="pallas", interpret=True))
+            grouped_moe_w4a16(x, mosaic, ids, weights, impl="mosaic_gpu", interpret=True, out_dtype=jnp.float32))
     finally:
         from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
 
         reset_gpu_interpret_mode_state()
     assert kernel.dtype == jnp.float32 and rel_err(kernel, want) < 3e-2
-    with pytest.raises(ValueError, match="bf16 activations"):
-        routed_moe_mosaic(x.astype(jnp.float32), mosaic, ids, weights, impl="pallas", interpret=True)
+    with pytest.raises(kj.KernelUnavailableError, match="needs bf16 activations, the model runs in float32"):
+        grouped_moe_w4a16(x.astype(jnp.float32), mosaic, ids, weights, impl="mosaic_gpu", interpret=True)
+    with pytest.raises(kj.KernelUnavailableError, match="needs experts in the checkpoint layout"):
+        grouped_moe_w4a16(x, mosaic, ids, weights, impl="triton", interpret=True)
 
 
 def test_sharding_rules_and_bytes(int4_params, mosaic_params):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import time
-import warnings
 from pathlib import Path
 
 import jax
@@ -31,7 +30,6 @@ import optax
 import kdtree_jax as kj
 from kdtree_jax.drafter import DrafterCache, drafter_extend_context, drafter_forward, init_drafter_cache
 from kdtree_jax.model import Transformer
-from pallas_kernels.w4a16 import W4A16FallbackWarning
 from training.common import JsonLog, describe_device, load_tokenizer, param_count, plot_curves
 from training.data import corpus_files, random_windows, token_stream
 
@@ -139,7 +137,6 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("/tmp/kdtree_train/drafter"))
     args = parser.parse_args()
-    warnings.filterwarnings("ignore", category=W4A16FallbackWarning)  # CPU runs the XLA INT4 path on purpose
 
     tok = load_tokenizer()
     cfg, params = kj.load_checkpoint(args.target, expect_kind="target")

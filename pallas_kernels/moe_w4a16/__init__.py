@@ -1,12 +1,12 @@
 """Grouped W4A16 MoE: the routed experts of a DeepSeekMoE layer over INT4 expert stacks.
 
-`grouped_moe_w4a16(x, experts, expert_ids, weights)` is the public entry: it checks shapes/dtypes
-and picks the implementation.
-  impl="pallas": the grouped Pallas kernels (natively on a GPU; `interpret=True` runs them on CPU).
-  impl="xla":    XLA loop over the touched experts (moe_w4a16_xla_touched): correct everywhere, slow.
-  impl="auto":   "pallas" on a GPU; on CPU "xla" with a one-time MoEW4A16FallbackWarning.
-The model's MoE (`kdtree_jax.model.routed_experts`) calls it for INT4 experts.
-Only the routed part: the shared expert stays a plain `swiglu` in the model.
+`grouped_moe_w4a16(x, experts, expert_ids, weights)` is the public entry: it checks shapes/dtypes and asks
+`pallas_kernels.dispatch.choose_moe` which implementation runs; the kernel follows from the experts' type:
+  Int4Weight stacks       -> "triton"     (`triton.py`, the Pallas Triton grouped kernels);
+  MosaicInt4Weight stacks -> "mosaic_gpu" (`mosaic_gpu.py`, Hopper + bf16 activations);
+  either, impl="xla" or no GPU -> "xla"   (`reference.moe_w4a16_xla`: a loop over the touched experts).
+Shared device-side grouping: `grouping.py`; tiles: `tuned.py`. Only the routed part: the shared expert
+stays a plain `swiglu` in the model.
 """
 
 from __future__ import annotations
@@ -15,40 +15,19 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import dispatch
-
-from kdtree_jax.quant import check_int4_leaf
-from pallas_kernels.moe_w4a16.kernel import (
-    Grouping,
-    MoEBlockConfig,
-    default_config,
-    group_assignments,
-    grouped_moe_w4a16_pallas,
-    grouped_moe_w4a16_reference,
-    max_row_tiles,
-    moe_w4a16_xla_dense,
-    moe_w4a16_xla_gather,
-    moe_w4a16_xla_touched,
-)
-from pallas_kernels.w4a16 import W4A16FallbackWarning
+from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
+from pallas_kernels.moe_w4a16.grouping import Grouping, group_assignments, max_row_tiles
+from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_moe_w4a16_mgpu, interpret_configs
+from pallas_kernels.moe_w4a16.reference import grouped_moe_w4a16_reference, moe_w4a16_xla
+from pallas_kernels.moe_w4a16.triton import MoEBlockConfig, grouped_moe_w4a16_pallas
+from pallas_kernels.moe_w4a16.tuned import default_config, default_mosaic_config
 
 __all__ = [
-    "Grouping", "MoEBlockConfig", "MoEW4A16FallbackWarning", "default_config", "group_assignments",
-    "grouped_moe_w4a16", "grouped_moe_w4a16_reference", "max_row_tiles", "moe_w4a16_xla_dense",
-    "moe_w4a16_xla_gather", "moe_w4a16_xla_touched", "resolve_impl",
+    "Grouping", "MoEBlockConfig", "default_config", "default_mosaic_config", "group_assignments",
+    "grouped_moe_w4a16", "grouped_moe_w4a16_mgpu", "grouped_moe_w4a16_reference", "max_row_tiles", "moe_w4a16_xla",
 ]
 
 _ACT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-
-
-class MoEW4A16FallbackWarning(W4A16FallbackWarning):
-    """impl="auto" ran the XLA touched-experts loop because no GPU is present (a W4A16FallbackWarning,
-    so filters for the dense kernel's warning cover it too)."""
-
-
-def resolve_impl(impl: str = "auto", *, interpret: bool = False) -> str:
-    """The implementation `grouped_moe_w4a16` will run: "pallas" or "xla" (auto on CPU warns)."""
-    return dispatch.resolve_impl(impl, interpret=interpret, op="grouped_moe_w4a16", fallback="the XLA touched-experts loop",
-                                 kernel="the grouped Pallas MoE kernel", warning=MoEW4A16FallbackWarning)
 
 
 def _check_inputs(x, experts, expert_ids, weights) -> tuple[int, int, int]:
@@ -61,23 +40,27 @@ def _check_inputs(x, experts, expert_ids, weights) -> tuple[int, int, int]:
         raise ValueError("x has T=0 tokens")
     if not isinstance(experts, dict) or set(experts) != {"gate", "up", "down"}:
         got = sorted(experts) if isinstance(experts, dict) else type(experts).__name__
-        raise ValueError(f"experts must be a dict with keys gate, up, down (INT4 leaves), got {got}")
+        raise ValueError(f"experts must be a dict with keys gate, up, down (INT4 weights), got {got}")
+    kinds = {type(experts[n]) for n in ("gate", "up", "down")}
+    if len(kinds) != 1 or not kinds <= {Int4Weight, MosaicInt4Weight}:
+        raise ValueError("experts gate/up/down must all be Int4Weight or all MosaicInt4Weight, got "
+                         f"{sorted(k.__name__ for k in kinds)}")
     shapes = {}
     for name in ("gate", "up", "down"):
         try:
-            shapes[name] = check_int4_leaf(experts[name])  # (N, K)
+            shapes[name] = experts[name].check()  # (N, K)
         except ValueError as e:
             raise ValueError(f"experts[{name!r}]: {e}") from None
-        if experts[name]["qweight"].ndim != 3:
-            raise ValueError(f"experts[{name!r}] must be stacked [E, N, K/4], got qweight "
-                             f"{experts[name]['qweight'].shape}")
-    num_experts = experts["gate"]["qweight"].shape[0]
+        if len(experts[name].lead_shape) != 1:
+            raise ValueError(f"experts[{name!r}] must be stacked over one expert axis [E, N, ...], got lead "
+                             f"shape {experts[name].lead_shape}")
+    num_experts = experts["gate"].lead_shape[0]
     hidden = x.shape[1]
     inter = shapes["gate"][0]
     want = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
     for name in ("gate", "up", "down"):
-        if experts[name]["qweight"].shape[0] != num_experts:
-            raise ValueError(f"experts[{name!r}] has {experts[name]['qweight'].shape[0]} experts, gate has {num_experts}")
+        if experts[name].lead_shape[0] != num_experts:
+            raise ValueError(f"experts[{name!r}] has {experts[name].lead_shape[0]} experts, gate has {num_experts}")
         if shapes[name] != want[name]:
             raise ValueError(f"experts[{name!r}] is (N, K)={shapes[name]}, want {want[name]} for x of D={hidden} "
                              f"and I={inter}")
@@ -101,15 +84,20 @@ def grouped_moe_w4a16(x: jax.Array, experts: dict, expert_ids: jax.Array, weight
                       out_dtype=None) -> jax.Array:
     """sum_j weights[t, j] * SwiGLU_{expert_ids[t, j]}(x[t]) -> [T, D] in out_dtype (default x.dtype).
 
-    x [T, D] bf16|f32; experts {"gate","up"}: INT4 leaves [E, I, D/4] / [E, I, D/32], {"down"}:
-    [E, D, I/4] / [E, D, I/32]; expert_ids [T, k] int32 in [0, E) (checked when concrete; under jit an
-    out-of-range id is undefined behaviour); weights [T, k] float (accumulated in float32).
-    config: tiles for impl="pallas" (default: `default_config`).
-    """
+    x [T, D] bf16|f32 (the Mosaic kernel: bf16 only); experts {"gate","up"}: [E, I, D], {"down"}: [E, D, I]
+    as stacked Int4Weight or MosaicInt4Weight; expert_ids [T, k] int32 in [0, E) (checked when concrete;
+    under jit an out-of-range id is undefined behaviour); weights [T, k] float (accumulated in float32).
+    impl: "auto" | "triton" | "mosaic_gpu" | "xla" (pallas_kernels.dispatch; a kernel that cannot run here,
+    or whose layout the experts are not in, raises KernelUnavailableError).
+    config: tiles for the Triton kernel (default: `default_config`)."""
     _, hidden, inter = _check_inputs(x, experts, expert_ids, weights)
-    chosen = resolve_impl(impl, interpret=interpret)
-    if chosen == "xla":
-        return moe_w4a16_xla_touched(x, experts, expert_ids, weights, dequant="f32", out_dtype=out_dtype)
+    choice = dispatch.choose_moe(experts, act_dtype=x.dtype, impl=impl, interpret=interpret)
+    if choice.impl == "xla":
+        return moe_w4a16_xla(x, experts, expert_ids, weights, out_dtype=out_dtype)
+    if choice.impl == "mosaic_gpu":
+        kwargs = interpret_configs() if interpret else {}
+        return grouped_moe_w4a16_mgpu(x, experts, expert_ids, weights,
+                                      out_dtype=jnp.dtype(out_dtype or x.dtype), **kwargs)
     cfg = config or default_config(x.shape[0], hidden, inter)
     for dim, name, block in ((inter, "I", cfg.block_n_up), (hidden, "D", cfg.block_k_up),
                              (hidden, "D", cfg.block_n_down), (inter, "I", cfg.block_k_down)):

@@ -7,9 +7,11 @@ space (the caller applies W_UV). Visible rows for new token t of batch row b:
   * rows start[b] + u for u < T             - visible iff tree_mask[b, t, u] (ancestors + itself);
   * rows j >= start[b] + T                  - never (garbage, may even hold NaN).
 
-`tree_mla_attention` is the public entry point; `tree_mla_attention_reference` is the plain-jnp
-definition it is tested against; `check_tree_attention_values` checks what shapes cannot show
-(start >= 0, start + T <= S_max, diagonal of tree_mask) and must be called outside `jit`.
+`tree_mla_attention` is the public entry point: it checks shapes and asks
+`pallas_kernels.dispatch.choose_attention` which implementation runs, "triton" (`triton.py`, tiled by
+`tuned.pick_config`) or "xla" (`reference.tree_mla_attention_reference`, the plain-jnp definition the
+kernel is tested against). `check_tree_attention_values` checks what shapes cannot show (start >= 0,
+start + T <= S_max, diagonal of tree_mask) and must be called outside `jit`.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ import jax.numpy as jnp
 
 from pallas_kernels import dispatch
 
-from .block_table import pick_config
-from .kernel import BlockConfig, tree_attention_pallas
+from pallas_kernels.tree_attention.reference import tree_mla_attention_reference
+from pallas_kernels.tree_attention.triton import BlockConfig, tree_attention_pallas
+from pallas_kernels.tree_attention.tuned import pick_config
 
 __all__ = [
     "BlockConfig",
-    "TreeAttentionFallbackWarning",
     "check_tree_attention_values",
     "pick_config",
     "tree_mla_attention",
@@ -32,28 +34,6 @@ __all__ = [
 ]
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-
-
-def tree_mla_attention_reference(q, cache, start, tree_mask, *, scale: float, value_dim: int):
-    """Plain-jnp definition. q [B, T, H, c+r]; cache [B, S_max, c+r]; start [B] int32;
-    tree_mask [B, T, T] bool -> [B, T, H, c] in q.dtype. Computed in float32 at HIGHEST precision
-    (also the XLA path of `impl="xla"`); it builds a [B, T, S_max] mask, which the kernel never does."""
-    B, T, H, D = q.shape
-    S_max = cache.shape[1]
-    offset = jnp.arange(S_max)[None, :] - start[:, None]  # [B, S_max]: row index minus start
-    in_tree = (offset >= 0) & (offset < T)  # [B, S_max]
-    tree_visible = jnp.take_along_axis(
-        tree_mask, jnp.broadcast_to(jnp.clip(offset, 0, T - 1)[:, None, :], (B, T, S_max)), axis=2)
-    visible = (offset < 0)[:, None, :] | (in_tree[:, None, :] & tree_visible)  # [B, T, S_max]
-    # Garbage rows may hold NaN/Inf; 0 * NaN would poison the value sum, so zero them first.
-    rows_ok = (offset < T)[:, :, None]  # [B, S_max, 1]
-    kv = jnp.where(rows_ok, cache.astype(jnp.float32), 0.0)  # [B, S_max, c+r]
-    hi = jax.lax.Precision.HIGHEST
-    scores = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), kv, precision=hi) * scale
-    scores = jnp.where(visible[:, :, None, :], scores, -jnp.inf)  # [B, T, H, S_max]
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bths,bsc->bthc", probs, kv[..., :value_dim], precision=hi)
-    return out.astype(q.dtype)
 
 
 def check_tree_attention_values(start, tree_mask, *, cache_rows: int) -> None:
@@ -95,14 +75,6 @@ def _check_shapes(q, cache, start, tree_mask, value_dim):
         raise ValueError(f"T = {T} tree tokens cannot fit in S_max = {cache.shape[1]} cache rows")
 
 
-class TreeAttentionFallbackWarning(UserWarning):
-    """impl="auto" ran the jnp reference, not the kernel, because no GPU is present."""
-
-
-def _is_pow2(n: int) -> bool:
-    return n >= 16 and n & (n - 1) == 0
-
-
 def tree_mla_attention(q, cache, start, tree_mask, *, scale: float, value_dim: int,
                        impl: str = "auto", interpret: bool = False,
                        config: BlockConfig | None = None):
@@ -113,11 +85,10 @@ def tree_mla_attention(q, cache, start, tree_mask, *, scale: float, value_dim: i
     tree_mask [B, T, T] bool (diagonal True). Returns [B, T, H, c] in q.dtype: softmax over the
     visible rows of (q . row) * scale, times row[:value_dim]; softmax statistics in float32.
 
-    impl: "pallas" - the Pallas-Triton kernel (GPU, or CPU with interpret=True);
-          "xla"    - `tree_mla_attention_reference` (plain jnp; NOT the kernel);
-          "auto"   - "pallas" when interpret=True or the default backend is a GPU, else "xla" with a
-                     TreeAttentionFallbackWarning saying so.
-    config: tiling override; default from block_table.pick_config.
+    impl: "auto" | "triton" | "xla", chosen by pallas_kernels.dispatch.choose_attention (auto: the
+          Pallas Triton kernel on a GPU or with interpret=True and power-of-two widths, else the
+          reference); an explicit "triton" that cannot run here raises KernelUnavailableError.
+    config: tiling override; default from tuned.pick_config.
     Value checks (start + T <= S_max, ...) run when the inputs are concrete; under jit they cannot,
     so call `check_tree_attention_values` on concrete values before tracing if in doubt (the kernel
     itself never reads past the cache).
@@ -126,19 +97,11 @@ def tree_mla_attention(q, cache, start, tree_mask, *, scale: float, value_dim: i
     _check_shapes(q, cache, start, tree_mask, value_dim)
     if not any(isinstance(x, jax.core.Tracer) for x in (start, tree_mask)):
         check_tree_attention_values(start, tree_mask, cache_rows=cache.shape[1])
-    impl = dispatch.resolve_impl(impl, interpret=interpret, op="tree_mla_attention",
-                                 fallback="the jnp reference (XLA)", kernel="the tree-attention Pallas kernel",
-                                 warning=TreeAttentionFallbackWarning)
-    if impl == "xla":
-        if interpret:
-            raise ValueError("interpret=True only applies to impl='pallas' (the XLA path has no kernel)")
-        return tree_mla_attention_reference(q, cache, start, tree_mask, scale=scale, value_dim=value_dim)
-
     B, T, H, D = q.shape
     c, r = value_dim, D - value_dim
-    if not (_is_pow2(c) and _is_pow2(r)):
-        # The Triton backend only handles power-of-two tensors; padding the cache would copy it.
-        raise ValueError(f"the Pallas kernel needs power-of-two latent/rope widths >= 16, got c = {c}, r = {r}")
+    choice = dispatch.choose_attention(latent_dim=c, rope_dim=r, impl=impl, interpret=interpret)
+    if choice.impl == "xla":
+        return tree_mla_attention_reference(q, cache, start, tree_mask, scale=scale, value_dim=value_dim)
     if config is None:
         config = pick_config(batch=B, num_tree=T, num_heads=H, latent_dim=c, rope_dim=r,
                              cache_rows=cache.shape[1])

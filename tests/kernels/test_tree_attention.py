@@ -9,14 +9,14 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import dispatch
 from pallas_kernels.tree_attention import (
     BlockConfig,
-    TreeAttentionFallbackWarning,
     check_tree_attention_values,
     tree_mla_attention,
     tree_mla_attention_reference,
 )
-from pallas_kernels.tree_attention.kernel import tree_attention_pallas
+from pallas_kernels.tree_attention.triton import tree_attention_pallas
 
 HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 
@@ -96,7 +96,7 @@ def test_kernel_interpret_f32(B, T, S_max, starts, config, chain):
     q, cache, start, tree, truth = make_inputs(1, B=B, T=T, S_max=S_max, starts=starts, dtype=jnp.float32,
                                                chain=chain, **TINY)
     out = tree_mla_attention(q, cache, start, tree, scale=0.3 / np.sqrt(80), value_dim=64,
-                             impl="pallas", interpret=True, config=config)
+                             impl="triton", interpret=True, config=config)
     assert out.shape == (B, T, 6, 64) and out.dtype == jnp.float32
     assert rel_err(out, truth) < 1e-5
 
@@ -106,7 +106,7 @@ def test_kernel_interpret_bf16(partial_dtype):
     q, cache, start, tree, truth = make_inputs(2, B=2, T=9, S_max=90, starts=[50, 17], dtype=jnp.bfloat16, **TINY)
     config = BlockConfig(block_kv=16, num_splits=2, partial_dtype=partial_dtype)
     out = tree_mla_attention(q, cache, start, tree, scale=0.3 / np.sqrt(80), value_dim=64,
-                             impl="pallas", interpret=True, config=config)
+                             impl="triton", interpret=True, config=config)
     assert out.dtype == jnp.bfloat16
     # bf16 output rounding (2^-9) plus bf16 probabilities in the value dot.
     assert rel_err(out, truth) < 2e-2
@@ -114,18 +114,20 @@ def test_kernel_interpret_bf16(partial_dtype):
 
 def test_kernel_interpret_cache_shorter_than_a_tile():
     q, cache, start, tree, truth = make_inputs(6, B=2, T=3, S_max=10, starts=[7, 2], dtype=jnp.float32, **TINY)
-    fn = jax.jit(lambda *a: tree_mla_attention(*a, scale=0.3 / np.sqrt(80), value_dim=64, impl="pallas",
+    fn = jax.jit(lambda *a: tree_mla_attention(*a, scale=0.3 / np.sqrt(80), value_dim=64, impl="triton",
                                                interpret=True))  # default tiling: block_kv 64 > S_max
     assert rel_err(fn(q, cache, start, tree), truth) < 1e-5
 
 
-def test_auto_on_cpu_is_the_reference_path():
+def test_auto_on_cpu_is_the_reference_path_and_an_explicit_kernel_raises():
     if HAS_GPU:
         pytest.skip("on a GPU, impl='auto' picks the kernel; covered by test_kernel_native_gpu")
     q, cache, start, tree, truth = make_inputs(3, B=1, T=3, S_max=20, starts=[9], dtype=jnp.float32, **TINY)
-    with pytest.warns(TreeAttentionFallbackWarning, match="NOT the tree-attention Pallas kernel"):
-        out = tree_mla_attention(q, cache, start, tree, scale=0.3 / np.sqrt(80), value_dim=64)
+    assert dispatch.choose_attention(latent_dim=64, rope_dim=16) == dispatch.Choice("xla", "no GPU, this is cpu")
+    out = tree_mla_attention(q, cache, start, tree, scale=0.3 / np.sqrt(80), value_dim=64)
     assert rel_err(out, truth) < 1e-5
+    with pytest.raises(dispatch.KernelUnavailableError, match="attention impl='triton' cannot run: no GPU"):
+        tree_mla_attention(q, cache, start, tree, scale=0.3 / np.sqrt(80), value_dim=64, impl="triton")
 
 
 def test_kernel_lowers_for_cuda_at_k2_shapes():
@@ -145,12 +147,12 @@ def test_kernel_lowers_for_cuda_at_k2_shapes():
         assert "xla.gpu.triton" in text
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="native kernel needs a CUDA GPU; CPU runs the interpret-mode tests")
+@pytest.mark.gpu
 @pytest.mark.parametrize("T,S_max,start", [(1, 4096, 4000), (33, 2048, 1500), (129, 1024, 600)])
 def test_kernel_native_gpu(T, S_max, start):
     q, cache, s, tree, truth = make_inputs(4, B=1, T=T, H=64, c=512, r=64, S_max=S_max, starts=[start],
                                            dtype=jnp.bfloat16)
-    out = tree_mla_attention(q, cache, s, tree, scale=0.3 / np.sqrt(576), value_dim=512, impl="pallas")
+    out = tree_mla_attention(q, cache, s, tree, scale=0.3 / np.sqrt(576), value_dim=512, impl="triton")
     assert rel_err(out, truth) < 2e-2
 
 
@@ -165,9 +167,9 @@ def test_value_and_shape_errors():
         tree_mla_attention(q, cache.astype(jnp.bfloat16), start, tree, **kw)
     with pytest.raises(ValueError, match="tree_mask must be bool"):
         tree_mla_attention(q, cache, start, tree.astype(jnp.int32), **kw)
-    with pytest.raises(ValueError, match="impl must be"):
-        tree_mla_attention(q, cache, start, tree, impl="cuda", **kw)
-    with pytest.raises(ValueError, match="power-of-two"):
-        tree_mla_attention(q, cache, start, tree, scale=0.1, value_dim=48, impl="pallas", interpret=True)
+    with pytest.raises(ValueError, match="attention impl must be one of"):
+        tree_mla_attention(q, cache, start, tree, impl="pallas", **kw)
+    with pytest.raises(dispatch.KernelUnavailableError, match="latent width 48 not a power of two >= 16"):
+        tree_mla_attention(q, cache, start, tree, scale=0.1, value_dim=48, impl="triton", interpret=True)
     with pytest.raises(ValueError, match="value_dim"):
         tree_mla_attention(q, cache, start, tree, scale=0.1, value_dim=80)

@@ -1,5 +1,7 @@
-"""Mosaic GPU (plgpu) W4A16 group-32 GEMM for Hopper, y[M, N] = x[M, K] @ dequant(W)^T: a dense kernel
-(prototype) and the grouped one under the MoE (moe.py), sharing one inner loop.
+"""The Mosaic GPU (plgpu) W4A16 group-32 tile loop for Hopper, y^T = dequant(W) @ x^T over one block_n slice
+of W, with W a `MosaicInt4Weight` (int4 [N, K], bf16 scales [K/32, N]). Shared by the routed MoE kernel
+(`pallas_kernels.moe_w4a16.mosaic_gpu`, wired) and the dense GEMM prototype
+(`pallas_kernels.experimental.w4a16_mosaic_gpu`, not wired); this module launches nothing itself.
 
 "Swap AB": the weights are the wgmma A operand (block_n output features per CTA) and the tokens are the
 narrow wgmma N dimension (M padded to a multiple of 8), so tiny decode batches waste no tensor-core rows.
@@ -16,13 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-GROUP_SIZE = 32
+from pallas_kernels.int4 import GROUP_SIZE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,27 +60,13 @@ class MgpuConfig:
         return cls(**fields)
 
 
-def _smem_transforms(minor_elems: int, dtype) -> tuple:
+def smem_transforms(minor_elems: int, dtype) -> tuple:
     bits = jnp.dtype(dtype).itemsize * 8 if jnp.dtype(dtype) != jnp.dtype(jnp.int4) else 4
     swizzle = plgpu.find_swizzle(minor_elems * bits, str(jnp.dtype(dtype)))
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
-def to_mgpu_layout(qweight: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Leaf layout -> kernel layout: int16 [..., N, K/4] (nibble q+8) -> jnp.int4 [..., N, K]; scale
-    [..., N, K/32] -> bf16 [..., K/32, N] (leading dims, e.g. experts, carried along).
-
-    A load-time conversion for the routed experts (kdtree_jax.quantize.to_mosaic_experts); the dense
-    prototype's wrapper still does it per call.
-    """
-    *lead, n, nwords = qweight.shape
-    shifts = jnp.arange(4, dtype=jnp.int32) * 4
-    nib = (qweight.astype(jnp.int32)[..., None] >> shifts) & 0xF  # [..., N, K/4, 4]
-    w_i4 = (nib - 8).reshape(*lead, n, nwords * 4).astype(jnp.int4)  # [..., N, K]
-    return w_i4, jnp.swapaxes(scale.astype(jnp.bfloat16), -1, -2)  # [..., N, K] int4, [..., K/32, N] bf16
-
-
-def _check_config(config: MgpuConfig, n: int, k: int, mp: int, interpret) -> None:
+def check_config(config: MgpuConfig, n: int, k: int, mp: int, interpret) -> None:
     if config.block_k % 64 or k % config.block_k:
         raise ValueError(f"block_k={config.block_k} must be a multiple of 64 (int4 swizzle >= 32 B) dividing K={k}")
     if config.a_operand not in ("registers", "smem"):
@@ -95,14 +82,14 @@ def _check_config(config: MgpuConfig, n: int, k: int, mp: int, interpret) -> Non
         raise ValueError(f"padded M={mp} must be a multiple of 8 and <= 256 (wgmma N)")
 
 
-def _tile_matmul(config: MgpuConfig, k: int, mp: int):
+def make_tile_matmul(config: MgpuConfig, k: int, mp: int):
     """The shared inner loop: (w_gmem [block_n, K] int4, x_gmem [Mp, K] bf16, s_gmem [K/32, block_n] bf16,
     a_smem or None) -> f32 [block_n, Mp] = dequant(w) @ x^T, as registers (call inside a kernel)."""
     block_n, block_k = config.block_n, config.block_k
     groups = block_k // GROUP_SIZE
     k_iters = k // block_k
-    w_tr = _smem_transforms(block_k, jnp.int4)
-    x_tr = _smem_transforms(block_k, jnp.bfloat16)
+    w_tr = smem_transforms(block_k, jnp.int4)
+    x_tr = smem_transforms(block_k, jnp.bfloat16)
 
     def tile_matmul(w_gmem, x_gmem, s_gmem, a_smem):
         def body(acc_ref):
@@ -142,79 +129,17 @@ def _tile_matmul(config: MgpuConfig, k: int, mp: int):
     return tile_matmul
 
 
-def _scratch(config: MgpuConfig, mp: int) -> dict:
+def scratch_types(config: MgpuConfig, mp: int) -> dict:
     scratch = dict(o_smem=plgpu.SMEM((config.block_n, mp), jnp.float32))  # [block_n, Mp]
     if config.a_operand == "smem":
         scratch["a_smem"] = plgpu.SMEM((config.block_n, config.block_k), jnp.bfloat16,
-                                       transforms=_smem_transforms(config.block_k, jnp.bfloat16))
+                                       transforms=smem_transforms(config.block_k, jnp.bfloat16))
     return scratch
 
 
-def w4a16_matmul_mgpu_kernel(x: jax.Array, w_i4: jax.Array, scale_t: jax.Array, *,
-                             config: MgpuConfig = MgpuConfig(), interpret=None) -> jax.Array:
-    """x bf16 [Mp, K] (Mp % 8 == 0), w_i4 int4 [N, K], scale_t bf16 [K/32, N] -> y^T f32 [N, Mp]."""
-    mp, k = x.shape
-    n = w_i4.shape[0]
-    _check_config(config, n, k, mp, interpret)
-    block_n = config.block_n
-    tile_matmul = _tile_matmul(config, k, mp)
+def gpu_interpret_params(**kwargs):
+    """InterpretGPUParams(**kwargs), e.g. detect_races=True (private import path in jax 0.11; public as
+    plgpu.InterpretGPUParams from 0.12)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415
 
-    def kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
-        n_slice = pl.ds(lax.axis_index("n") * block_n, block_n)
-        o_smem[...] = tile_matmul(w_gmem.at[n_slice], x_gmem, s_gmem.at[:, n_slice], a_smem)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[n_slice])
-        plgpu.wait_smem_to_gmem(0)
-
-    f = plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((n, mp), jnp.float32),
-        grid=(n // block_n,),
-        grid_names=("n",),
-        scratch_types=_scratch(config, mp),
-        interpret=interpret,
-    )
-    return f(x, w_i4, scale_t)
-
-
-def grouped_w4a16_mgpu_kernel(x_rows: jax.Array, w_i4: jax.Array, scale_t: jax.Array, tile_expert: jax.Array, *,
-                              config: MgpuConfig = MgpuConfig(), interpret=None) -> jax.Array:
-    """Grouped (per-tile expert) W4A16: x_rows bf16 [R * Mp, K] (row tile t = rows [t Mp, (t + 1) Mp)),
-    w_i4 int4 [E, N, K], scale_t bf16 [E, K/32, N], tile_expert int32 [R] (the expert of each row tile,
-    -1 = unused) -> y^T f32 [R, N, Mp], tile t = dequant(W[tile_expert[t]]) @ x_tile^T.
-
-    Grid (R, N / block_n): a CTA reads its tile's expert id from global memory and skips the tile when it
-    is -1, so untouched experts and unused tiles cost no weight bytes. The output of an unused tile is
-    NOT written (undefined): mask it with tile_expert >= 0."""
-    (r,), (rows, k), (num_experts, n, _) = tile_expert.shape, x_rows.shape, w_i4.shape
-    if rows % r:
-        raise ValueError(f"x_rows has {rows} rows, not a multiple of the {r} row tiles")
-    mp = rows // r
-    _check_config(config, n, k, mp, interpret)
-    if w_i4.shape != (num_experts, n, k) or scale_t.shape != (num_experts, k // GROUP_SIZE, n):
-        raise ValueError(f"w_i4 {w_i4.shape} / scale_t {scale_t.shape} do not match E={num_experts}, N={n}, K={k}")
-    block_n = config.block_n
-    tile_matmul = _tile_matmul(config, k, mp)
-
-    def kernel(e_gmem, x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
-        t = lax.axis_index("t")
-        n_slice = pl.ds(lax.axis_index("n") * block_n, block_n)
-        expert = e_gmem[t]
-
-        @pl.when(expert >= 0)
-        def _():
-            o_smem[...] = tile_matmul(w_gmem.at[expert, n_slice], x_gmem.at[pl.ds(t * mp, mp)],
-                                      s_gmem.at[expert, :, n_slice], a_smem)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[t, n_slice])
-            plgpu.wait_smem_to_gmem(0)
-
-    f = plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((r, n, mp), jnp.float32),
-        grid=(r, n // block_n),
-        grid_names=("t", "n"),
-        scratch_types=_scratch(config, mp),
-        interpret=interpret,
-    )
-    return f(tile_expert.astype(jnp.int32), x_rows, w_i4, scale_t)
+    return InterpretGPUParams(**kwargs)

@@ -34,7 +34,7 @@ LOG2E = math.log2(math.e)
 
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
-    """Tiling of one kernel launch (see block_table.py for the tuned values).
+    """Tiling of one kernel launch (see tuned.py for the tuned values).
 
     block_rows: query rows (tree tokens x heads) per program; 64 fills one wgmma M.
     block_kv: cache rows per inner-loop step (power of two, >= 16).

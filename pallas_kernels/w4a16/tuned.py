@@ -6,7 +6,7 @@ Shapes not in the table use `heuristic_config`: enough programs for 132 SMs via 
 
 from __future__ import annotations
 
-from pallas_kernels.w4a16.kernel import BlockConfig
+from pallas_kernels.w4a16.triton import BlockConfig
 
 NUM_SMS = 132  # H200
 M_BUCKETS = (16, 32, 64, 128, 256)

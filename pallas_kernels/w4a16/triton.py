@@ -1,7 +1,8 @@
-"""W4A16 GEMM body (Pallas, Triton backend) and its plain-jnp reference.
+"""W4A16 GEMM, Pallas Triton backend: y[M, N] = x[M, K] @ dequant(W)^T.
 
-y[M, N] = x[M, K] @ dequant(W)^T with W given as the INT4 leaf layout of `kdtree_jax.quant`:
-qweight int16 [N, K/4] (nibble i of word w = column 4w+i, stored as q + 8), scale [N, K/32].
+W is an `pallas_kernels.int4.Int4Weight`: qweight int16 [N, K/4] (nibble i of word w = column 4w+i,
+stored as q + 8), scale [N, K/32]. The kernel takes the two arrays; the wrapper (`pallas_kernels.w4a16`)
+checks shapes and unpacks the weight.
 
 Design (swap-AB, split-K):
   - Each program owns a [block_n, block_m] tile of y^T: output features fill the MMA's wide M side,
@@ -15,7 +16,8 @@ Design (swap-AB, split-K):
     exactly, no int->float convert), times the group scale broadcast over 32 columns, then
     dot(w [block_n, block_k], x [block_m, block_k]^T) accumulates in float32.
 The Triton backend is deprecated in JAX 0.11 but works; it was picked because it could be made correct
-and measured in the time available (docs/int4.md has the Mosaic GPU plan).
+and measured in the time available (docs/int4.md has the Mosaic GPU plan; the Mosaic tile loop is
+`pallas_kernels.w4a16.mosaic_gpu`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-GROUP_SIZE = 32
+from pallas_kernels.int4 import GROUP_SIZE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,30 +133,3 @@ def w4a16_matmul_pallas(x: jax.Array, qweight: jax.Array, scale: jax.Array, *, c
     )(x, qweight, scale)  # [split, m_pad, n]
     y = out[0] if split == 1 else jnp.sum(out, axis=0)
     return y[:m].astype(x.dtype)
-
-
-def w4a16_matmul_reference(x: jax.Array, qweight: jax.Array, scale: jax.Array) -> jax.Array:
-    """Plain jnp: dequantize the leaf layout to float32, dot in float32 -> [M, N] in x.dtype.
-
-    Also the XLA path (impl="xla") of the wrapper: XLA does not fuse the dequantization into the GEMM.
-    """
-    n, nwords = qweight.shape
-    k = nwords * 4
-    shifts = jnp.arange(4, dtype=jnp.int32) * 4
-    nib = (qweight.astype(jnp.int32)[..., None] >> shifts) & 0xF  # [N, K/4, 4]
-    q = (nib - 8).astype(jnp.float32).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
-    w = (q * scale.astype(jnp.float32)[..., None]).reshape(n, k)  # [N, K]
-    y = lax.dot_general(x.astype(jnp.float32), w, (((1,), (1,)), ((), ())),
-                        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
-
-
-def w4a16_matmul_xla_bf16(x: jax.Array, qweight: jax.Array, scale: jax.Array) -> jax.Array:
-    """XLA dequantize-to-x.dtype then dot: the realistic XLA baseline (bf16 weights, f32 accumulate)."""
-    n, nwords = qweight.shape
-    k = nwords * 4
-    shifts = jnp.arange(4, dtype=jnp.int16) * 4
-    nib = (qweight[..., None] >> shifts) & 0xF  # [N, K/4, 4]
-    q = (nib - 8).astype(x.dtype).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
-    w = (q * scale.astype(x.dtype)[..., None]).reshape(n, k)  # [N, K]
-    return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(x.dtype)

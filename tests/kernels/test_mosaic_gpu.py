@@ -1,5 +1,6 @@
-"""Mosaic GPU W4A16 kernels (pallas_kernels.w4a16_mgpu): the dense prototype vs the plain-jnp float32
-reference (pallas_kernels.w4a16.w4a16_matmul_reference), and the tiling config the grouped MoE shares.
+"""Mosaic GPU W4A16: the dense prototype (pallas_kernels.experimental.w4a16_mosaic_gpu) over the shared tile
+loop (pallas_kernels.w4a16.mosaic_gpu) vs the plain-jnp float32 reference (pallas_kernels.w4a16.reference), and
+the tiling config the grouped MoE shares.
 
 On CPU the kernel body runs in Mosaic GPU interpret mode (simulated threads, SMEM, TMA, barriers, with the
 race detector on); the register-A path, which that interpreter cannot run, is covered by the CUDA lowering
@@ -13,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdtree_jax.quant import int4_leaf_from_dense
+from pallas_kernels import dispatch
+from pallas_kernels.experimental.w4a16_mosaic_gpu import w4a16_matmul_mgpu
+from pallas_kernels.int4 import Int4Weight
 from pallas_kernels.w4a16 import w4a16_matmul_reference
-from pallas_kernels.w4a16_mgpu import MgpuConfig, gpu_interpret_params, w4a16_matmul_mgpu
-
-HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
+from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig, gpu_interpret_params
 
 
 @pytest.fixture(autouse=True)
@@ -31,9 +32,9 @@ def _reset_interpreter():
 
 def _problem(m, n, k, seed, scale_dtype=jnp.bfloat16):
     kx, kw = jax.random.split(jax.random.key(seed))
-    leaf = int4_leaf_from_dense(jax.random.normal(kw, (k, n), jnp.float32), scale_dtype=scale_dtype)  # [N, K/4]
+    leaf = Int4Weight.from_dense(jax.random.normal(kw, (k, n), jnp.float32), scale_dtype=scale_dtype)  # [N, K/4]
     x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)  # [M, K]
-    want = w4a16_matmul_reference(x.astype(jnp.float32), leaf["qweight"], leaf["scale"])  # [M, N] f32
+    want = w4a16_matmul_reference(x.astype(jnp.float32), leaf)  # [M, N] f32
     return x, leaf, np.asarray(want, np.float64)
 
 
@@ -78,18 +79,20 @@ def test_lowers_for_cuda_at_k2_shapes():
     for m, n, k, cfg in [(1, 7168, 2048, MgpuConfig()), (16, 2048, 7168, MgpuConfig(block_n=128, block_k=128)),
                          (64, 512, 7168, MgpuConfig(a_operand="smem"))]:
         args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
-                {"qweight": jax.ShapeDtypeStruct((n, k // 4), jnp.int16),
-                 "scale": jax.ShapeDtypeStruct((n, k // 32), jnp.bfloat16)})
+                Int4Weight(jax.ShapeDtypeStruct((n, k // 4), jnp.int16),
+                           jax.ShapeDtypeStruct((n, k // 32), jnp.bfloat16)))
         with jax.sharding.use_abstract_mesh(mesh):
             text = jax.jit(lambda x, leaf: w4a16_matmul_mgpu(x, leaf, config=cfg)).trace(*args).lower(
                 lowering_platforms=("cuda",)).as_text()
         assert set(re.findall(r"custom_call @(\w+)", text)) == {"mosaic_gpu_v2"}
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="native Mosaic GPU kernel needs a Hopper GPU; CPU runs interpret mode")
+@pytest.mark.gpu
 @pytest.mark.parametrize("a_operand", ["registers", "smem"])
 @pytest.mark.parametrize("m,n,k", [(1, 7168, 2048), (16, 2048, 7168), (5, 256, 512)])
 def test_native_gpu(m, n, k, a_operand):
+    if not dispatch.is_hopper(jax.devices()[0]):
+        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU (sm_90)")
     x, leaf, want = _problem(m, n, k, seed=m + n + k)
     got = w4a16_matmul_mgpu(x, leaf, config=MgpuConfig(a_operand=a_operand))
     assert _rel_err(got, want) < 1e-2
@@ -109,14 +112,16 @@ def test_value_errors():
         w4a16_matmul_mgpu(x.astype(jnp.float32), leaf, interpret=True)
     with pytest.raises(ValueError, match="M=300"):
         w4a16_matmul_mgpu(jnp.zeros((300, 64), jnp.bfloat16), leaf, interpret=True)
-    with pytest.raises(ValueError, match="qweight must be int16"):
+    with pytest.raises(ValueError, match=r"x must be bf16 \[M, K=64\]"):
         w4a16_matmul_mgpu(x[:, :32], leaf, interpret=True)
-    with pytest.raises(ValueError, match="keys qweight, scale"):
-        w4a16_matmul_mgpu(x, {"qweight": leaf["qweight"]}, interpret=True)
+    with pytest.raises(ValueError, match="must be an Int4Weight or MosaicInt4Weight, got dict"):
+        w4a16_matmul_mgpu(x, {"qweight": leaf.qweight}, interpret=True)
 
 
 def test_config_parse_and_the_moe_default_tiling():
-    from pallas_kernels.w4a16_mgpu.moe import default_config, shape_unsupported
+    from pallas_kernels.moe_w4a16.tuned import default_mosaic_config as default_config
+
+    shape_unsupported = dispatch.mosaic_moe_shape_unsupported
 
     assert MgpuConfig.parse("bn128:bk256:s3:smem") == MgpuConfig(block_n=128, block_k=256, max_concurrent_steps=3,
                                                                 a_operand="smem")

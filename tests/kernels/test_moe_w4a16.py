@@ -1,25 +1,23 @@
 """Grouped W4A16 MoE kernel vs an independent float64 NumPy MoE (reference/int4.py dequantization).
 
-On CPU the kernel bodies run in Pallas interpret mode; the CUDA lowering is checked against an
-abstract H200; the native test runs only on a GPU.
+Both backends: the Triton kernels (Int4Weight experts) and the Mosaic GPU kernel (MosaicInt4Weight experts).
+On CPU the kernel bodies run in interpret mode; the CUDA lowering is checked against an abstract H200; the
+native tests run only on a GPU.
 """
-
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdtree_jax import quant
-from pallas_kernels import moe_w4a16
+from pallas_kernels import dispatch
+from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
 from pallas_kernels.moe_w4a16 import (
     MoEBlockConfig,
     group_assignments,
     grouped_moe_w4a16,
     grouped_moe_w4a16_reference,
-    moe_w4a16_xla_dense,
-    moe_w4a16_xla_gather,
+    moe_w4a16_xla,
 )
 from reference import int4 as ref
 
@@ -32,7 +30,7 @@ def _experts(rng, num_experts, hidden, inter, scale_dtype=jnp.bfloat16):
     for name, (n, k) in {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}.items():
         q = rng.integers(-8, 8, size=(num_experts, n, k)).astype(np.int8)
         scale = jnp.asarray(rng.uniform(0.02, 0.08, size=(num_experts, n, k // 32)) / np.sqrt(k / 64), scale_dtype)
-        leaves[name] = quant.int4_leaf_from_compressed(jnp.asarray(ref.pack(q)), scale)
+        leaves[name] = Int4Weight.from_compressed(jnp.asarray(ref.pack(q)), scale)
         dense[name] = ref.dequantize(q, np.asarray(scale.astype(jnp.float32), np.float64))
     return leaves, dense
 
@@ -87,7 +85,7 @@ def test_kernel_interpret_matches_numpy_and_reference(T, E, k, D, I, crowd, act_
     x = jnp.asarray(rng.standard_normal((T, D)), act_dtype)
     want = _numpy_moe(x, dense, ids, weights)
     tol = 1e-5 if act_dtype == jnp.float32 else 3e-2  # bf16: x, gate/up, hidden and down rounded to bf16
-    got = grouped_moe_w4a16(x, experts, ids, weights, impl="pallas", interpret=True)
+    got = grouped_moe_w4a16(x, experts, ids, weights, impl="triton", interpret=True)
     assert got.shape == (T, D) and got.dtype == act_dtype
     assert _rel(got, want) < tol
     reference = grouped_moe_w4a16_reference(x, experts, ids, weights)
@@ -102,8 +100,12 @@ def test_xla_paths_match_numpy():
     x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
     want = _numpy_moe(x, dense, ids, weights)
     assert _rel(grouped_moe_w4a16(x, experts, ids, weights, impl="xla"), want) < 1e-5
-    assert _rel(moe_w4a16_xla_dense(x, experts, ids, weights, dequant="f32"), want) < 1e-5
-    assert _rel(moe_w4a16_xla_gather(x, experts, ids, weights, dequant="f32"), want) < 1e-5
+    assert _rel(grouped_moe_w4a16_reference(x, experts, ids, weights), want) < 1e-5
+    # the same XLA path over the Mosaic layout of the same experts (bf16 scales: float32 -> bf16 rounding)
+    bf16 = {n: Int4Weight(w.qweight, w.scale.astype(jnp.bfloat16)) for n, w in experts.items()}
+    want_bf16 = np.asarray(grouped_moe_w4a16(x, bf16, ids, weights, impl="xla"), np.float64)
+    mosaic = {n: w.to_mosaic() for n, w in bf16.items()}
+    assert _rel(grouped_moe_w4a16(x, mosaic, ids, weights, impl="xla"), want_bf16) < 1e-6
 
 
 def test_grouping_reads_each_touched_expert_once():
@@ -139,7 +141,7 @@ def test_zero_weights_and_repeated_expert():
     weights = jnp.asarray([[0.5, 0.25, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]], jnp.float32)
     x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
     want = _numpy_moe(x, dense, ids, weights)
-    got = grouped_moe_w4a16(x, experts, ids, weights, impl="pallas", interpret=True)
+    got = grouped_moe_w4a16(x, experts, ids, weights, impl="triton", interpret=True)
     assert _rel(got, want) < 1e-5
     assert np.all(np.asarray(got[2]) == 0.0)
     grp = group_assignments(ids, weights, 8, 16)
@@ -147,7 +149,8 @@ def test_zero_weights_and_repeated_expert():
 
 
 def test_model_routed_experts_uses_the_grouped_kernel_and_matches_numpy():
-    """kdtree_jax.model.routed_experts on INT4 experts (the model's MoE) against float64 NumPy."""
+    """kdtree_jax.model.routed_experts on INT4 experts (the model's MoE) against float64 NumPy, with the
+    default kernel choice and with the Triton kernel pinned (interpret mode)."""
     from kdtree_jax import model
 
     rng = np.random.default_rng(5)
@@ -157,19 +160,22 @@ def test_model_routed_experts_uses_the_grouped_kernel_and_matches_numpy():
     for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)):
         x = jnp.asarray(rng.standard_normal((T, D)), dtype)
         want = _numpy_moe(x, dense, ids, weights)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", moe_w4a16.W4A16FallbackWarning)
-            got = model.routed_experts(x, experts, ids, weights)
-        assert got.dtype == dtype and got.shape == (T, D)
-        assert _rel(got, want) < tol, dtype
+        for kernels in (dispatch.Kernels(), dispatch.Kernels(moe="triton", interpret=True)):
+            got = model.routed_experts(x, experts, ids, weights, kernels)
+            assert got.dtype == dtype and got.shape == (T, D)
+            assert _rel(got, want) < tol, (dtype, kernels)
 
 
-def test_auto_on_cpu_is_loud_and_recorded():
+def test_auto_on_cpu_runs_the_xla_path_and_an_explicit_kernel_raises():
     if ON_GPU:
-        pytest.skip("on a GPU impl='auto' is the kernel; covered by test_kernel_native_gpu")
-    with pytest.warns(moe_w4a16.MoEW4A16FallbackWarning, match="NOT the grouped Pallas MoE kernel"):
-        assert moe_w4a16.resolve_impl("auto") == "xla"
-    assert moe_w4a16.resolve_impl("auto", interpret=True) == "pallas"
+        pytest.skip("on a GPU impl='auto' is the kernel; covered by test_kernel_native_gpu_k26_shapes")
+    rng = np.random.default_rng(2)
+    experts, _ = _experts(rng, 4, 64, 64)
+    assert dispatch.choose_moe(experts, act_dtype=jnp.float32).impl == "xla"
+    assert dispatch.choose_moe(experts, act_dtype=jnp.float32, interpret=True).impl == "triton"
+    ids, weights = _routing(rng, 2, 2, 4)
+    with pytest.raises(dispatch.KernelUnavailableError, match="moe impl='triton' cannot run: no GPU"):
+        grouped_moe_w4a16(jnp.ones((2, 64), jnp.float32), experts, ids, weights, impl="triton")
 
 
 def test_bad_inputs_raise_clearly():
@@ -184,8 +190,12 @@ def test_bad_inputs_raise_clearly():
         call(x.astype(jnp.int32), experts, ids, weights)
     with pytest.raises(ValueError, match="keys gate, up, down"):
         call(x, {"gate": experts["gate"]}, ids, weights)
-    with pytest.raises(ValueError, match=r"experts\['up'\].*not an INT4 leaf"):
+    with pytest.raises(ValueError, match="must all be Int4Weight or all MosaicInt4Weight"):
         call(x, {**experts, "up": jnp.zeros((4, 64, 32))}, ids, weights)
+    with pytest.raises(ValueError, match="must all be Int4Weight or all MosaicInt4Weight"):
+        call(x, {**experts, "up": experts["up"].to_mosaic()}, ids, weights)
+    with pytest.raises(ValueError, match=r"experts\['up'\].*scale shape"):
+        call(x, {**experts, "up": Int4Weight(experts["up"].qweight, experts["up"].scale[..., :1])}, ids, weights)
     with pytest.raises(ValueError, match=r"experts\['down'\] is \(N, K\)"):
         call(x, {**experts, "down": experts["gate"]}, ids, weights)
     with pytest.raises(ValueError, match="stacked"):
@@ -198,10 +208,12 @@ def test_bad_inputs_raise_clearly():
         call(x, experts, ids, weights[:, :1])
     with pytest.raises(ValueError, match=r"must lie in \[0, 4\), got values in \[0, 4\]"):
         call(x, experts, ids.at[0, 0].set(4), weights)
-    with pytest.raises(ValueError, match="impl must be"):
-        grouped_moe_w4a16(x, experts, ids, weights, impl="cuda")
+    with pytest.raises(ValueError, match="moe impl must be one of"):
+        grouped_moe_w4a16(x, experts, ids, weights, impl="pallas")
+    with pytest.raises(dispatch.KernelUnavailableError, match="needs experts in the Mosaic layout"):
+        grouped_moe_w4a16(x, experts, ids, weights, impl="mosaic_gpu", interpret=True)
     with pytest.raises(ValueError, match="must be divisible by the tile"):
-        grouped_moe_w4a16(x, experts, ids, weights, impl="pallas", interpret=True,
+        grouped_moe_w4a16(x, experts, ids, weights, impl="triton", interpret=True,
                           config=MoEBlockConfig(block_n_up=64))
     with pytest.raises(ValueError, match="power of two"):
         MoEBlockConfig(block_m=24)
@@ -213,13 +225,13 @@ def test_kernel_lowers_for_cuda_at_k26_shapes():
     from jax.sharding import AbstractMesh
 
     from pallas_kernels.moe_w4a16 import default_config
-    from pallas_kernels.moe_w4a16.kernel import grouped_moe_w4a16_pallas
+    from pallas_kernels.moe_w4a16.triton import grouped_moe_w4a16_pallas
 
     mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
                                                                num_cores=132))
     E, D, I = 384, 7168, 2048
     S = jax.ShapeDtypeStruct
-    leaf = lambda n, k: {"qweight": S((E, n, k // 4), jnp.int16), "scale": S((E, n, k // 32), jnp.bfloat16)}  # noqa: E731
+    leaf = lambda n, k: Int4Weight(S((E, n, k // 4), jnp.int16), S((E, n, k // 32), jnp.bfloat16))  # noqa: E731
     experts = {"gate": leaf(I, D), "up": leaf(I, D), "down": leaf(D, I)}
     for T in (1, 33, 129):
         fn = lambda x, e, i, w: grouped_moe_w4a16_pallas(x, e, i, w, cfg=default_config(T, D, I))  # noqa: E731
@@ -231,40 +243,39 @@ def test_kernel_lowers_for_cuda_at_k26_shapes():
 
 def _k26_native_problem(T):
     """Random INT4 experts at K2.6 expert shapes (E reduced to 64 to keep the float32 reference small), routing,
-    x, and the XLA gather-then-dot result in float32."""
+    x, and the float32 XLA path's result."""
     E, D, I, k = 64, 7168, 2048, 8
     keys = jax.random.split(jax.random.key(T), 8)
-    leaf = lambda key, n, kk: {  # noqa: E731
-        "qweight": jax.random.randint(key, (E, n, kk // 4), -32768, 32768, jnp.int32).astype(jnp.int16),
-        "scale": (jax.random.uniform(keys[7], (E, n, kk // 32), minval=0.5, maxval=1.5) * 0.2 / np.sqrt(kk))
-        .astype(jnp.bfloat16)}
+    leaf = lambda key, n, kk: Int4Weight(  # noqa: E731
+        qweight=jax.random.randint(key, (E, n, kk // 4), -32768, 32768, jnp.int32).astype(jnp.int16),
+        scale=(jax.random.uniform(keys[7], (E, n, kk // 32), minval=0.5, maxval=1.5) * 0.2 / np.sqrt(kk))
+        .astype(jnp.bfloat16))
     experts = {"gate": leaf(keys[0], I, D), "up": leaf(keys[1], I, D), "down": leaf(keys[2], D, I)}
     ids = jnp.argsort(jax.random.uniform(keys[3], (T, E)), axis=1)[:, :k].astype(jnp.int32)
     weights = jax.random.uniform(keys[4], (T, k), minval=0.05)
     x = jax.random.normal(keys[5], (T, D), jnp.bfloat16)
-    want = moe_w4a16_xla_gather(x, experts, ids, weights, dequant="f32")
+    want = moe_w4a16_xla(x, experts, ids, weights, out_dtype=jnp.float32)
     return x, experts, ids, weights, np.asarray(want.astype(jnp.float32), np.float64)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="native kernel test needs a GPU (CPU runs the interpret-mode tests)")
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 9, 33, 129])
-@pytest.mark.parametrize("kernel", ["triton", "mosaic"])
+@pytest.mark.parametrize("kernel", ["triton", "mosaic_gpu"])
 def test_kernel_native_gpu_k26_shapes(T, kernel):
-    """Both grouped kernels natively on the GPU at K2.6 expert shapes (the Triton one, the model's default,
-    and the Mosaic GPU one of pallas_kernels/w4a16_mgpu/moe.py) against XLA gather-then-dot."""
+    """Both grouped kernels natively on the GPU at K2.6 expert shapes (Triton on Int4Weight, Mosaic GPU on
+    MosaicInt4Weight, needs a Hopper GPU) against the float32 XLA path."""
     x, experts, ids, weights, want = _k26_native_problem(T)
-    if kernel == "triton":
-        got = grouped_moe_w4a16(x, experts, ids, weights, impl="pallas")
-    else:
-        from pallas_kernels.w4a16_mgpu.moe import experts_to_mgpu_layout, grouped_moe_w4a16_mgpu
-
-        got = grouped_moe_w4a16_mgpu(x, experts_to_mgpu_layout(experts), ids, weights)
+    if kernel == "mosaic_gpu":
+        if not dispatch.is_hopper(jax.devices()[0]):
+            pytest.skip("the Mosaic GPU kernel needs a Hopper GPU (sm_90)")
+        experts = {n: w.to_mosaic() for n, w in experts.items()}
+    got = grouped_moe_w4a16(x, experts, ids, weights, impl=kernel)
     assert _rel(got, want) < 3e-2
 
 
-# ------------------------------------ the Mosaic GPU grouped MoE kernel (pallas_kernels/w4a16_mgpu/moe.py)
+# ------------------------------------ the Mosaic GPU grouped MoE kernel (pallas_kernels/moe_w4a16/mosaic_gpu.py)
 def _mgpu_interpret():
-    from pallas_kernels.w4a16_mgpu import gpu_interpret_params
+    from pallas_kernels.w4a16.mosaic_gpu import gpu_interpret_params
 
     return gpu_interpret_params(detect_races=True)
 
@@ -284,8 +295,8 @@ def test_mgpu_grouped_moe_interpret_matches_numpy(T, E, k, crowd, zero):
     tile of 8) and leaves experts untouched."""
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
-    from pallas_kernels.w4a16_mgpu import MgpuConfig
-    from pallas_kernels.w4a16_mgpu.moe import experts_to_mgpu_layout, grouped_moe_w4a16_mgpu
+    from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_moe_w4a16_mgpu
+    from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig
 
     D, I = 128, 64
     rng = np.random.default_rng(T + E + k)
@@ -297,7 +308,7 @@ def test_mgpu_grouped_moe_interpret_matches_numpy(T, E, k, crowd, zero):
     cfg = MgpuConfig(block_n=64, block_k=64, a_operand="smem")
     try:
         got = jax.block_until_ready(grouped_moe_w4a16_mgpu(  # the interpreter runs at execution (async)
-            x, experts_to_mgpu_layout(experts), ids, weights, config_up=cfg, config_down=cfg,
+            x, {n: w.to_mosaic() for n, w in experts.items()}, ids, weights, config_up=cfg, config_down=cfg,
             interpret=_mgpu_interpret()))
         assert not get_races().races_found
     finally:
@@ -310,16 +321,17 @@ def test_mgpu_grouped_moe_interpret_matches_numpy(T, E, k, crowd, zero):
 def test_mgpu_grouped_kernel_skips_unused_tiles_and_reuses_experts(block_k):
     """grouped_w4a16_mgpu_kernel: tile t = expert tile_expert[t]; -1 tiles are skipped (never written).
     block_k 128: 4 scale groups per pipeline step, each its own register slice."""
+    from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_w4a16_mgpu_kernel
     from pallas_kernels.w4a16 import w4a16_matmul_reference
-    from pallas_kernels.w4a16_mgpu import MgpuConfig, to_mgpu_layout
-    from pallas_kernels.w4a16_mgpu.kernel import grouped_w4a16_mgpu_kernel
+    from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig
 
     rng = np.random.default_rng(3)
     experts, _ = _experts(rng, 4, 128, 64)
     leaf = experts["gate"]  # [4, 64, 128/4]: N = 64, K = 128
     tile_expert = jnp.asarray([2, -1, 2, 0], jnp.int32)
     x_rows = jnp.asarray(rng.standard_normal((4 * 8, 128)), jnp.bfloat16)
-    w, s = to_mgpu_layout(leaf["qweight"], leaf["scale"])
+    mosaic = leaf.to_mosaic()
+    w, s = mosaic.w_i4, mosaic.scale_t
     try:
         y_t = jax.block_until_ready(grouped_w4a16_mgpu_kernel(  # finish before the finally resets the interpreter
             x_rows, w, s, tile_expert, interpret=_mgpu_interpret(),
@@ -330,8 +342,8 @@ def test_mgpu_grouped_kernel_skips_unused_tiles_and_reuses_experts(block_k):
     for t, e in enumerate(np.asarray(tile_expert)):
         if e < 0:
             continue
-        want = w4a16_matmul_reference(x_rows[t * 8:(t + 1) * 8].astype(jnp.float32), leaf["qweight"][e],
-                                      leaf["scale"][e])  # [8, 64]
+        want = w4a16_matmul_reference(x_rows[t * 8:(t + 1) * 8].astype(jnp.float32),
+                                      jax.tree.map(lambda a: a[e], leaf))  # [8, 64]
         assert _rel(y_t[t].T, np.asarray(want, np.float64)) < 1e-2
 
 
@@ -343,13 +355,13 @@ def test_mgpu_grouped_moe_lowers_for_cuda_at_k26_shapes():
     from jax._src.mesh import AbstractDevice
     from jax.sharding import AbstractMesh
 
-    from pallas_kernels.w4a16_mgpu.moe import grouped_moe_w4a16_mgpu
+    from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_moe_w4a16_mgpu
 
     mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
                                                                num_cores=132))
     E, D, I = 384, 7168, 2048
     S = jax.ShapeDtypeStruct
-    layout = lambda n, kk: {"w_i4": S((E, n, kk), jnp.int4), "scale_t": S((E, kk // 32, n), jnp.bfloat16)}  # noqa: E731
+    layout = lambda n, kk: MosaicInt4Weight(S((E, n, kk), jnp.int4), S((E, kk // 32, n), jnp.bfloat16))  # noqa: E731
     experts = {"gate": layout(I, D), "up": layout(I, D), "down": layout(D, I)}
     for T in (1, 33):
         with jax.sharding.use_abstract_mesh(mesh):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .kernel import BlockConfig
+from pallas_kernels.tree_attention.triton import BlockConfig
 
 NUM_SMS_H200 = 132
 

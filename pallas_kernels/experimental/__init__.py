@@ -1,0 +1,1 @@
+"""Kernel prototypes not wired into any dispatcher (pallas_kernels.dispatch never picks them)."""

@@ -1,0 +1,142 @@
+"""The grouped INT4 MoE on the Mosaic GPU W4A16 tile loop (Hopper): the routed experts' SwiGLU for T tokens
+routed top-k, reading each touched expert's weights once and never an untouched one. Experts are
+`MosaicInt4Weight` stacks (made once at load time: kdtree_jax.kernels.prepare_params); the dispatcher
+(pallas_kernels.dispatch.choose_moe) runs this for them on a Hopper GPU with bf16 activations.
+
+T > 1: the shared device-side grouping (`grouping.group_assignments`: assignments sorted by expert into
+block_m-row tiles, a tile -> expert table, -1 for unused tiles); T = 1 (a decode step): one tile per choice,
+no sort. Then three launches of `grouped_w4a16_mgpu_kernel` (gate, up, down; tokens are the wgmma N
+dimension, so block_m = 8 wastes nothing at decode sizes) with the SwiGLU, the combine weights and the
+per-token sum in XLA between them. Roundings follow the Triton path (gate/up/down outputs rounded to bf16).
+Status and numbers: docs/w4a16_mgpu.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import dispatch
+from pallas_kernels.int4 import GROUP_SIZE
+from pallas_kernels.moe_w4a16.grouping import group_assignments
+from pallas_kernels.moe_w4a16.tuned import default_mosaic_config
+from pallas_kernels.w4a16 import mosaic_gpu as mosaic
+from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig, gpu_interpret_params
+
+
+def grouped_w4a16_mgpu_kernel(x_rows: jax.Array, w_i4: jax.Array, scale_t: jax.Array, tile_expert: jax.Array, *,
+                              config: MgpuConfig = MgpuConfig(), interpret=None) -> jax.Array:
+    """Grouped (per-tile expert) W4A16: x_rows bf16 [R * Mp, K] (row tile t = rows [t Mp, (t + 1) Mp)),
+    w_i4 int4 [E, N, K], scale_t bf16 [E, K/32, N], tile_expert int32 [R] (the expert of each row tile,
+    -1 = unused) -> y^T f32 [R, N, Mp], tile t = dequant(W[tile_expert[t]]) @ x_tile^T.
+
+    Grid (R, N / block_n): a CTA reads its tile's expert id from global memory and skips the tile when it
+    is -1, so untouched experts and unused tiles cost no weight bytes. The output of an unused tile is
+    NOT written (undefined): mask it with tile_expert >= 0."""
+    (r,), (rows, k), (num_experts, n, _) = tile_expert.shape, x_rows.shape, w_i4.shape
+    if rows % r:
+        raise ValueError(f"x_rows has {rows} rows, not a multiple of the {r} row tiles")
+    mp = rows // r
+    mosaic.check_config(config, n, k, mp, interpret)
+    if w_i4.shape != (num_experts, n, k) or scale_t.shape != (num_experts, k // GROUP_SIZE, n):
+        raise ValueError(f"w_i4 {w_i4.shape} / scale_t {scale_t.shape} do not match E={num_experts}, N={n}, K={k}")
+    block_n = config.block_n
+    tile_matmul = mosaic.make_tile_matmul(config, k, mp)
+
+    def kernel(e_gmem, x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
+        t = lax.axis_index("t")
+        n_slice = pl.ds(lax.axis_index("n") * block_n, block_n)
+        expert = e_gmem[t]
+
+        @pl.when(expert >= 0)
+        def _():
+            o_smem[...] = tile_matmul(w_gmem.at[expert, n_slice], x_gmem.at[pl.ds(t * mp, mp)],
+                                      s_gmem.at[expert, :, n_slice], a_smem)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[t, n_slice])
+            plgpu.wait_smem_to_gmem(0)
+
+    f = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((r, n, mp), jnp.float32),
+        grid=(r, n // block_n),
+        grid_names=("t", "n"),
+        scratch_types=mosaic.scratch_types(config, mp),
+        interpret=interpret,
+    )
+    return f(tile_expert.astype(jnp.int32), x_rows, w_i4, scale_t)
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "config_up", "config_down", "interpret", "out_dtype"))
+def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Array, weights: jax.Array, *,
+                           block_m: int = 8, config_up: MgpuConfig | None = None,
+                           config_down: MgpuConfig | None = None, interpret=None,
+                           out_dtype=jnp.bfloat16) -> jax.Array:
+    """sum_j weights[t, j] * SwiGLU_{expert_ids[t, j]}(x[t]) -> [T, D] in out_dtype (summed in float32).
+
+    x bf16 [T, D]; experts_mgpu {"gate","up","down"} of stacked MosaicInt4Weight (int4 [E, N, K], bf16
+    scale_t [E, K/32, N]); expert_ids [T, k] int32 in [0, E);
+    weights [T, k] float (zero-weight choices are dropped: they touch nothing). block_m: rows per tile
+    (a multiple of 8, <= 256). config_up (gate and up launches) / config_down: tilings, by default
+    `tuned.default_mosaic_config` of their K. interpret: None natively, or InterpretGPUParams (needs
+    a_operand="smem")."""
+    if x.ndim != 2 or x.dtype != jnp.bfloat16:
+        raise ValueError(f"x must be bf16 [T, D], got {x.dtype} {x.shape}")
+    if block_m % 8 or not 8 <= block_m <= 256:
+        raise ValueError(f"block_m={block_m} must be a multiple of 8 in [8, 256] (the wgmma N dimension)")
+    (gate_w, gate_s), (up_w, up_s), (down_w, down_s) = ((experts_mgpu[n].w_i4, experts_mgpu[n].scale_t)
+                                                        for n in ("gate", "up", "down"))
+    num_experts, inter, hidden = gate_w.shape
+    if x.shape[1] != hidden or down_w.shape != (num_experts, hidden, inter) or up_w.shape != gate_w.shape:
+        raise ValueError(f"expert shapes gate {gate_w.shape}, up {up_w.shape}, down {down_w.shape} do not fit "
+                         f"x {x.shape}")
+    if (why := dispatch.mosaic_moe_shape_unsupported(hidden, inter)) is not None:
+        raise ValueError(f"the Mosaic GPU MoE kernel cannot run these experts: {why}")
+    config_up = config_up or default_mosaic_config(hidden)
+    config_down = config_down or default_mosaic_config(inter)
+    if expert_ids.shape != weights.shape or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"expert_ids {expert_ids.shape} and weights {weights.shape} must both be [T, k], T={x.shape[0]}")
+
+    def swiglu_tiles(x_rows, tile_expert):  # [R bm, D] rows -> [R, D, bm] f32 down outputs (0: unused tiles)
+        used = (tile_expert >= 0)[:, None, None]  # unused tiles' outputs are never written: mask them
+        rows = x_rows.shape[0]
+
+        def run(rows_in, w, s, config):  # -> [R, N, block_m] f32
+            y_t = grouped_w4a16_mgpu_kernel(rows_in, w, s, tile_expert, config=config, interpret=interpret)
+            return jnp.where(used, y_t, 0.0)
+
+        g = run(x_rows, gate_w, gate_s, config_up).astype(jnp.bfloat16).astype(jnp.float32)  # [R, I, bm]
+        u = run(x_rows, up_w, up_s, config_up).astype(jnp.bfloat16)
+        h = (g * jax.nn.sigmoid(g)).astype(jnp.bfloat16) * u  # [R, I, bm] bf16
+        h_rows = h.transpose(0, 2, 1).reshape(rows, inter)  # [R bm, I]
+        return run(h_rows, down_w, down_s, config_down).astype(jnp.bfloat16).astype(jnp.float32)  # [R, D, bm]
+
+    if x.shape[0] == 1:
+        # Decode (T = 1): one tile per choice, the token in its row 0; no sort, no scatter, no gathers (the
+        # general grouping below costs more small XLA kernels than the bytes of 8 experts take to stream).
+        # A zero-weight choice (another shard's expert) gets tile -1: never read.
+        top_k = expert_ids.shape[1]
+        tile_expert = jnp.where(weights[0] != 0, expert_ids[0], -1).astype(jnp.int32)  # [k]
+        x_rows = jnp.zeros((top_k, block_m, hidden), jnp.bfloat16).at[:, 0].set(x[0]).reshape(top_k * block_m, hidden)
+        y = swiglu_tiles(x_rows, tile_expert)[:, :, 0]  # [k, D]
+        return jnp.sum(y * weights[0].astype(jnp.float32)[:, None], axis=0, keepdims=True).astype(out_dtype)
+
+    grp = group_assignments(expert_ids, weights, num_experts, block_m)
+    rows = grp.tile_expert.shape[0] * block_m
+    x_rows = jnp.where(grp.row_valid[:, None], x[grp.row_token], 0).astype(jnp.bfloat16)  # [P, D]
+    y = swiglu_tiles(x_rows, grp.tile_expert).transpose(0, 2, 1).reshape(rows, hidden)  # [P, D] f32
+    y = y * grp.row_weight[:, None]
+    per_choice = jnp.where(grp.keep[..., None], y[grp.position], 0.0)  # [T, k, D]
+    return jnp.sum(per_choice, axis=1).astype(out_dtype)
+
+
+def interpret_configs() -> dict:
+    """Keyword arguments that run `grouped_moe_w4a16_mgpu` in Mosaic GPU interpret mode on CPU (jax 0.11's
+    interpreter needs the SMEM-staged A operand and block_k 64)."""
+    smem = MgpuConfig(block_k=64, a_operand="smem")
+    return dict(config_up=smem, config_down=smem, interpret=gpu_interpret_params())

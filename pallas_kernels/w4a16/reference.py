@@ -1,0 +1,28 @@
+"""The W4A16 GEMM's plain-jnp reference: the test oracle and the op's "xla" implementation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.int4 import GROUP_SIZE, Int4Weight
+
+
+def dequantize_words(qweight: jax.Array, scale: jax.Array) -> jax.Array:
+    """qweight int16 [..., N, K/4] (nibble q + 8), scale [..., N, K/32] -> float32 W [..., N, K]."""
+    *lead, n, nwords = qweight.shape
+    k = nwords * 4
+    shifts = jnp.arange(4, dtype=jnp.int32) * 4
+    nib = (qweight.astype(jnp.int32)[..., None] >> shifts) & 0xF  # [..., N, K/4, 4]
+    q = (nib - 8).astype(jnp.float32).reshape(*lead, n, k // GROUP_SIZE, GROUP_SIZE)
+    return (q * scale.astype(jnp.float32)[..., None]).reshape(*lead, n, k)
+
+
+def w4a16_matmul_reference(x: jax.Array, w: Int4Weight) -> jax.Array:
+    """x [M, K] @ dequant(W)^T -> [M, N] in x.dtype: W dequantized to float32, dot in float32 at HIGHEST
+    precision (XLA does not fuse the dequantization into the GEMM: correct, not fast)."""
+    dense = dequantize_words(w.qweight, w.scale)  # [N, K] f32
+    y = lax.dot_general(x.astype(jnp.float32), dense, (((1,), (1,)), ((), ())),
+                        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)

@@ -1,0 +1,148 @@
+"""pallas_kernels.dispatch, the one chooser: each rule, the per-call override, and a clear error when an asked-for
+kernel cannot run; kj.kernel_plan on this CPU and on faked GPUs (the devices are stand-ins: only their platform,
+compute capability and name are read)."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import kdtree_jax as kj
+from pallas_kernels import dispatch
+from pallas_kernels.dispatch import Choice, KernelUnavailableError, Kernels
+from pallas_kernels.int4 import Int4Weight
+
+CPU = types.SimpleNamespace(platform="cpu", device_kind="cpu")
+H200 = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
+A100 = types.SimpleNamespace(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100")
+
+
+def _experts(num_experts=4, hidden=128, inter=64, scale_dtype=jnp.bfloat16):
+    """Abstract stacked INT4 experts (shapes and dtypes only: the dispatcher reads nothing else)."""
+    S = jax.ShapeDtypeStruct
+    weight = lambda n, k: Int4Weight(S((num_experts, n, k // 4), jnp.int16),  # noqa: E731
+                                     S((num_experts, n, k // 32), scale_dtype))
+    return {"gate": weight(inter, hidden), "up": weight(inter, hidden), "down": weight(hidden, inter)}
+
+
+def _mosaic(experts):
+    return jax.eval_shape(lambda e: {n: w.to_mosaic() for n, w in e.items()}, experts)
+
+
+def test_kernels_dataclass_is_static_and_checked():
+    assert hash(Kernels()) == hash(Kernels()) and Kernels(attention="xla") != Kernels()
+    with pytest.raises(ValueError, match=r"Kernels.moe must be one of \('auto', 'triton', 'mosaic_gpu', 'xla'\), "
+                                         r"got 'mosaic'"):
+        Kernels(moe="mosaic")
+    with pytest.raises(ValueError, match="Kernels.attention must be one of"):
+        Kernels(attention="pallas")
+    with pytest.raises(ValueError, match="interpret must be a bool"):
+        Kernels(interpret="yes")
+
+
+def test_attention_rules():
+    choose = dispatch.choose_attention
+    assert choose(latent_dim=512, rope_dim=64, device=H200) == Choice("triton", "GPU")
+    assert choose(latent_dim=512, rope_dim=64, device=CPU) == Choice("xla", "no GPU, this is cpu")
+    assert choose(latent_dim=512, rope_dim=64, device=CPU, interpret=True) == Choice("triton", "interpret mode")
+    # Triton tensors are powers of two: auto states why it runs the reference
+    assert choose(latent_dim=96, rope_dim=64, device=H200) == Choice(
+        "xla", "latent width 96 not a power of two >= 16")
+    assert choose(latent_dim=512, rope_dim=64, device=H200, impl="xla") == Choice("xla", "asked for")
+    with pytest.raises(KernelUnavailableError, match="attention impl='triton' cannot run: latent width 96"):
+        choose(latent_dim=96, rope_dim=64, device=H200, impl="triton")
+    with pytest.raises(KernelUnavailableError, match="attention impl='triton' cannot run: no GPU, this is cpu"):
+        choose(latent_dim=512, rope_dim=64, device=CPU, impl="triton")
+
+
+def test_linear_rules():
+    w = _experts()["gate"]
+    w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), w)  # one unstacked weight
+    assert dispatch.choose_linear(w, device=A100) == Choice("triton", "GPU")
+    assert dispatch.choose_linear(w, device=CPU).impl == "xla"
+    assert dispatch.choose_linear(w, device=CPU, impl="xla") == Choice("xla", "asked for")
+    with pytest.raises(KernelUnavailableError, match="linear impl='triton' cannot run: no GPU"):
+        dispatch.choose_linear(w, device=CPU, impl="triton")
+    with pytest.raises(KernelUnavailableError, match="takes an Int4Weight .* got ShapeDtypeStruct"):
+        dispatch.choose_linear(w.qweight, device=A100)
+
+
+def test_moe_kernel_follows_the_weight_type():
+    canonical, act = _experts(), jnp.bfloat16
+    mosaic = _mosaic(canonical)
+    assert dispatch.choose_moe(canonical, act_dtype=act, device=H200) == Choice("triton", "GPU")
+    assert dispatch.choose_moe(mosaic, act_dtype=act, device=H200) == Choice("mosaic_gpu", "GPU")
+    assert dispatch.choose_moe(canonical, act_dtype=act, device=CPU).impl == "xla"
+    assert dispatch.choose_moe(mosaic, act_dtype=act, device=CPU).impl == "xla"  # the CPU plan, either layout
+    assert dispatch.choose_moe(mosaic, act_dtype=act, device=H200, impl="xla") == Choice("xla", "asked for")
+    # an override that does not fit the layout, or a kernel that cannot run there: clear errors
+    with pytest.raises(KernelUnavailableError, match="moe impl='triton' needs experts in the checkpoint layout"):
+        dispatch.choose_moe(mosaic, act_dtype=act, device=H200, impl="triton")
+    with pytest.raises(KernelUnavailableError, match="moe impl='mosaic_gpu' needs experts in the Mosaic layout"):
+        dispatch.choose_moe(canonical, act_dtype=act, device=H200, impl="mosaic_gpu")
+    with pytest.raises(KernelUnavailableError, match="moe impl='mosaic_gpu' cannot run: needs a Hopper GPU .*A100"):
+        dispatch.choose_moe(mosaic, act_dtype=act, device=A100)  # auto, but the layout only runs on Hopper
+    with pytest.raises(KernelUnavailableError, match="needs bf16 activations, the model runs in float32"):
+        dispatch.choose_moe(mosaic, act_dtype=jnp.float32, device=H200)
+    with pytest.raises(KernelUnavailableError, match="the grouped MoE kernels take INT4 experts"):
+        dispatch.choose_moe({"gate": jnp.zeros(1), "up": jnp.zeros(1), "down": jnp.zeros(1)}, act_dtype=act)
+
+
+def test_moe_layout_rule():
+    """What prepare_params and the CLI ask: Mosaic where it can run (and, for auto, bf16 scales)."""
+    layout = lambda **kw: dispatch.choose_moe_layout(  # noqa: E731
+        **{"act_dtype": jnp.bfloat16, "scale_dtype": jnp.bfloat16, "hidden": 7168, "inter": 2048, **kw})
+    assert layout(device=H200) == Choice("mosaic_gpu", "Hopper GPU, bf16")
+    assert layout(device=A100) == Choice("triton", "needs a Hopper GPU (sm_90), this is NVIDIA A100")
+    assert layout(device=H200, act_dtype=jnp.float32).reason == "needs bf16 activations, the model runs in float32"
+    assert layout(device=H200, scale_dtype=jnp.float32).reason == "the INT4 scales are float32, not bfloat16"
+    assert layout(device=H200, inter=96).reason == "intermediate 96 not a multiple of 64"
+    assert layout(device=H200, impl="triton") == Choice("triton", "asked for")
+    assert layout(device=H200, impl="xla") == Choice("triton", "asked for")  # the XLA path keeps the canonical layout
+    assert layout(device=H200, impl="mosaic_gpu", scale_dtype=jnp.float32) == Choice("mosaic_gpu", "asked for")
+    with pytest.raises(KernelUnavailableError, match="moe impl='mosaic_gpu' cannot run: needs a Hopper GPU"):
+        layout(device=CPU, impl="mosaic_gpu")
+
+
+def test_kernel_plan_on_this_cpu_and_a_faked_h200():
+    """The plan of a tiny INT4 model (all MLPs quantized: dense INT4 linears too) on the CPU and on an H200."""
+    cfg = kj.ModelConfig.tiny().replace(num_hidden_layers=2)
+    params = jax.eval_shape(lambda: kj.quantize(kj.init_params(cfg, jax.random.key(0), jnp.bfloat16), cfg,
+                                                "all_mlp"))
+    on_cpu = kj.kernel_plan(params, cfg, device=CPU)
+    assert on_cpu == {"attention": ("xla", "no GPU, this is cpu"),
+                      "linear": ("xla", "no GPU, this is cpu; 6 INT4 weights"),  # layer 0 MLP + layer 1 shared
+                      "moe": ("xla", "no GPU, this is cpu")}
+    assert kj.plan_summary(on_cpu) == ("attention xla (no GPU, this is cpu), linear xla (no GPU, this is cpu; "
+                                       "6 INT4 weights), moe xla (no GPU, this is cpu)")
+    on_h200 = kj.kernel_plan(params, cfg, device=H200)
+    assert on_h200["attention"] == ("triton", "GPU") and on_h200["linear"][0] == "triton"
+    assert on_h200["moe"] == ("mosaic_gpu", "experts converted to the Mosaic layout once at load; GPU")
+    pinned = kj.kernel_plan(params, cfg, device=H200, kernels=Kernels(attention="xla", moe="triton"))
+    assert pinned["attention"] == ("xla", "asked for") and pinned["moe"] == ("triton", "asked for")
+    f32 = jax.eval_shape(lambda: kj.quantize(kj.init_params(cfg, jax.random.key(0)), cfg))
+    assert kj.kernel_plan(f32, cfg, device=H200)["moe"] == (
+        "triton", "Mosaic GPU kernel not used: needs bf16 activations, the model runs in float32; GPU")
+    assert kj.kernel_plan(jax.eval_shape(lambda: kj.init_params(cfg, jax.random.key(0))), cfg, device=H200) == {
+        "attention": ("triton", "GPU"), "linear": ("none", "no INT4 dense weights"),
+        "moe": ("xla", "dense experts (not INT4)")}
+    with pytest.raises(ValueError, match="kernels must be a kdtree_jax.Kernels, got dict"):
+        kj.kernel_plan(params, cfg, kernels={"moe": "xla"})
+
+
+def test_per_call_override_reaches_the_model():
+    """kj.forward(..., kernels=...) decides per call: the pinned kernel runs (interpret mode here) or raises."""
+    cfg = kj.ModelConfig.tiny().replace(num_hidden_layers=2)
+    params = kj.quantize(kj.init_params(cfg, jax.random.key(0)), cfg)
+    tokens = jnp.asarray([[3, 17, 42]], jnp.int32)
+    want = kj.forward(params, cfg, tokens, kernels=Kernels(attention="xla", linear="xla", moe="xla"))
+    got = kj.forward(params, cfg, tokens, kernels=Kernels(moe="triton", interpret=True))
+    assert float(jnp.max(jnp.abs(got - want))) < 1e-4 * float(jnp.max(jnp.abs(want)))
+    if jax.default_backend() == "cpu":
+        with pytest.raises(KernelUnavailableError, match="moe impl='triton' cannot run: no GPU"):
+            kj.forward(params, cfg, tokens, kernels=Kernels(moe="triton"))
+    with pytest.raises(KernelUnavailableError, match="needs experts in the Mosaic layout"):
+        kj.forward(params, cfg, tokens, kernels=Kernels(moe="mosaic_gpu"))
+    with pytest.raises(ValueError, match="kernels must be a kdtree_jax.Kernels"):
+        kj.generate(cfg, params, [[3, 17]], max_new_tokens=1, kernels="xla")
