@@ -54,7 +54,7 @@ def int4_expert_meta(cfg) -> dict:
 
 def abstract_params(cfg, dtype=jnp.bfloat16, moe_layout="canonical"):
     """ShapeDtypeStructs of an INT4-expert target; moe_layout "mosaic": the routed experts in the Mosaic
-    GPU kernel's layout (kdtree_jax.quant.is_mosaic_leaf), as kj.to_mosaic_experts would leave them."""
+    GPU kernel's layout (pallas_kernels.int4.MosaicInt4Weight), as kj.to_mosaic_experts would leave them."""
     abstract = checkpoint._abstract_target(cfg, dtype, int4_expert_meta(cfg))
     if moe_layout == "mosaic":
         for layer in range(cfg.num_hidden_layers):

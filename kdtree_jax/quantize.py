@@ -1,6 +1,6 @@
 """Turning a dense params tree into the INT4 (W4A16 group-32) one, by an explicit policy.
 
-Policies (which [in, out] weights become INT4 leaves; everything else stays dense):
+Policies (which [in, out] weights become `Int4Weight`s; everything else stays dense):
   "experts"  - routed experts only: exactly what Kimi K2-Thinking / K2.5 / K2.6 ship;
   "experts+shared" - routed and shared experts;
   "all_mlp"  - routed experts, shared experts and the dense first-layer MLPs.
@@ -12,11 +12,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.quant import (GROUP_SIZE, SCALE_DTYPES, int4_leaf_from_dense, is_any_int4_leaf, is_int4_leaf,
-                              is_mosaic_leaf)
 from kdtree_jax.sharding import leaf_spec
+from pallas_kernels.int4 import GROUP_SIZE, SCALE_DTYPES, Int4Weight, MosaicInt4Weight
 
 POLICIES = {
     "experts": ("experts",),
@@ -43,11 +43,11 @@ def _targets(params: dict, cfg: ModelConfig, policy: str):
 
 
 def quantize(params: dict, cfg: ModelConfig, policy: str = "experts", scale_dtype=jnp.bfloat16) -> dict:
-    """A copy of `params` whose policy-covered gate/up/down weights are INT4 leaves (one scale per
+    """A copy of `params` whose policy-covered gate/up/down weights are `Int4Weight`s (one scale per
     32 input columns, symmetric, scale = max|w| / 7). Input dims must be divisible by 32."""
     if jnp.dtype(scale_dtype) not in SCALE_DTYPES:
         raise ValueError(f"scale_dtype must be bfloat16 or float32, got {jnp.dtype(scale_dtype).name}")
-    out = jax.tree.map(lambda x: x, params, is_leaf=is_int4_leaf)  # a fresh nested-dict copy
+    out = jax.tree.map(lambda x: x, params)  # a fresh nested-dict copy
     for name, keys in _targets(params, cfg, policy):
         container = out[name]
         for key in keys:
@@ -55,12 +55,12 @@ def quantize(params: dict, cfg: ModelConfig, policy: str = "experts", scale_dtyp
         for weight in ("gate", "up", "down"):
             w = container[weight]
             where = f"{name}/{'/'.join(keys)}/{weight}"
-            if is_int4_leaf(w):
+            if isinstance(w, Int4Weight):
                 raise ValueError(f"{where} is already INT4: quantize a dense params tree")
             if w.shape[-2] % GROUP_SIZE:
                 raise ValueError(f"{where}: input dim {w.shape[-2]} is not divisible by the INT4 group "
                                  f"size {GROUP_SIZE}")
-            container[weight] = int4_leaf_from_dense(w, scale_dtype)
+            container[weight] = Int4Weight.from_dense(w, scale_dtype)
     return out
 
 
@@ -83,44 +83,44 @@ def mosaic_moe_unsupported(params: dict, cfg: ModelConfig, device=None) -> str |
     for name in moe_layers:
         for weight in ("gate", "up", "down"):
             leaf = params[name]["moe"]["experts"][weight]
-            if not is_int4_leaf(leaf):
-                return "the routed experts are not canonical INT4 leaves"
-            if leaf["scale"].dtype != jnp.bfloat16:
-                return f"the INT4 scales are {leaf['scale'].dtype}, not bfloat16"
+            if not isinstance(leaf, Int4Weight):
+                return "the routed experts are not INT4 in the checkpoint layout (Int4Weight)"
+            if leaf.scale.dtype != jnp.bfloat16:
+                return f"the INT4 scales are {leaf.scale.dtype}, not bfloat16"
     return shape_unsupported(cfg.hidden_size, cfg.moe_intermediate_size)
 
 
 def to_mosaic_experts(params: dict, cfg: ModelConfig) -> dict:
-    """A copy of INT4 `params` whose routed experts are in the Mosaic GPU kernel layout (quant.is_mosaic_leaf):
+    """A copy of INT4 `params` whose routed experts are in the Mosaic GPU kernel layout (MosaicInt4Weight):
     the model then runs its MoE with the Mosaic GPU grouped kernel (pallas_kernels/w4a16_mgpu/moe.py) on a
     GPU, bf16 activations only. A one-time pass over the expert weights (same bytes: int4 [E, N, K] plus
     bf16 scales transposed to [E, K/32, N]); do it once after loading, not per call. Experts sharded over a
     mesh stay on it, placed by the Mosaic layout's sharding rules (kdtree_jax.sharding.leaf_spec), so no
     generate(mesh=...) call moves them again. Checkpoints keep the canonical layout: save the params you
     loaded, not these."""
-    from pallas_kernels.w4a16_mgpu import to_mgpu_layout  # noqa: PLC0415 (kernels import this package)
     from pallas_kernels.w4a16_mgpu.moe import shape_unsupported  # noqa: PLC0415
 
     if (why := shape_unsupported(cfg.hidden_size, cfg.moe_intermediate_size)) is not None:
         raise ValueError(f"the Mosaic GPU MoE kernel cannot run this model's experts: {why}")
-    convert = jax.jit(to_mgpu_layout)
-    out = jax.tree.map(lambda x: x, params, is_leaf=is_any_int4_leaf)  # a fresh nested-dict copy
+    convert = jax.jit(Int4Weight.to_mosaic)
+    out = jax.tree.map(lambda x: x, params)  # a fresh nested-dict copy
     converted = 0
     for name, _ in _targets(out, cfg, "experts"):
         experts = out[name]["moe"]["experts"]
         for weight in ("gate", "up", "down"):
             leaf = experts[weight]
             where = f"{name}/moe/experts/{weight}"
-            if is_mosaic_leaf(leaf):
+            if isinstance(leaf, MosaicInt4Weight):
                 raise ValueError(f"{where} is already in the Mosaic layout")
-            if not is_int4_leaf(leaf):
+            if not isinstance(leaf, Int4Weight):
                 raise ValueError(f"{where} is not INT4: quantize the experts first (kj.quantize)")
-            converted_leaf = dict(zip(("w_i4", "scale_t"), convert(leaf["qweight"], leaf["scale"])))
-            placed = getattr(leaf["qweight"], "sharding", None)
+            converted_leaf = convert(leaf)
+            placed = getattr(jax.tree.leaves(leaf)[0], "sharding", None)
             if isinstance(placed, NamedSharding):  # keep it on its mesh, in the layout's own shardings
                 specs = leaf_spec((name, "moe", "experts", weight), converted_leaf)
-                converted_leaf = {k: jax.device_put(v, NamedSharding(placed.mesh, specs[k]))
-                                  for k, v in converted_leaf.items()}
+                shardings = jax.tree.map(lambda s, m=placed.mesh: NamedSharding(m, s), specs,
+                                         is_leaf=lambda x: isinstance(x, P))
+                converted_leaf = jax.device_put(converted_leaf, shardings)
             experts[weight] = converted_leaf
             converted += 1
     if not converted:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import dispatch
 
-from kdtree_jax.quant import check_int4_leaf
+from pallas_kernels.int4 import Int4Weight
 from pallas_kernels.moe_w4a16.kernel import (
     Grouping,
     MoEBlockConfig,
@@ -65,7 +65,7 @@ def _check_inputs(x, experts, expert_ids, weights) -> tuple[int, int, int]:
     shapes = {}
     for name in ("gate", "up", "down"):
         try:
-            shapes[name] = check_int4_leaf(experts[name])  # (N, K)
+            shapes[name] = Int4Weight.from_dict(experts[name]).check()  # (N, K)
         except ValueError as e:
             raise ValueError(f"experts[{name!r}]: {e}") from None
         if experts[name]["qweight"].ndim != 3:
@@ -101,11 +101,14 @@ def grouped_moe_w4a16(x: jax.Array, experts: dict, expert_ids: jax.Array, weight
                       out_dtype=None) -> jax.Array:
     """sum_j weights[t, j] * SwiGLU_{expert_ids[t, j]}(x[t]) -> [T, D] in out_dtype (default x.dtype).
 
-    x [T, D] bf16|f32; experts {"gate","up"}: INT4 leaves [E, I, D/4] / [E, I, D/32], {"down"}:
+    x [T, D] bf16|f32; experts {"gate","up"}: Int4Weight stacks (or their dict form) [E, I, D/4] / [E, I, D/32], {"down"}:
     [E, D, I/4] / [E, D, I/32]; expert_ids [T, k] int32 in [0, E) (checked when concrete; under jit an
     out-of-range id is undefined behaviour); weights [T, k] float (accumulated in float32).
     config: tiles for impl="pallas" (default: `default_config`).
     """
+    # the kernels below index the arrays by name: a typed expert stack goes in as its dict form
+    experts = ({k: v.to_dict() for k, v in experts.items()} if isinstance(experts, dict)
+               and all(isinstance(v, Int4Weight) for v in experts.values()) else experts)
     _, hidden, inter = _check_inputs(x, experts, expert_ids, weights)
     chosen = resolve_impl(impl, interpret=interpret)
     if chosen == "xla":

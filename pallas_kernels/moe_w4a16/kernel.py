@@ -1,7 +1,7 @@
 """Grouped W4A16 MoE: the routed experts' SwiGLU over INT4 group-32 expert stacks.
 
 out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = expert_ids[t, j]
-with every expert weight an INT4 leaf of `kdtree_jax.quant` stacked over experts:
+with every expert weight an INT4 weight (pallas_kernels.int4, dict form) stacked over experts:
 gate/up {"qweight": int16 [E, I, D/4], "scale": [E, I, D/32]}, down {int16 [E, D, I/4], [E, D, I/32]}.
 
 Design (Pallas, Triton backend; the same swap-AB tile loop and bf16 bit-trick dequant as

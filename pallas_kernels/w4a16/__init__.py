@@ -1,4 +1,4 @@
-"""W4A16 GEMM: y[M, N] = x[M, K] @ dequant(W)^T with INT4 group-32 weights (kdtree_jax.quant leaf).
+"""W4A16 GEMM: y[M, N] = x[M, K] @ dequant(W)^T with INT4 group-32 weights (pallas_kernels.int4.Int4Weight).
 
 `w4a16_matmul` is the public entry: it checks shapes/dtypes and picks the implementation.
   impl="pallas": the Pallas kernel (natively on a GPU; `interpret=True` runs it on CPU).
@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import dispatch
+from pallas_kernels.int4 import Int4Weight
 
 from pallas_kernels.w4a16.kernel import (
     GROUP_SIZE,
@@ -43,6 +44,8 @@ def resolve_impl(impl: str = "auto", *, interpret: bool = False) -> str:
 
 
 def _split_weights(leaf_or_arrays):
+    if isinstance(leaf_or_arrays, Int4Weight):
+        return leaf_or_arrays.qweight, leaf_or_arrays.scale
     if isinstance(leaf_or_arrays, dict):
         if set(leaf_or_arrays) != {"qweight", "scale"}:
             raise ValueError(f"INT4 leaf must have keys qweight, scale; got {sorted(leaf_or_arrays)}")
@@ -56,7 +59,7 @@ def w4a16_matmul(x: jax.Array, leaf_or_arrays, *, impl: str = "auto", interpret:
                  config: BlockConfig | None = None) -> jax.Array:
     """x [M, K] bf16|f32 @ dequant(W)^T -> [M, N] in x.dtype (float32 accumulation).
 
-    leaf_or_arrays: INT4 leaf {"qweight": int16 [N, K/4], "scale": bf16|f32 [N, K/32]} or the pair.
+    leaf_or_arrays: an Int4Weight (qweight int16 [N, K/4], scale bf16|f32 [N, K/32]), its dict form or the pair.
     config: block sizes for impl="pallas" (default: tuned table, else heuristic).
     """
     qweight, scale = _split_weights(leaf_or_arrays)

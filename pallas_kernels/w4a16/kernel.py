@@ -1,6 +1,6 @@
 """W4A16 GEMM body (Pallas, Triton backend) and its plain-jnp reference.
 
-y[M, N] = x[M, K] @ dequant(W)^T with W given as the INT4 leaf layout of `kdtree_jax.quant`:
+y[M, N] = x[M, K] @ dequant(W)^T with W given as the Int4Weight layout of `pallas_kernels.int4`:
 qweight int16 [N, K/4] (nibble i of word w = column 4w+i, stored as q + 8), scale [N, K/32].
 
 Design (swap-AB, split-K):

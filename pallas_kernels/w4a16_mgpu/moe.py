@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import dispatch
+from pallas_kernels.int4 import MosaicInt4Weight
 from pallas_kernels.moe_w4a16 import MoEW4A16FallbackWarning
 from pallas_kernels.moe_w4a16.kernel import group_assignments
 from pallas_kernels.w4a16_mgpu.kernel import GROUP_SIZE, MgpuConfig, grouped_w4a16_mgpu_kernel, to_mgpu_layout
@@ -29,7 +30,7 @@ from pallas_kernels.w4a16_mgpu.kernel import GROUP_SIZE, MgpuConfig, grouped_w4a
 
 def experts_to_mgpu_layout(experts: dict) -> dict:
     """INT4 expert stacks {"gate", "up", "down"} (leaves int16 [E, N, K/4] + scales [E, N, K/32]) ->
-    {name: {"w_i4": jnp.int4 [E, N, K], "scale_t": bf16 [E, K/32, N]}} (kdtree_jax.quant.is_mosaic_leaf).
+    {name: {"w_i4": jnp.int4 [E, N, K], "scale_t": bf16 [E, K/32, N]}} (the dict form of pallas_kernels.int4.MosaicInt4Weight).
     A load-time conversion, not per call (the model's is kdtree_jax.quantize.to_mosaic_experts)."""
     return {name: dict(zip(("w_i4", "scale_t"), to_mgpu_layout(leaf["qweight"], leaf["scale"])))
             for name, leaf in experts.items()}
@@ -110,6 +111,8 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
 
 
 def _arrays(leaf):
+    if isinstance(leaf, MosaicInt4Weight):
+        return leaf.w_i4, leaf.scale_t
     return leaf["w_i4"], leaf["scale_t"]
 
 
