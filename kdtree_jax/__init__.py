@@ -20,10 +20,11 @@ from kdtree_jax.hf import HFCheckpointError, load_hf
 from kdtree_jax.model import KVCache, forward, forward_with_cache, init_cache, init_params
 from kdtree_jax.quantize import mosaic_moe_unsupported, quantize, to_mosaic_experts
 from kdtree_jax.tree import Tree, build_chain, build_tree
+from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
 
 __all__ = [
     "CheckpointError", "ConfigError", "DFlashDraft", "DrafterCache", "DrafterConfig", "GenerateOutput",
-    "HFCheckpointError", "KVCache", "ModelConfig", "OracleDraft", "Tree", "YarnScaling", "build_chain",
+    "HFCheckpointError", "Int4Weight", "KVCache", "MosaicInt4Weight", "ModelConfig", "OracleDraft", "Tree", "YarnScaling", "build_chain",
     "build_tree", "drafter_extend_context", "drafter_forward", "forward", "forward_with_cache", "generate",
     "init_cache", "init_drafter_cache", "init_drafter_params", "init_params", "load_checkpoint", "load_hf",
     "MoEKernelPerformanceWarning", "mosaic_moe_unsupported", "quantize", "save_checkpoint", "to_mosaic_experts",
