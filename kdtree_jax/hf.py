@@ -416,7 +416,7 @@ class HFImport:
 
     def _int4_scale_dtype(self, src) -> np.dtype:
         scale_dtype = _NUMPY_DTYPES[self._infos[src.names["scale"]].dtype]
-        # the INT4 leaf takes bf16 or f32 scales; f16 -> f32 is exact
+        # an Int4Weight takes bf16 or f32 scales; f16 -> f32 is exact
         return np.dtype(np.float32) if scale_dtype == np.float16 else scale_dtype
 
     def __iter__(self):

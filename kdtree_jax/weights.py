@@ -132,10 +132,6 @@ _TABLE: tuple[_Row, ...] = (
          "lm_head.weight", when=lambda c: not c.tie_word_embeddings),
 )
 
-# (block, name) -> logical axes: the config-free view of the table the sharding rules read
-_AXES: dict[tuple[str, str], tuple[str, ...]] = {(row.block, row.name): row.axes for row in _TABLE}
-
-
 @dataclasses.dataclass(frozen=True)
 class WeightSpec:
     """One weight of a model with a given config.
@@ -200,10 +196,13 @@ def logical_axes(path: tuple[str, ...]) -> tuple[str, ...] | None:
     """Logical axes of the weight at `path` (a full params path, or one ending in the weight's block,
     e.g. ("experts", "gate")); None for a path no declaration matches."""
     if len(path) == 1:
-        return _AXES.get((TOP, path[0]))
-    parent = path[-2]
-    block = LAYER if parent.startswith("layers_") else parent
-    return _AXES.get((block, path[-1])) if block in _BLOCK_PATH else None
+        block = TOP
+    else:
+        block = LAYER if path[-2].startswith("layers_") else path[-2]
+        if block not in _BLOCK_PATH:
+            return None
+    # the axes do not depend on the config: a (block, name) row says them for every model
+    return next((row.axes for row in _TABLE if (row.block, row.name) == (block, path[-1])), None)
 
 
 def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> dict:

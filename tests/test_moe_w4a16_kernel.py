@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdtree_jax import quant
 from pallas_kernels import moe_w4a16
+from pallas_kernels.int4 import Int4Weight
 from pallas_kernels.moe_w4a16 import (
     MoEBlockConfig,
     group_assignments,
@@ -32,7 +32,7 @@ def _experts(rng, num_experts, hidden, inter, scale_dtype=jnp.bfloat16):
     for name, (n, k) in {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}.items():
         q = rng.integers(-8, 8, size=(num_experts, n, k)).astype(np.int8)
         scale = jnp.asarray(rng.uniform(0.02, 0.08, size=(num_experts, n, k // 32)) / np.sqrt(k / 64), scale_dtype)
-        leaves[name] = quant.int4_leaf_from_compressed(jnp.asarray(ref.pack(q)), scale)
+        leaves[name] = Int4Weight.from_compressed(jnp.asarray(ref.pack(q)), scale).to_dict()
         dense[name] = ref.dequantize(q, np.asarray(scale.astype(jnp.float32), np.float64))
     return leaves, dense
 
@@ -159,7 +159,7 @@ def test_model_routed_experts_uses_the_grouped_kernel_and_matches_numpy():
         want = _numpy_moe(x, dense, ids, weights)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", moe_w4a16.W4A16FallbackWarning)
-            got = model.routed_experts(x, experts, ids, weights)
+            got = model.routed_experts(x, {n: Int4Weight.from_dict(w) for n, w in experts.items()}, ids, weights)
         assert got.dtype == dtype and got.shape == (T, D)
         assert _rel(got, want) < tol, dtype
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdtree_jax import quant
+from pallas_kernels.int4 import Int4Weight
 from pallas_kernels import w4a16
 from pallas_kernels.w4a16 import BlockConfig, w4a16_matmul, w4a16_matmul_reference
 from reference import int4 as ref
@@ -24,7 +24,7 @@ def _problem(m, k, n, *, act_dtype=jnp.bfloat16, scale_dtype=jnp.bfloat16, seed=
     packed = ref.pack(q)
     scale = jnp.asarray(rng.uniform(0.005, 0.05, size=(n, k // 32)), scale_dtype)
     x = jnp.asarray(rng.standard_normal((m, k)), act_dtype)
-    leaf = quant.int4_leaf_from_compressed(jnp.asarray(packed), scale)
+    leaf = Int4Weight.from_compressed(jnp.asarray(packed), scale).to_dict()
     want = ref.matmul(np.asarray(x.astype(jnp.float32), np.float64), packed,
                       np.asarray(scale.astype(jnp.float32), np.float64))  # [M, N] float64
     return x, leaf, want

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdtree_jax.quant import int4_leaf_from_dense
+from pallas_kernels.int4 import Int4Weight
 from pallas_kernels.w4a16 import w4a16_matmul_reference
 from pallas_kernels.w4a16_mgpu import MgpuConfig, gpu_interpret_params, w4a16_matmul_mgpu
 
@@ -31,7 +31,7 @@ def _reset_interpreter():
 
 def _problem(m, n, k, seed, scale_dtype=jnp.bfloat16):
     kx, kw = jax.random.split(jax.random.key(seed))
-    leaf = int4_leaf_from_dense(jax.random.normal(kw, (k, n), jnp.float32), scale_dtype=scale_dtype)  # [N, K/4]
+    leaf = Int4Weight.from_dense(jax.random.normal(kw, (k, n), jnp.float32), scale_dtype=scale_dtype).to_dict()  # [N, K/4]
     x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)  # [M, K]
     want = w4a16_matmul_reference(x.astype(jnp.float32), leaf["qweight"], leaf["scale"])  # [M, N] f32
     return x, leaf, np.asarray(want, np.float64)

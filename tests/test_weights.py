@@ -65,15 +65,14 @@ def test_drafter_init_is_bit_identical_to_the_recorded_golden():
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_every_declared_weight_is_in_init_and_nothing_else(variant, dtype):
-    cfg = VARIANTS[variant]
+def test_every_declared_weight_is_in_init_and_nothing_else(variant):
+    cfg, dtype = VARIANTS[variant], jnp.bfloat16
     declared = weights.declare(cfg)
     initialised = _paths(jax.eval_shape(lambda: kj.init_params(cfg, jax.random.key(0), dtype)))
     want = {path: (spec.shape, np.dtype(spec.dtype(dtype))) for path, spec in declared.items()}
     assert initialised == want
     assert _paths(weights.abstract_params(cfg, dtype)) == want  # what checkpoints are checked against
-    router = declared[("layers_1", "moe", "router")]
+    router = declared[(f"layers_{cfg.num_hidden_layers - 1}", "moe", "router")]
     assert router.float32 and router.dtype(jnp.bfloat16) == jnp.float32
 
 
@@ -88,7 +87,8 @@ def test_sharding_specs_follow_the_declared_axes(variant):
     for path, spec in declared.items():
         assert got[path] == sharding.spec(*spec.axes), path
     # spot checks of the rules themselves (tensor splits whole heads; experts over "expert")
-    assert got[("layers_1", "moe", "experts", "down")] == sharding.P("expert", "tensor", None)
+    last = f"layers_{cfg.num_hidden_layers - 1}"  # an MoE layer in every variant
+    assert got[(last, "moe", "experts", "down")] == sharding.P("expert", "tensor", None)
     assert got[("embed_tokens",)] == sharding.P(("expert", "tensor"), None)
 
 
@@ -103,21 +103,21 @@ def test_hf_plan_reads_one_tensor_per_declared_weight(variant):
         *lead, k, n = declared[lin.path].shape
         assert (lin.in_features, lin.out_features) == (k, n), lin
         assert lead == ([lin.num_experts] if lin.expert is not None else [])
-    experts = [lin for lin in linears if lin.path == ("layers_1", "moe", "experts", "down")]
-    assert [lin.stem for lin in experts] == [f"model.layers.1.mlp.experts.{e}.down_proj"
+    last = cfg.num_hidden_layers - 1  # an MoE layer in every variant
+    experts = [lin for lin in linears if lin.path == (f"layers_{last}", "moe", "experts", "down")]
+    assert [lin.stem for lin in experts] == [f"model.layers.{last}.mlp.experts.{e}.down_proj"
                                             for e in range(cfg.n_routed_experts)]
-    router = next(lin for lin in linears if lin.path == ("layers_1", "moe", "router"))
-    assert router.stem == "model.layers.1.mlp.gate" and router.float32
+    router = next(lin for lin in linears if lin.path == (f"layers_{last}", "moe", "router"))
+    assert router.stem == f"model.layers.{last}.mlp.gate" and router.float32
     names = {vec.name for vec in vectors}
-    assert "model.layers.1.mlp.gate.e_score_correction_bias" in names and "model.norm.weight" in names
+    assert f"model.layers.{last}.mlp.gate.e_score_correction_bias" in names and "model.norm.weight" in names
 
 
 def test_adding_a_weight_is_one_row(monkeypatch):
     """A new row in the table reaches the abstract tree (checkpoints), the sharding rules and the HF plan."""
     row = weights._Row(weights.ATTN, "gate_bias", lambda c: (c.num_attention_heads,), ("heads",), "zeros",
-                       "gate_bias")
+                       "gate_bias", hf_linear=False)
     monkeypatch.setattr(weights, "_TABLE", (*weights._TABLE, row))
-    monkeypatch.setattr(weights, "_AXES", {**weights._AXES, (weights.ATTN, "gate_bias"): ("heads",)})
     weights.declare.cache_clear()
     try:
         path = ("layers_0", "attn", "gate_bias")
