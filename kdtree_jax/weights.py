@@ -214,8 +214,3 @@ def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> dict:
             node = node.setdefault(key, {})
         node[path[-1]] = jax.ShapeDtypeStruct(spec.shape, spec.dtype(dtype))
     return tree
-
-
-def path_name(path: tuple[str, ...]) -> str:
-    """"layers_1/moe/experts/gate": the name a weight goes by in messages and checkpoint metadata."""
-    return "/".join(path)

@@ -124,7 +124,7 @@ def test_adding_a_weight_is_one_row(monkeypatch):
         assert weights.declare(TINY)[path].shape == (TINY.num_attention_heads,)
         assert weights.abstract_params(TINY)["layers_0"]["attn"]["gate_bias"].shape == (TINY.num_attention_heads,)
         assert sharding.param_logical_axes(path, 1) == ("heads",)
-        linears, vectors = hf._plan(TINY)
+        _, vectors = hf._plan(TINY)
         assert ("model.layers.0.self_attn.gate_bias", path) in {(v.name, v.path) for v in vectors}
     finally:
         weights.declare.cache_clear()
