@@ -84,7 +84,7 @@ def mosaic_moe_unsupported(params: dict, cfg: ModelConfig, device=None) -> str |
         for weight in ("gate", "up", "down"):
             leaf = params[name]["moe"]["experts"][weight]
             if not isinstance(leaf, Int4Weight):
-                return "the routed experts are not INT4 in the checkpoint layout (Int4Weight)"
+                return "the routed experts are not canonical INT4 (Int4Weight, the checkpoint layout)"
             if leaf.scale.dtype != jnp.bfloat16:
                 return f"the INT4 scales are {leaf.scale.dtype}, not bfloat16"
     return shape_unsupported(cfg.hidden_size, cfg.moe_intermediate_size)
