@@ -184,7 +184,7 @@ def test_bad_inputs_raise_clearly():
         call(x.astype(jnp.int32), experts, ids, weights)
     with pytest.raises(ValueError, match="keys gate, up, down"):
         call(x, {"gate": experts["gate"]}, ids, weights)
-    with pytest.raises(ValueError, match=r"experts\['up'\].*not an INT4 leaf"):
+    with pytest.raises(ValueError, match=r"experts\['up'\].*not a stored INT4 weight"):
         call(x, {**experts, "up": jnp.zeros((4, 64, 32))}, ids, weights)
     with pytest.raises(ValueError, match=r"experts\['down'\] is \(N, K\)"):
         call(x, {**experts, "down": experts["gate"]}, ids, weights)
