@@ -36,7 +36,8 @@ sys.path[:0] = [str(ROOT)]
 
 import kdtree_jax as kj  # noqa: E402
 from benchmarks.common import Timer, metadata, random_params, write_json, write_markdown, write_png  # noqa: E402
-from kdtree_jax import checkpoint, quant, sharding  # noqa: E402
+from kdtree_jax import checkpoint, sharding  # noqa: E402
+from pallas_kernels.int4 import MosaicInt4Weight  # noqa: E402
 from kdtree_jax.ddtree import OracleDraft  # noqa: E402
 from kdtree_jax.model import _routed_experts_f32, moe_sharded, route  # noqa: E402
 from kdtree_jax.layers import swiglu  # noqa: E402
@@ -53,16 +54,16 @@ def int4_expert_meta(cfg) -> dict:
 
 def abstract_params(cfg, dtype=jnp.bfloat16, moe_layout="canonical"):
     """ShapeDtypeStructs of an INT4-expert target; moe_layout "mosaic": the routed experts in the Mosaic
-    GPU kernel's layout (kdtree_jax.quant.is_mosaic_leaf), as kj.to_mosaic_experts would leave them."""
+    GPU kernel's layout (pallas_kernels.int4.MosaicInt4Weight), as kj.to_mosaic_experts would leave them."""
     abstract = checkpoint._abstract_target(cfg, dtype, int4_expert_meta(cfg))
     if moe_layout == "mosaic":
         for layer in range(cfg.num_hidden_layers):
             if cfg.is_moe_layer(layer):
                 experts = abstract[f"layers_{layer}"]["moe"]["experts"]
                 for w, leaf in experts.items():
-                    *lead, n, words = leaf["qweight"].shape
-                    experts[w] = {"w_i4": jax.ShapeDtypeStruct((*lead, n, 4 * words), jnp.int4),
-                                  "scale_t": jax.ShapeDtypeStruct((*lead, words // 8, n), jnp.bfloat16)}
+                    lead, n, k = leaf.lead_shape, leaf.out_features, leaf.in_features
+                    experts[w] = MosaicInt4Weight(jax.ShapeDtypeStruct((*lead, n, k), jnp.int4),
+                                                  jax.ShapeDtypeStruct((*lead, k // 32, n), jnp.bfloat16))
     return abstract
 
 
@@ -328,7 +329,7 @@ def main(argv=None) -> dict:
         cfg = k26_width(layers)
         moe_layout = "mosaic" if use_mosaic(cfg, abstract_params(cfg)) else "canonical"
         params = random_params_on_mesh(cfg, mesh, moe_layout=moe_layout)
-    mosaic = quant.is_mosaic_leaf(params[f"layers_{cfg.first_k_dense_replace}"]["moe"]["experts"]["gate"])
+    mosaic = isinstance(params[f"layers_{cfg.first_k_dense_replace}"]["moe"]["experts"]["gate"], MosaicInt4Weight)
     plan = memory_plan(cfg, sizes, hbm)
     print(f"{jax.devices()[0].device_kind} x{mesh.devices.size}, mesh {sharding.describe(mesh)}: "
           f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.n_routed_experts} experts; params "

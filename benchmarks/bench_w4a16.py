@@ -85,7 +85,7 @@ def main():
 
     from benchmarks.common import Timer, copy_bandwidth, metadata, write_json, write_results
     from benchmarks.xla_baselines import w4a16_matmul_xla
-    from kdtree_jax import quant
+    from pallas_kernels.int4 import Int4Weight
     from pallas_kernels.w4a16 import get_config, w4a16_matmul, w4a16_matmul_reference
     from reference import int4 as ref
 
@@ -114,7 +114,7 @@ def main():
         packed = ref.pack(q)
         scale = jnp.asarray(rng.uniform(0.005, 0.05, size=(n, k // 32)), jnp.bfloat16)
         x = jnp.asarray(rng.standard_normal((m, k)), act)
-        leaf = quant.int4_leaf_from_compressed(jnp.asarray(packed), scale)
+        leaf = Int4Weight.from_compressed(jnp.asarray(packed), scale).to_dict()
         want = ref.matmul(np.asarray(x.astype(jnp.float32), np.float64), packed,
                           np.asarray(scale.astype(jnp.float32), np.float64))
         return x, leaf, want

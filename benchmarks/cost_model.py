@@ -27,7 +27,7 @@ import math
 import statistics
 from typing import Mapping, NamedTuple
 
-from kdtree_jax.quant import GROUP_SIZE
+from pallas_kernels.int4 import GROUP_SIZE
 
 BF16_BYTES = 2
 

@@ -28,11 +28,13 @@ from kdtree_jax.model import KVCache, forward, forward_with_cache, init_cache, i
 from kdtree_jax.quantize import mosaic_moe_unsupported, quantize, to_mosaic_experts
 from kdtree_jax.tree import Tree, build_chain, build_tree
 from pallas_kernels.dispatch import KernelUnavailableError, Kernels
+from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
 
 __all__ = [
     "CheckpointError", "ConfigError", "DFlashDraft", "DrafterCache", "DrafterConfig", "DrafterFormatError",
-    "GenerateOutput", "HFCheckpointError", "KVCache", "KernelUnavailableError", "Kernels", "ModelConfig",
-    "OracleDraft", "Tree", "YarnScaling", "build_chain", "export_hf_drafter", "load_hf_drafter",
+    "GenerateOutput", "HFCheckpointError", "Int4Weight", "KVCache", "KernelUnavailableError", "Kernels",
+    "ModelConfig", "MosaicInt4Weight", "OracleDraft", "Tree", "YarnScaling", "build_chain", "export_hf_drafter",
+    "load_hf_drafter",
     "build_tree", "drafter_extend_context", "drafter_forward", "forward", "forward_with_cache", "generate",
     "init_cache", "init_drafter_cache", "init_drafter_params", "init_params", "kernel_plan", "load_checkpoint",
     "load_hf", "mosaic_moe_unsupported", "plan_summary", "prepare_params", "quantize", "save_checkpoint",

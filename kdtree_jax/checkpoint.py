@@ -10,9 +10,13 @@ One item per entry lets `CheckpointWriter` write a model layer by layer (peak ho
 layer; `kdtree_jax.convert`) and a reader restore it entry by entry. Format 1 (params/ one Orbax tree)
 is still read.
 
-`quantization` names the INT4 leaves: {"int4_leaves": {"layers_1/moe/experts/gate": "bfloat16", ...}}
+`quantization` names the INT4 weights: {"int4_leaves": {"layers_1/moe/experts/gate": "bfloat16", ...}}
 (path -> scale dtype); `save_checkpoint` derives it from the params tree (`kj.quantize` output or an
 HF INT4 import) when not given.
+
+The files hold each INT4 weight as the dict {"qweight", "scale"} (`Int4Weight.to_dict`); in memory it is
+an `Int4Weight`. This module converts at the boundary (`_stored` on the way out, `_typed` on the way in),
+so every checkpoint written before the typed weights loads unchanged.
 """
 
 from __future__ import annotations
@@ -32,9 +36,9 @@ import orbax.checkpoint as ocp
 from kdtree_jax import sharding, storage
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.drafter import DrafterConfig, init_drafter_params
-from kdtree_jax.model import init_params
-from kdtree_jax.quant import GROUP_SIZE, is_int4_leaf, is_mosaic_leaf
 from kdtree_jax.storage import CheckpointError
+from kdtree_jax.weights import abstract_params
+from pallas_kernels.int4 import GROUP_SIZE, Int4Weight, MosaicInt4Weight
 
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
@@ -53,8 +57,8 @@ def register_kind(kind: str, config_type: type, config_from_dict: Callable[[dict
 
 
 def abstract_int4_leaves(abstract, int4_leaves: dict[str, str]):
-    """Replace the dense abstract leaves named in `int4_leaves` ("a/b/c" -> scale dtype name) by the
-    abstract INT4 leaf: dense [..., K, N] -> {"qweight": int16 [..., N, K/4], "scale": [..., N, K/32]}."""
+    """Replace the dense abstract leaves named in `int4_leaves` ("a/b/c" -> scale dtype name) by an abstract
+    Int4Weight: dense [..., K, N] -> qweight int16 [..., N, K/4], scale [..., N, K/32]."""
     if not isinstance(int4_leaves, dict):
         raise CheckpointError(f"quantization['int4_leaves'] must be a dict path -> scale dtype, got {int4_leaves!r}")
     abstract = jax.tree.map(lambda x: x, abstract)  # a copy we may edit
@@ -75,13 +79,13 @@ def abstract_int4_leaves(abstract, int4_leaves: dict[str, str]):
         *lead, k, n = node[last].shape
         if k % GROUP_SIZE:
             raise CheckpointError(f"INT4 leaf {name!r}: input dim {k} is not a multiple of {GROUP_SIZE}")
-        node[last] = {"qweight": jax.ShapeDtypeStruct((*lead, n, k // 4), jnp.int16),
-                      "scale": jax.ShapeDtypeStruct((*lead, n, k // GROUP_SIZE), scale_dtype)}
+        node[last] = Int4Weight(qweight=jax.ShapeDtypeStruct((*lead, n, k // 4), jnp.int16),
+                                scale=jax.ShapeDtypeStruct((*lead, n, k // GROUP_SIZE), scale_dtype))
     return abstract
 
 
 def _abstract_target(cfg: ModelConfig, dtype, meta: dict):
-    abstract = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype))
+    abstract = abstract_params(cfg, dtype)
     quantization = meta.get("quantization")
     if quantization:
         if not isinstance(quantization, dict) or set(quantization) != {"int4_leaves"}:
@@ -109,9 +113,9 @@ def _kind_of(cfg) -> str:
 
 
 def _param_dtype(params) -> str:
-    leaves = jax.tree.leaves(params, is_leaf=is_int4_leaf)
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Int4Weight))
     floats = {np.dtype(leaf.dtype).name for leaf in leaves
-              if not is_int4_leaf(leaf) and jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim >= 2
+              if not isinstance(leaf, Int4Weight) and jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim >= 2
               and np.dtype(leaf.dtype) != np.float32}
     # Router weights are always float32 and INT4 scales have their own dtype; the remaining
     # matrices define the model's dtype.
@@ -122,15 +126,21 @@ def _param_dtype(params) -> str:
 
 
 def int4_leaves_of(params) -> dict | None:
-    """{"int4_leaves": {"a/b/c": scale dtype}} for the INT4 leaves of a params tree, None if dense."""
-    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_int4_leaf)[0]
-    found = {"/".join(str(getattr(k, "key", k)) for k in path): np.dtype(leaf["scale"].dtype).name
-             for path, leaf in leaves if is_int4_leaf(leaf)}
+    """{"int4_leaves": {"a/b/c": scale dtype}} for the Int4Weights of a params tree, None if dense."""
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, Int4Weight))[0]
+    found = {"/".join(str(getattr(k, "key", k)) for k in path): np.dtype(leaf.scale.dtype).name
+             for path, leaf in leaves if isinstance(leaf, Int4Weight)}
     return {"int4_leaves": found} if found else None
 
 
 def _abstract(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def _stored(tree):
+    """The tree as the files hold it: every Int4Weight as its dict {"qweight", "scale"}."""
+    return jax.tree.map(lambda x: x.to_dict() if isinstance(x, Int4Weight) else x, tree,
+                        is_leaf=lambda x: isinstance(x, Int4Weight))
 
 
 class CheckpointWriter:
@@ -192,8 +202,9 @@ class CheckpointWriter:
         if entry in self.written:
             raise CheckpointError(f"params entry {entry!r} was already written")
         _check_tree({entry: self.expected[entry]}, {entry: _abstract(subtree)}, f"params to save at {self.path}")
-        self._checkpointer.save(self._tmp / "params" / entry, {entry: subtree})
-        self.checksums.update(storage.checksums(storage.flat_tensors({entry: subtree})))  # while Orbax writes
+        stored = _stored({entry: subtree})
+        self._checkpointer.save(self._tmp / "params" / entry, stored)
+        self.checksums.update(storage.checksums(storage.flat_tensors(stored)))  # while Orbax writes
         self._checkpointer.wait_until_finished()
         self.written.append(entry)
 
@@ -245,7 +256,8 @@ def save_checkpoint(path: str | os.PathLike, cfg, params, *, quantization: dict 
     """Write cfg + params to `path` atomically (see CheckpointWriter): an interrupted or failed save
     leaves no checkpoint and no temporary directory."""
     path = check_destination(path, overwrite=overwrite)
-    mosaic = [leaf for leaf in jax.tree.leaves(params, is_leaf=is_mosaic_leaf) if is_mosaic_leaf(leaf)]
+    is_mosaic = lambda x: isinstance(x, MosaicInt4Weight)  # noqa: E731
+    mosaic = [leaf for leaf in jax.tree.leaves(params, is_leaf=is_mosaic) if is_mosaic(leaf)]
     if mosaic:
         raise CheckpointError(f"{len(mosaic)} leaves are in the Mosaic GPU layout (kj.to_mosaic_experts, a "
                               "device-side layout): save the canonical INT4 params they were made from")
@@ -373,7 +385,7 @@ def load_checkpoint(path: str | os.PathLike, *, expect_kind: str | None = None, 
     params: dict[str, Any] = {}
     for restored in _restore(path, meta, expected, checksums):
         params.update(restored)
-    return cfg, _plain(params)
+    return cfg, _typed(params)
 
 
 def verify_checkpoint(path: str | os.PathLike) -> dict[str, int]:
@@ -416,6 +428,7 @@ def _restore(path: Path, meta: dict, expected, checksums: dict[str, str] | None)
     """Restore the Orbax items of a checkpoint one at a time (against `expected`, with shardings) and
     check each against `checksums` (None: unchecked)."""
     checkpointer = ocp.StandardCheckpointer()
+    expected = _stored(expected)
     items = ([(path / "params", expected)] if meta["format"] == 1 else
              [(path / "params" / entry, {entry: expected[entry]}) for entry in expected])
     for directory, target in items:
@@ -443,9 +456,11 @@ def _with_shardings(cfg, kind: str, abstract, mesh):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
-def _plain(tree):
+def _typed(tree):
+    """Plain dicts from Orbax's restored tree, every stored INT4 dict {"qweight", "scale"} an Int4Weight."""
     if hasattr(tree, "items"):
-        return {k: _plain(v) for k, v in tree.items()}
+        plain = {k: _typed(v) for k, v in tree.items()}
+        return Int4Weight.from_dict(plain) if Int4Weight.is_dict(plain) else plain
     return tree
 
 
@@ -456,7 +471,7 @@ def _flatten(tree) -> dict[str, Any]:
 
 def _check_tree(expected, actual, what: str) -> None:
     """Raise CheckpointError listing missing, unexpected and mis-shaped/mis-typed tensors."""
-    exp, act = _flatten(expected), _flatten(actual)
+    exp, act = _flatten(_stored(expected)), _flatten(_stored(actual))
     problems = []
     missing = sorted(set(exp) - set(act))
     extra = sorted(set(act) - set(exp))

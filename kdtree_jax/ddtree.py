@@ -27,9 +27,9 @@ from kdtree_jax.config import ModelConfig
 from kdtree_jax.decoding import GenerateOutput, SamplingParams, cache_length, emit, on_mesh, prefill, sample
 from kdtree_jax.drafter import (DrafterCache, DrafterConfig, check_drafter_params, drafter_extend_context,
                                 drafter_forward, init_drafter_cache)
-from kdtree_jax.linear import is_int4_leaf
 from kdtree_jax.model import KVCache, Params, forward_with_cache, init_cache, write_rows
 from kdtree_jax.tree import Tree, build_chain, build_tree
+from pallas_kernels.int4 import Int4Weight
 
 # The verify forward takes 1 + budget tokens with a [T, T] tree mask, and the tree build sorts budget * K
 # candidates per depth: 1024 compiles in about a minute on the tiny model (CPU), far past where a larger
@@ -237,7 +237,7 @@ def generate_speculative(cfg: ModelConfig, params: Params, tokens, lengths, key,
             raise ValueError(f"method='ddtree' needs tree_budget, an integer in [1, {MAX_TREE_BUDGET}], "
                              f"got {tree_budget!r}")
         tree_slots = 1 + tree_budget
-    if not cfg.tie_word_embeddings and is_int4_leaf(params.get("lm_head")):
+    if not cfg.tie_word_embeddings and isinstance(params.get("lm_head"), Int4Weight):
         raise ValueError("the drafter shares the target's lm_head, which must be dense (never INT4)")
     # verify writes T rows past the committed length; compaction rewrites depth + 1 rows there
     cache_rows = cache_length(cfg, tokens.shape[1], max_new_tokens, max(tree_slots, depth + 1), max_len)

@@ -220,36 +220,58 @@ def _init_linear(key: jax.Array, fan_in: int, fan_out: int, dtype) -> jax.Array:
     return (jax.random.normal(key, (fan_in, fan_out), jnp.float32) * fan_in**-0.5).astype(dtype)
 
 
-def _init_component(dcfg: DrafterConfig, name: str, key: jax.Array, dtype) -> Any:
-    """The params subtree `name` ("fc", "hidden_norm", "layers_i", "final_norm"), freshly initialised."""
+LINEAR, NORM = "linear", "norm"  # drafter initializers: N(0, 1/fan_in) [in, out] matrices; norms of ones
+
+
+def declare_drafter(dcfg: DrafterConfig) -> dict[tuple[str, ...], tuple[tuple[int, ...], str]]:
+    """Every drafter weight, declared once: {path: (shape, LINEAR | NORM)}; linear maps are [in, out].
+
+    The order is the init's: each top-level entry gets one key of the split, and an entry holding several
+    linear maps splits its key once more, one key per linear map in this order (norms take none)."""
     D, hd, F = dcfg.hidden_size, dcfg.head_dim, dcfg.intermediate_size
     H, KVH = dcfg.num_attention_heads, dcfg.num_key_value_heads
-    if name == "fc":
-        return _init_linear(key, dcfg.num_target_layers * D, D, dtype)
-    if name in ("hidden_norm", "final_norm"):
-        return jnp.ones((D,), dtype)
-    if name.startswith("layers_"):
-        k = jax.random.split(key, 7)
-        return {
-            "input_norm": jnp.ones((D,), dtype),
-            "attn": {
-                "q": _init_linear(k[0], D, H * hd, dtype),
-                "k": _init_linear(k[1], D, KVH * hd, dtype),
-                "v": _init_linear(k[2], D, KVH * hd, dtype),
-                "o": _init_linear(k[3], H * hd, D, dtype),
-                "q_norm": jnp.ones((hd,), dtype),
-                "k_norm": jnp.ones((hd,), dtype),
-            },
-            "post_attn_norm": jnp.ones((D,), dtype),
-            "mlp": {"gate": _init_linear(k[4], D, F, dtype), "up": _init_linear(k[5], D, F, dtype),
-                    "down": _init_linear(k[6], F, D, dtype)},
-        }
-    raise ValueError(f"unknown drafter params entry {name!r}")
+    out: dict[tuple[str, ...], tuple[tuple[int, ...], str]] = {
+        ("fc",): ((dcfg.num_target_layers * D, D), LINEAR), ("hidden_norm",): ((D,), NORM)}
+    for i in range(dcfg.num_hidden_layers):
+        layer = f"layers_{i}"
+        out.update({
+            (layer, "input_norm"): ((D,), NORM),
+            (layer, "attn", "q"): ((D, H * hd), LINEAR), (layer, "attn", "k"): ((D, KVH * hd), LINEAR),
+            (layer, "attn", "v"): ((D, KVH * hd), LINEAR), (layer, "attn", "o"): ((H * hd, D), LINEAR),
+            (layer, "attn", "q_norm"): ((hd,), NORM), (layer, "attn", "k_norm"): ((hd,), NORM),
+            (layer, "post_attn_norm"): ((D,), NORM),
+            (layer, "mlp", "gate"): ((D, F), LINEAR), (layer, "mlp", "up"): ((D, F), LINEAR),
+            (layer, "mlp", "down"): ((F, D), LINEAR),
+        })
+    out[("final_norm",)] = ((D,), NORM)
+    return out
+
+
+def _init_component(dcfg: DrafterConfig, name: str, key: jax.Array, dtype) -> Any:
+    """The params subtree `name` ("fc", "hidden_norm", "layers_i", "final_norm"), freshly initialised."""
+    entries = [(path[1:], shape, init) for path, (shape, init) in declare_drafter(dcfg).items() if path[0] == name]
+    if not entries:
+        raise ValueError(f"unknown drafter params entry {name!r}")
+
+    def make(shape, init, k):
+        return _init_linear(k, *shape, dtype) if init == LINEAR else jnp.ones(shape, dtype)
+
+    if entries[0][0] == ():  # a single weight: it takes the entry's key itself
+        (_, shape, init), = entries
+        return make(shape, init, key)
+    keys = iter(jax.random.split(key, sum(init == LINEAR for _, _, init in entries)))
+    tree: dict = {}
+    for sub, shape, init in entries:
+        node = tree
+        for part in sub[:-1]:
+            node = node.setdefault(part, {})
+        node[sub[-1]] = make(shape, init, next(keys) if init == LINEAR else None)
+    return tree
 
 
 def drafter_param_names(dcfg: DrafterConfig) -> tuple[str, ...]:
     """Top-level keys of the drafter params dict."""
-    return ("fc", "hidden_norm", *(f"layers_{i}" for i in range(dcfg.num_hidden_layers)), "final_norm")
+    return tuple(dict.fromkeys(path[0] for path in declare_drafter(dcfg)))
 
 
 def init_drafter_params(dcfg: DrafterConfig, key: jax.Array, dtype=jnp.float32) -> dict:
@@ -520,7 +542,7 @@ class Drafter(nn.Module):
 
 
 __all__ = [
-    "DrafterConfig", "DrafterCache", "Drafter", "default_target_layer_ids", "drafter_param_names",
+    "DrafterConfig", "DrafterCache", "Drafter", "declare_drafter", "default_target_layer_ids", "drafter_param_names",
     "init_drafter_params", "init_drafter_cache", "context_features", "drafter_extend_context",
     "drafter_forward",
 ]

@@ -9,8 +9,8 @@ public checkpoints (Hugging Face transformers `models/deepseek_v3`, compressed-t
   params tree keeps `kv_a` whole (columns [0, c) = latent, [c, c+r) = k_pe) and `kv_b` with HF's
   per-head column order (head h: W_UK then W_UV), so no column shuffling is needed.
 - Routed experts are stacked into [E, in, out] leaves. compressed-tensors `pack-quantized` experts
-  (`weight_packed` / `weight_scale` / `weight_shape`) go straight to INT4 params leaves
-  (`quant.int4_leaf_from_compressed`); dense expert weights are never materialised for them.
+  (`weight_packed` / `weight_scale` / `weight_shape`) go straight to `Int4Weight`s
+  (`Int4Weight.from_compressed`); dense expert weights are never materialised for them.
 - FP8 block-128 checkpoints (`weight` F8_E4M3 + `weight_scale_inv`, DeepSeek-V3 / K2-Instruct) are
   dequantized at load, block by block, into `dtype`.
 - Kimi K2.5 / K2.6 (`kimi_k25`) keep the text model under `language_model.`; `vision_tower.*` and
@@ -38,7 +38,8 @@ from safetensors import SafetensorError, deserialize, safe_open
 from tqdm.auto import tqdm
 
 from kdtree_jax.config import ConfigError, ModelConfig
-from kdtree_jax.quant import GROUP_SIZE, PACK_FACTOR, int4_leaf_from_compressed
+from kdtree_jax.weights import declare
+from pallas_kernels.int4 import GROUP_SIZE, PACK_FACTOR, Int4Weight
 
 Params = dict[str, Any]
 logger = logging.getLogger(__name__)
@@ -222,50 +223,22 @@ class _Vector:
 
 
 def _plan(cfg: ModelConfig) -> tuple[list[_Linear], list[_Vector]]:
-    """Every tensor the text model needs, under canonical (un-prefixed) HF names."""
-    D, H = cfg.hidden_size, cfg.num_attention_heads
-    n, r, v, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    """Every tensor the text model needs, under canonical (un-prefixed) HF names: one per declared weight
+    (kdtree_jax.weights), E per stacked expert weight."""
     linears: list[_Linear] = []
-    vectors: list[_Vector] = [_Vector("model.embed_tokens.weight", ("embed_tokens",), (cfg.vocab_size, D)),
-                              _Vector("model.norm.weight", ("final_norm",), (D,))]
-    if not cfg.tie_word_embeddings:
-        linears.append(_Linear("lm_head", ("lm_head",), cfg.vocab_size, D))
-    for i in range(cfg.num_hidden_layers):
-        pre, key = f"model.layers.{i}.", f"layers_{i}"
-        vectors += [_Vector(pre + "input_layernorm.weight", (key, "input_norm"), (D,)),
-                    _Vector(pre + "post_attention_layernorm.weight", (key, "post_attn_norm"), (D,)),
-                    _Vector(pre + "self_attn.kv_a_layernorm.weight", (key, "attn", "kv_a_norm"), (c,))]
-        attn = pre + "self_attn."
-        if cfg.q_lora_rank is None:
-            linears.append(_Linear(attn + "q_proj", (key, "attn", "q"), H * (n + r), D))
-        else:
-            q = cfg.q_lora_rank
-            linears += [_Linear(attn + "q_a_proj", (key, "attn", "q_a"), q, D),
-                        _Linear(attn + "q_b_proj", (key, "attn", "q_b"), H * (n + r), q)]
-            vectors.append(_Vector(attn + "q_a_layernorm.weight", (key, "attn", "q_a_norm"), (q,)))
-        linears += [_Linear(attn + "kv_a_proj_with_mqa", (key, "attn", "kv_a"), c + r, D),
-                    _Linear(attn + "kv_b_proj", (key, "attn", "kv_b"), H * (n + v), c),
-                    _Linear(attn + "o_proj", (key, "attn", "o"), D, H * v)]
-        if not cfg.is_moe_layer(i):
-            F = cfg.intermediate_size
-            linears += [_Linear(pre + "mlp.gate_proj", (key, "mlp", "gate"), F, D),
-                        _Linear(pre + "mlp.up_proj", (key, "mlp", "up"), F, D),
-                        _Linear(pre + "mlp.down_proj", (key, "mlp", "down"), D, F)]
+    vectors: list[_Vector] = []
+    for path, spec in declare(cfg).items():
+        if not spec.hf_linear:
+            vectors.append(_Vector(spec.hf, path, spec.shape, float32=spec.float32))
             continue
-        E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
-        linears.append(_Linear(pre + "mlp.gate", (key, "moe", "router"), E, D, float32=True))
-        vectors.append(_Vector(pre + "mlp.gate.e_score_correction_bias", (key, "moe", "router_bias"), (E,),
-                               float32=True))
-        for e in range(E):
-            stem = f"{pre}mlp.experts.{e}."
-            linears += [_Linear(stem + "gate_proj", (key, "moe", "experts", "gate"), I, D, e, E),
-                        _Linear(stem + "up_proj", (key, "moe", "experts", "up"), I, D, e, E),
-                        _Linear(stem + "down_proj", (key, "moe", "experts", "down"), D, I, e, E)]
-        if cfg.n_shared_experts:
-            Is = cfg.shared_intermediate_size
-            linears += [_Linear(pre + "mlp.shared_experts.gate_proj", (key, "moe", "shared", "gate"), Is, D),
-                        _Linear(pre + "mlp.shared_experts.up_proj", (key, "moe", "shared", "up"), Is, D),
-                        _Linear(pre + "mlp.shared_experts.down_proj", (key, "moe", "shared", "down"), D, Is)]
+        *lead, in_features, out_features = spec.shape
+        stem = spec.hf.removesuffix(".weight")
+        if spec.stacked_experts:
+            (num_experts,) = lead
+            linears += [_Linear(stem.format(e=e), path, out_features, in_features, e, num_experts)
+                        for e in range(num_experts)]
+        else:
+            linears.append(_Linear(stem, path, out_features, in_features, float32=spec.float32))
     return linears, vectors
 
 
@@ -481,7 +454,7 @@ class HFImport:
 
     def _int4_scale_dtype(self, src) -> np.dtype:
         scale_dtype = _NUMPY_DTYPES[self._infos[src.names["scale"]].dtype]
-        # the INT4 leaf takes bf16 or f32 scales; f16 -> f32 is exact
+        # an Int4Weight takes bf16 or f32 scales; f16 -> f32 is exact
         return np.dtype(np.float32) if scale_dtype == np.float16 else scale_dtype
 
     def __iter__(self):
@@ -534,8 +507,8 @@ class HFImport:
             if "dense" in buffers:
                 _set(params, stack_path, buffers["dense"])
             else:
-                _set(params, stack_path, int4_leaf_from_compressed(jnp.asarray(buffers["packed"]),
-                                                                   jnp.asarray(buffers["scale"])))
+                _set(params, stack_path, Int4Weight.from_compressed(jnp.asarray(buffers["packed"]),
+                                                                    jnp.asarray(buffers["scale"])))
         return jax.tree.map(jnp.asarray, params[key])
 
 

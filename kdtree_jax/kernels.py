@@ -17,7 +17,6 @@ from typing import Any
 import jax
 
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.quant import is_int4_leaf, is_mosaic_leaf
 from kdtree_jax.quantize import to_mosaic_experts
 from pallas_kernels import dispatch
 from pallas_kernels.dispatch import Kernels
@@ -27,19 +26,9 @@ OPS = ("attention", "linear", "moe")
 Plan = dict[str, tuple[str, str]]
 
 
-def _typed(leaf: Any) -> Any:
-    """TODO(merge): stored dict leaves as typed weights, until params hold Int4Weight / MosaicInt4Weight."""
-    if is_int4_leaf(leaf):
-        return Int4Weight(qweight=leaf["qweight"], scale=leaf["scale"])
-    if is_mosaic_leaf(leaf):
-        return MosaicInt4Weight(w_i4=leaf["w_i4"], scale_t=leaf["scale_t"])
-    return leaf
-
-
 def _leaves_with_paths(params: dict) -> list[tuple[tuple[str, ...], Any]]:
-    is_leaf = lambda x: is_quantized(x) or is_int4_leaf(x) or is_mosaic_leaf(x)  # noqa: E731 (TODO(merge))
-    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)[0]
-    return [(tuple(str(getattr(k, "key", k)) for k in path), _typed(leaf)) for path, leaf in flat]
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_quantized)[0]
+    return [(tuple(str(getattr(k, "key", k)) for k in path), leaf) for path, leaf in flat]
 
 
 def _moe_experts(params: dict, cfg: ModelConfig) -> dict | None:
@@ -47,7 +36,7 @@ def _moe_experts(params: dict, cfg: ModelConfig) -> dict | None:
     for layer in range(cfg.num_hidden_layers):
         if cfg.is_moe_layer(layer):
             experts = params[f"layers_{layer}"]["moe"]["experts"]
-            return {name: _typed(experts[name]) for name in ("gate", "up", "down")}
+            return {name: experts[name] for name in ("gate", "up", "down")}
     return None
 
 

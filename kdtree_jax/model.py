@@ -1,5 +1,6 @@
 """The target model: DeepSeek-V3 / Kimi K2.x (MLA + DeepSeekMoE) as a Flax linen module applied as a
-pure function over a plain nested-dict params tree (layout: docs/params.md).
+pure function over a nested-dict params tree (layout: docs/params.md; every weight declared in
+kdtree_jax/weights.py).
 
 Two attention forms share one set of weights:
 - naive MLA (`forward`, no cache): per-head keys/values are decompressed from the latent; used by the
@@ -12,7 +13,7 @@ Two attention forms share one set of weights:
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -25,9 +26,9 @@ from kdtree_jax import attention, sharding
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.layers import apply_rope, rms_norm, swiglu, yarn_inv_freq
 from kdtree_jax.linear import linear as _linear
-from kdtree_jax.quant import is_int4_leaf, is_mosaic_leaf
+from kdtree_jax.weights import declare
 from pallas_kernels.dispatch import Kernels
-from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight, is_quantized
+from pallas_kernels.int4 import is_quantized
 from pallas_kernels.moe_w4a16 import grouped_moe_w4a16
 
 Params = dict[str, Any]
@@ -60,25 +61,20 @@ def write_rows(latent: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Arra
 
 
 # ------------------------------------------------------------------------------------------ modules
-def _fan_in_normal(key, shape, dtype):
-    fan_in = shape[-2] if len(shape) >= 2 else shape[-1]
-    return (jax.random.normal(key, shape, jnp.float32) / np.sqrt(fan_in)).astype(dtype)
-
-
-def _weight(mod: nn.Module, name: str, shape: Sequence[int], dtype, init=_fan_in_normal):
-    """A weight leaf: created at init; at apply whatever the tree holds (a dense array or an INT4
-    leaf dict), so a quantized tree runs through the same module."""
+def _weight(mod: nn.Module, name: str):
+    """A weight leaf: at init created as declared (kdtree_jax.weights: shape, dtype, initializer); at apply
+    whatever the tree holds (a dense array or a typed INT4 weight), so a quantized tree runs through the
+    same module. `mod` carries `cfg` and `param_dtype`."""
     if mod.is_initializing():
-        return mod.param(name, init, tuple(shape), dtype)
+        path = (*mod.scope.path, name)
+        spec = declare(mod.cfg).get(path)
+        if spec is None:
+            raise KeyError(f"the model uses {'/'.join(path)}, which kdtree_jax/weights.py does not declare")
+        return mod.param(name, spec.initializer(), spec.shape, spec.dtype(mod.param_dtype))
     value = mod.get_variable("params", name)
     if value is None:
         raise KeyError(f"params are missing {'/'.join(mod.scope.path)}/{name}")
     return value
-
-
-def _ones(key, shape, dtype):
-    del key
-    return jnp.ones(shape, dtype)
 
 
 class MLA(nn.Module):
@@ -91,7 +87,7 @@ class MLA(nn.Module):
         """x [B, T, D]; positions [B, T]. Without a cache: naive causal attention over x itself.
         With latent_cache [B, S, c+r] and start [B]: writes the T new rows at start+t, attends with
         `visibility` [B, T, T] among the new tokens, returns (out [B, T, D], new latent_cache)."""
-        cfg, dt = self.cfg, self.param_dtype
+        cfg = self.cfg
         linear = functools.partial(_linear, kernels=self.kernels)
         heads, nope, rope, vdim, c = (cfg.num_attention_heads, cfg.qk_nope_head_dim,
                                       cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank)
@@ -99,22 +95,21 @@ class MLA(nn.Module):
         inv_freq, attention_factor = yarn_inv_freq(cfg)
 
         if cfg.q_lora_rank is None:
-            q = linear(x, _weight(self, "q", (cfg.hidden_size, heads * (nope + rope)), dt))
+            q = linear(x, _weight(self, "q"))
         else:
-            c_q = linear(x, _weight(self, "q_a", (cfg.hidden_size, cfg.q_lora_rank), dt))
-            c_q = rms_norm(c_q, _weight(self, "q_a_norm", (cfg.q_lora_rank,), dt, _ones),
-                           cfg.latent_norm_eps)
-            q = linear(c_q, _weight(self, "q_b", (cfg.q_lora_rank, heads * (nope + rope)), dt))
+            c_q = linear(x, _weight(self, "q_a"))
+            c_q = rms_norm(c_q, _weight(self, "q_a_norm"), cfg.latent_norm_eps)
+            q = linear(c_q, _weight(self, "q_b"))
         q = q.reshape(batch, steps, heads, nope + rope)
         q_nope = q[..., :nope]  # [B, T, H, n]
         q_pe = apply_rope(q[..., nope:], positions, inv_freq, attention_factor)  # [B, T, H, r]
 
-        kv_a = linear(x, _weight(self, "kv_a", (cfg.hidden_size, c + rope), dt))  # [B, T, c+r]
-        c_kv = rms_norm(kv_a[..., :c], _weight(self, "kv_a_norm", (c,), dt, _ones), cfg.latent_norm_eps)
+        kv_a = linear(x, _weight(self, "kv_a"))  # [B, T, c+r]
+        c_kv = rms_norm(kv_a[..., :c], _weight(self, "kv_a_norm"), cfg.latent_norm_eps)
         k_pe = apply_rope(kv_a[..., c:], positions, inv_freq, attention_factor)  # [B, T, r]
-        kv_b = _weight(self, "kv_b", (c, heads * (nope + vdim)), dt).reshape(c, heads, nope + vdim)
+        kv_b = _weight(self, "kv_b").reshape(c, heads, nope + vdim)
         w_uk, w_uv = kv_b[..., :nope], kv_b[..., nope:]  # [c, H, n], [c, H, v]
-        w_o = _weight(self, "o", (heads * vdim, cfg.hidden_size), dt)
+        w_o = _weight(self, "o")
 
         if latent_cache is None:  # naive form: decompress per-head keys and values
             k_nope = jnp.einsum("btc,chn->bthn", c_kv, w_uk.astype(c_kv.dtype))
@@ -152,22 +147,19 @@ class MLA(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    width: int
-    hidden: int
+    """The SwiGLU MLP of a dense layer ("mlp") or the shared expert ("shared"); shapes as declared."""
+
+    cfg: ModelConfig
     param_dtype: Any
     kernels: Kernels = Kernels()
 
     @nn.compact
     def __call__(self, x=None):
         """x [..., D] -> [..., D]; without x, the weights {"gate", "up", "down"} (for a shard_map)."""
-        dt = self.param_dtype
-        weights = {"gate": _weight(self, "gate", (self.hidden, self.width), dt),
-                   "up": _weight(self, "up", (self.hidden, self.width), dt),
-                   "down": _weight(self, "down", (self.width, self.hidden), dt)}
+        mlp = {"gate": _weight(self, "gate"), "up": _weight(self, "up"), "down": _weight(self, "down")}
         if x is None:
-            return weights
-        return swiglu(x, weights["gate"], weights["up"], weights["down"],
-                      linear=functools.partial(_linear, kernels=self.kernels))
+            return mlp
+        return swiglu(x, mlp["gate"], mlp["up"], mlp["down"], linear=functools.partial(_linear, kernels=self.kernels))
 
 
 def route(cfg: ModelConfig, x: jax.Array, router: jax.Array, router_bias: jax.Array):
@@ -201,40 +193,32 @@ class MoE(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg, dt = self.cfg, self.param_dtype
-        d, e, inter = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
-        router = _weight(self, "router", (d, e), jnp.float32)
-        router_bias = _weight(self, "router_bias", (e,), jnp.float32, nn.initializers.zeros)
-        experts = self._experts(d, e, inter, dt)
+        d = cfg.hidden_size
+        router = _weight(self, "router")
+        router_bias = _weight(self, "router_bias")
+        experts = ExpertWeights(cfg, dt, name="experts")()
         lead = x.shape[:-1]
         flat = x.reshape(-1, d)  # [N, D]
         idx, weights = route(cfg, flat, router, router_bias)
         mesh = sharding.active_mesh()
         if mesh is not None:
-            shared = (DenseMLP(cfg.shared_intermediate_size, d, dt, self.kernels, name="shared")()
-                      if cfg.n_shared_experts else {})
+            shared = DenseMLP(cfg, dt, self.kernels, name="shared")() if cfg.n_shared_experts else {}
             return moe_sharded(mesh, flat, idx, weights, experts, shared, self.kernels).reshape(*lead, d)
         out = routed_experts(flat, experts, idx, weights, self.kernels)
         if cfg.n_shared_experts:
-            shared = DenseMLP(cfg.shared_intermediate_size, d, dt, self.kernels, name="shared")
-            out = out + shared(flat)
+            out = out + DenseMLP(cfg, dt, self.kernels, name="shared")(flat)
         return out.reshape(*lead, d)
-
-    def _experts(self, d, e, inter, dt):
-        # The experts live in their own sub-dict; a bare submodule-free scope keeps names flat.
-        return ExpertWeights(d, e, inter, dt, name="experts")()
 
 
 class ExpertWeights(nn.Module):
-    hidden: int
-    num_experts: int
-    width: int
+    """The stacked routed experts {"gate", "up", "down"} (their own sub-dict "experts")."""
+
+    cfg: ModelConfig
     param_dtype: Any
 
     @nn.compact
     def __call__(self):
-        e, d, i, dt = self.num_experts, self.hidden, self.width, self.param_dtype
-        return {"gate": _weight(self, "gate", (e, d, i), dt), "up": _weight(self, "up", (e, d, i), dt),
-                "down": _weight(self, "down", (e, i, d), dt)}
+        return {"gate": _weight(self, "gate"), "up": _weight(self, "up"), "down": _weight(self, "down")}
 
 
 def routed_experts(x: jax.Array, experts: dict, idx: jax.Array, weights: jax.Array,
@@ -248,21 +232,9 @@ def routed_experts(x: jax.Array, experts: dict, idx: jax.Array, weights: jax.Arr
     return _routed_experts_f32(x, experts, idx, weights, kernels).astype(x.dtype)
 
 
-def _typed_experts(experts: dict) -> dict:
-    """TODO(merge): the stored dict leaves as typed weights, until params hold Int4Weight / MosaicInt4Weight."""
-    def typed(w):
-        if is_int4_leaf(w):
-            return Int4Weight.from_dict(w)
-        if is_mosaic_leaf(w):
-            return MosaicInt4Weight(w_i4=w["w_i4"], scale_t=w["scale_t"])
-        return w
-    return {name: typed(w) for name, w in experts.items()}
-
-
 def _routed_experts_f32(x: jax.Array, experts: dict, idx: jax.Array, weights: jax.Array,
                         kernels: Kernels = Kernels()) -> jax.Array:
     """routed_experts before the final cast: float32 [N, D] (a shard's partial sum stays float32)."""
-    experts = _typed_experts(experts)  # TODO(merge)
     if is_quantized(experts["gate"]):  # zero-weight choices (other shards' experts) are skipped
         return grouped_moe_w4a16(x, experts, idx.astype(jnp.int32), weights, impl=kernels.moe,
                                  interpret=kernels.interpret, out_dtype=jnp.float32)
@@ -320,16 +292,15 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, h, positions, latent_cache=None, start=None, visibility=None):
         cfg, dt = self.cfg, self.param_dtype
-        normed = rms_norm(h, _weight(self, "input_norm", (cfg.hidden_size,), dt, _ones), cfg.rms_norm_eps)
+        normed = rms_norm(h, _weight(self, "input_norm"), cfg.rms_norm_eps)
         attn_out, latent_cache = MLA(cfg, dt, self.kernels, name="attn")(normed, positions, latent_cache, start,
                                                                           visibility)
         h = h + attn_out
-        normed = rms_norm(h, _weight(self, "post_attn_norm", (cfg.hidden_size,), dt, _ones),
-                          cfg.rms_norm_eps)
+        normed = rms_norm(h, _weight(self, "post_attn_norm"), cfg.rms_norm_eps)
         if cfg.is_moe_layer(self.layer):
             h = h + MoE(cfg, dt, self.kernels, name="moe")(normed)
         else:
-            h = h + DenseMLP(cfg.intermediate_size, cfg.hidden_size, dt, self.kernels, name="mlp")(normed)
+            h = h + DenseMLP(cfg, dt, self.kernels, name="mlp")(normed)
         return h, latent_cache
 
 
@@ -344,8 +315,7 @@ class Transformer(nn.Module):
         """tokens/positions [B, T] -> (logits [B, T, V] f32, hidden [B, T, len(hidden_layers), D],
         new cache_latent or None). hidden = the residual stream after each requested layer."""
         cfg, dt = self.cfg, self.param_dtype
-        embed = _weight(self, "embed_tokens", (cfg.vocab_size, cfg.hidden_size), dt,
-                        lambda k, s, d: jax.random.normal(k, s, jnp.float32).astype(d))
+        embed = _weight(self, "embed_tokens")
         h = sharding.constrain(jnp.take(embed, tokens, axis=0), None, None, "embed")  # [B, T, D] replicated
         if cache_latent is not None:  # the latent cache stays replicated (shared by all heads)
             cache_latent = sharding.constrain(cache_latent, None, None, None, "latent")
@@ -357,11 +327,11 @@ class Transformer(nn.Module):
             new_latent.append(layer_cache)
             if layer in hidden_layers:
                 saved[layer] = h
-        h = rms_norm(h, _weight(self, "final_norm", (cfg.hidden_size,), dt, _ones), cfg.rms_norm_eps)
+        h = rms_norm(h, _weight(self, "final_norm"), cfg.rms_norm_eps)
         if cfg.tie_word_embeddings:
             logits = h @ embed.T.astype(h.dtype)
         else:
-            logits = _linear(h, _weight(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), dt), self.kernels)
+            logits = _linear(h, _weight(self, "lm_head"), self.kernels)
         hidden = (jnp.stack([saved[layer] for layer in hidden_layers], axis=2) if hidden_layers
                   else jnp.zeros(h.shape[:2] + (0, cfg.hidden_size), h.dtype))
         latent = None if cache_latent is None else sharding.constrain(jnp.stack(new_latent), None, None, None,

@@ -1,6 +1,6 @@
 """Turning a dense params tree into the INT4 (W4A16 group-32) one, by an explicit policy.
 
-Policies (which [in, out] weights become INT4 leaves; everything else stays dense):
+Policies (which [in, out] weights become `Int4Weight`s; everything else stays dense):
   "experts"  - routed experts only: exactly what Kimi K2-Thinking / K2.5 / K2.6 ship;
   "experts+shared" - routed and shared experts;
   "all_mlp"  - routed experts, shared experts and the dense first-layer MLPs.
@@ -12,13 +12,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.quant import (GROUP_SIZE, SCALE_DTYPES, int4_leaf_from_dense, is_any_int4_leaf, is_int4_leaf,
-                              is_mosaic_leaf)
 from kdtree_jax.sharding import leaf_spec
 from pallas_kernels import dispatch
-from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
+from pallas_kernels.int4 import GROUP_SIZE, SCALE_DTYPES, Int4Weight, MosaicInt4Weight
 
 POLICIES = {
     "experts": ("experts",),
@@ -45,11 +44,11 @@ def _targets(params: dict, cfg: ModelConfig, policy: str):
 
 
 def quantize(params: dict, cfg: ModelConfig, policy: str = "experts", scale_dtype=jnp.bfloat16) -> dict:
-    """A copy of `params` whose policy-covered gate/up/down weights are INT4 leaves (one scale per
+    """A copy of `params` whose policy-covered gate/up/down weights are `Int4Weight`s (one scale per
     32 input columns, symmetric, scale = max|w| / 7). Input dims must be divisible by 32."""
     if jnp.dtype(scale_dtype) not in SCALE_DTYPES:
         raise ValueError(f"scale_dtype must be bfloat16 or float32, got {jnp.dtype(scale_dtype).name}")
-    out = jax.tree.map(lambda x: x, params, is_leaf=is_int4_leaf)  # a fresh nested-dict copy
+    out = jax.tree.map(lambda x: x, params)  # a fresh nested-dict copy
     for name, keys in _targets(params, cfg, policy):
         container = out[name]
         for key in keys:
@@ -57,23 +56,18 @@ def quantize(params: dict, cfg: ModelConfig, policy: str = "experts", scale_dtyp
         for weight in ("gate", "up", "down"):
             w = container[weight]
             where = f"{name}/{'/'.join(keys)}/{weight}"
-            if is_int4_leaf(w):
+            if isinstance(w, Int4Weight):
                 raise ValueError(f"{where} is already INT4: quantize a dense params tree")
             if w.shape[-2] % GROUP_SIZE:
                 raise ValueError(f"{where}: input dim {w.shape[-2]} is not divisible by the INT4 group "
                                  f"size {GROUP_SIZE}")
-            container[weight] = int4_leaf_from_dense(w, scale_dtype)
+            container[weight] = Int4Weight.from_dense(w, scale_dtype)
     return out
 
 
 def _routed_experts(params: dict, cfg: ModelConfig) -> list[tuple[str, dict]]:
     """(layer name, {"gate", "up", "down"}) of every MoE layer's routed experts."""
     return [(name, params[name]["moe"]["experts"]) for name, _ in _targets(params, cfg, "experts")]
-
-
-def _scale_dtype(leaf):
-    """TODO(merge): the scale dtype of a stored dict leaf or an Int4Weight."""
-    return leaf["scale"].dtype if is_int4_leaf(leaf) else leaf.scale.dtype
 
 
 def mosaic_moe_unsupported(params: dict, cfg: ModelConfig, device=None) -> str | None:
@@ -86,9 +80,9 @@ def mosaic_moe_unsupported(params: dict, cfg: ModelConfig, device=None) -> str |
         return "the model has no MoE layers"
     for _, experts in layers:
         for weight in ("gate", "up", "down"):
-            if not (is_int4_leaf(experts[weight]) or isinstance(experts[weight], Int4Weight)):  # TODO(merge)
-                return "the routed experts are not canonical INT4 weights"
-    scale_dtype = _scale_dtype(layers[0][1]["gate"])
+            if not isinstance(experts[weight], Int4Weight):
+                return "the routed experts are not canonical INT4 weights (Int4Weight, the checkpoint layout)"
+    scale_dtype = layers[0][1]["gate"].scale.dtype
     choice = dispatch.choose_moe_layout(act_dtype=params["embed_tokens"].dtype, scale_dtype=scale_dtype,
                                         hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size, device=device)
     return None if choice.impl == "mosaic_gpu" else choice.reason
@@ -105,25 +99,23 @@ def to_mosaic_experts(params: dict, cfg: ModelConfig) -> dict:
     if (why := dispatch.mosaic_moe_shape_unsupported(cfg.hidden_size, cfg.moe_intermediate_size)) is not None:
         raise ValueError(f"the Mosaic GPU MoE kernel cannot run this model's experts: {why}")
     convert = jax.jit(Int4Weight.to_mosaic)
-    out = jax.tree.map(lambda x: x, params, is_leaf=is_any_int4_leaf)  # a fresh nested-dict copy
+    out = jax.tree.map(lambda x: x, params)  # a fresh nested-dict copy
     converted = 0
     for name, experts in _routed_experts(out, cfg):
         for weight in ("gate", "up", "down"):
             leaf = experts[weight]
             where = f"{name}/moe/experts/{weight}"
-            if is_mosaic_leaf(leaf) or isinstance(leaf, MosaicInt4Weight):
+            if isinstance(leaf, MosaicInt4Weight):
                 raise ValueError(f"{where} is already in the Mosaic layout")
-            if not (is_int4_leaf(leaf) or isinstance(leaf, Int4Weight)):
+            if not isinstance(leaf, Int4Weight):
                 raise ValueError(f"{where} is not INT4: quantize the experts first (kj.quantize)")
-            typed = Int4Weight.from_dict(leaf) if is_int4_leaf(leaf) else leaf  # TODO(merge)
-            mosaic = convert(typed)
-            # TODO(merge): stored as the dict {"w_i4", "scale_t"} until sharding/checkpoint take MosaicInt4Weight
-            converted_leaf = {"w_i4": mosaic.w_i4, "scale_t": mosaic.scale_t}
-            placed = getattr(typed.qweight, "sharding", None)
+            converted_leaf = convert(leaf)
+            placed = getattr(leaf.qweight, "sharding", None)
             if isinstance(placed, NamedSharding):  # keep it on its mesh, in the layout's own shardings
                 specs = leaf_spec((name, "moe", "experts", weight), converted_leaf)
-                converted_leaf = {k: jax.device_put(v, NamedSharding(placed.mesh, specs[k]))
-                                  for k, v in converted_leaf.items()}
+                shardings = jax.tree.map(lambda s, m=placed.mesh: NamedSharding(m, s), specs,
+                                         is_leaf=lambda x: isinstance(x, P))
+                converted_leaf = jax.device_put(converted_leaf, shardings)
             experts[weight] = converted_leaf
             converted += 1
     if not converted:

@@ -1,7 +1,7 @@
 """Sharding the target over several devices with JAX's own SPMD machinery (docs/sharding.md).
 
-The layout is declared once: every params leaf has logical axis names (`param_logical_axes`), and
-`RULES` maps logical names to the two mesh axes
+The layout is declared once: every weight has logical axis names (declared with the weight in
+kdtree_jax/weights.py, read by `param_logical_axes`), and `RULES` maps logical names to the two mesh axes
 
     expert  routed experts (packed INT4 weights and their scales alike) are split over it;
     tensor  MLA heads, the shared expert, the dense MLP and every expert's intermediate dim;
@@ -21,6 +21,7 @@ single-device code.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Mapping
 
@@ -30,7 +31,8 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.quant import GROUP_SIZE, is_any_int4_leaf, is_int4_leaf, is_mosaic_leaf
+from kdtree_jax.weights import logical_axes
+from pallas_kernels.int4 import GROUP_SIZE, Int4Weight, MosaicInt4Weight, is_quantized
 
 EXPERT, TENSOR = "expert", "tensor"
 AXES = (EXPERT, TENSOR)  # mesh axis order: tensor is the inner one (neighbouring devices)
@@ -47,28 +49,6 @@ RULES: dict[str, Any] = {
     "router": None,
     "norm": None,
 }
-
-# (parent, name) or name -> logical axes of the dense [in, out] weight (stacked experts: [E, in, out])
-_PARAM_AXES: dict[Any, tuple[str, ...]] = {
-    "embed_tokens": ("vocab", "embed"),
-    "lm_head": ("embed", "vocab"),
-    ("attn", "q"): ("embed", "heads"),
-    ("attn", "q_a"): ("embed", "q_lora"),
-    ("attn", "q_b"): ("q_lora", "heads"),  # columns are head-major: a column block = whole heads
-    ("attn", "kv_a"): ("embed", "latent"),
-    ("attn", "kv_b"): ("latent", "heads"),
-    ("attn", "o"): ("heads", "embed"),
-    ("moe", "router"): ("embed", "router"),
-    ("moe", "router_bias"): ("router",),
-    ("experts", "gate"): ("experts", "embed", "mlp"),
-    ("experts", "up"): ("experts", "embed", "mlp"),
-    ("experts", "down"): ("experts", "mlp", "embed"),
-}
-for _block in ("mlp", "shared"):
-    _PARAM_AXES[(_block, "gate")] = ("embed", "mlp")
-    _PARAM_AXES[(_block, "up")] = ("embed", "mlp")
-    _PARAM_AXES[(_block, "down")] = ("mlp", "embed")
-
 
 class MeshError(ValueError):
     """A mesh spec is malformed, needs more devices than exist, or does not divide the model."""
@@ -140,16 +120,12 @@ def active_mesh() -> AbstractMesh | None:
 
 # ------------------------------------------------------------------------------------- logical axes
 def param_logical_axes(path: tuple[str, ...], ndim: int) -> tuple[str | None, ...]:
-    """Logical axes of the dense params leaf at `path` (e.g. ("layers_1", "moe", "experts", "gate")).
-    Norm weights are replicated; any other unknown leaf is an error, so a new weight must be declared."""
-    name = path[-1]
-    key = (path[-2], name) if len(path) >= 2 else name
-    axes = _PARAM_AXES.get(key, _PARAM_AXES.get(name))
-    if axes is None and name.endswith("norm"):
-        axes = ("norm",) * ndim
+    """Logical axes of the dense params leaf at `path` (e.g. ("layers_1", "moe", "experts", "gate")), as
+    declared in kdtree_jax/weights.py; an undeclared leaf is an error."""
+    axes = logical_axes(path)
     if axes is None:
-        raise MeshError(f"no sharding rule for the params leaf {'/'.join(path)}: declare it in "
-                        "kdtree_jax/sharding.py _PARAM_AXES")
+        raise MeshError(f"no sharding rule for the params leaf {'/'.join(path)}: declare the weight in "
+                        "kdtree_jax/weights.py")
     if len(axes) != ndim:
         raise MeshError(f"params leaf {'/'.join(path)} has {ndim} dims, its sharding rule {axes} names {len(axes)}")
     return axes
@@ -161,16 +137,16 @@ def spec(*logical: str | None, rules: Mapping[str, Any] = RULES) -> P:
 
 
 def leaf_spec(path: tuple[str, ...], leaf) -> Any:
-    """P for a dense leaf; {"qweight": P, "scale": P} for an INT4 leaf, whose [..., N, K/4] and
-    [..., N, K/32] arrays carry the dense [..., K, N] weight's last two logical axes swapped."""
-    if is_int4_leaf(leaf):
-        ndim = leaf["qweight"].ndim
-        *lead, k_axis, n_axis = param_logical_axes(path, ndim)
+    """P for a dense leaf; for a typed INT4 weight the same type holding one P per array: an Int4Weight's
+    [..., N, K/4] and [..., N, K/32] arrays carry the dense [..., K, N] weight's last two logical axes
+    swapped; a MosaicInt4Weight's int4 [..., N, K] likewise, its scales [..., K/32, N] the dense order."""
+    if isinstance(leaf, Int4Weight):
+        *lead, k_axis, n_axis = param_logical_axes(path, len(leaf.dense_shape))
         swapped = spec(*lead, n_axis, k_axis)
-        return {"qweight": swapped, "scale": swapped}
-    if is_mosaic_leaf(leaf):  # w_i4 [..., N, K] like qweight; scale_t [..., K/32, N] keeps the dense order
-        *lead, k_axis, n_axis = param_logical_axes(path, leaf["w_i4"].ndim)
-        return {"w_i4": spec(*lead, n_axis, k_axis), "scale_t": spec(*lead, k_axis, n_axis)}
+        return Int4Weight(swapped, swapped)
+    if isinstance(leaf, MosaicInt4Weight):
+        *lead, k_axis, n_axis = param_logical_axes(path, len(leaf.dense_shape))
+        return MosaicInt4Weight(spec(*lead, n_axis, k_axis), spec(*lead, k_axis, n_axis))
     return spec(*param_logical_axes(path, len(leaf.shape)))
 
 
@@ -181,7 +157,7 @@ def _keys(key_path) -> tuple[str, ...]:
 def param_specs(params_or_abstract) -> Any:
     """The PartitionSpec tree of a target params tree (arrays or ShapeDtypeStructs; INT4 aware)."""
     return jax.tree_util.tree_map_with_path(lambda kp, leaf: leaf_spec(_keys(kp), leaf), params_or_abstract,
-                                            is_leaf=is_any_int4_leaf)
+                                            is_leaf=is_quantized)
 
 
 def param_shardings(cfg: ModelConfig, params_or_abstract, mesh: Mesh) -> Any:
@@ -243,13 +219,16 @@ def check_mesh(cfg: ModelConfig, mesh, params_or_abstract=None) -> None:
     if params_or_abstract is None:
         return
     # every sharded dim of every leaf (INT4 scales hold K/32 columns: a row split needs K/32 % t == 0)
-    flat = jax.tree_util.tree_flatten_with_path(params_or_abstract, is_leaf=is_any_int4_leaf)[0]
+    flat = jax.tree_util.tree_flatten_with_path(params_or_abstract, is_leaf=is_quantized)[0]
     for key_path, leaf in flat:
         path = _keys(key_path)
-        arrays = {f"/{k}": v for k, v in leaf.items()} if is_any_int4_leaf(leaf) else {"": leaf}
         specs = leaf_spec(path, leaf)
-        for suffix, array in arrays.items():
-            leaf_p = specs if not suffix else specs[suffix[1:]]
+        if is_quantized(leaf):  # one (array, P) per field of the typed weight
+            fields = [f.name for f in dataclasses.fields(leaf)]
+            arrays = {f"/{f}": (getattr(leaf, f), getattr(specs, f)) for f in fields}
+        else:
+            arrays = {"": (leaf, specs)}
+        for suffix, (array, leaf_p) in arrays.items():
             for dim, (extent, axes) in enumerate(zip(array.shape, tuple(leaf_p) + (None,) * array.ndim)):
                 n = _mesh_size(sizes, axes)
                 if extent % n:

@@ -1,4 +1,4 @@
-"""INT4 W4A16 group-32 format in plain NumPy: the ground truth for `kdtree_jax.quant` and the kernel.
+"""INT4 W4A16 group-32 format in plain NumPy: the ground truth for `pallas_kernels.int4` and the kernel.
 
 Written for clarity, not speed (loops over nibbles, float64 math).
 

@@ -26,8 +26,11 @@ def to_float64(params: Any) -> dict:
     """Nested dict of array-likes (jax or numpy, any float dtype) -> nested dict of float64 np arrays.
 
     Integer leaves (e.g. packed INT4 words) keep their integer dtype: casting them to float would
-    silently corrupt them; `_linear` decides what to do with such leaves.
+    silently corrupt them; `_linear` decides what to do with such leaves. A typed INT4 weight
+    (pallas_kernels.int4.Int4Weight) is read in its stored form, the dict {"qweight", "scale"} (`to_dict`).
     """
+    if hasattr(params, "to_dict"):
+        params = params.to_dict()
     if isinstance(params, Mapping):
         return {str(k): to_float64(v) for k, v in params.items()}
     arr = np.asarray(params)

@@ -94,7 +94,7 @@ def run_cases(cfg, name: str, shapes, full: bool) -> None:
             out = kj.generate(cfg, placed, PROMPTS, **common, **kw, mesh=mesh)
             tokens = np.asarray(out.tokens)
             gate = placed["layers_1"]["moe"]["experts"]["gate"]
-            gate = gate["qweight"] if isinstance(gate, dict) else gate
+            gate = jax.tree.leaves(gate)[0]  # an INT4 weight: its packed words
             emit(job=name, check="generate", case=case, mesh=[e, t], equal=bool(np.array_equal(tokens, baseline[case])),
                  expert_shard_shape=list(gate.addressable_shards[0].data.shape), expert_shape=list(gate.shape),
                  seconds=round(time.perf_counter() - start, 2))
@@ -140,7 +140,7 @@ def checkpoint_job() -> None:
         one = kj.generate(cfg, mosaic, PROMPTS, max_new_tokens=NEW_TOKENS, stop_tokens=())
         placed = sharding.shard_params(cfg, mosaic, mesh)
         split = kj.generate(cfg, placed, PROMPTS, max_new_tokens=NEW_TOKENS, stop_tokens=(), mesh=mesh)
-        w = placed["layers_1"]["moe"]["experts"]["down"]["scale_t"]
+        w = placed["layers_1"]["moe"]["experts"]["down"].scale_t
         emit(job="checkpoint", check="mosaic_on_mesh",
              equal=bool(np.array_equal(np.asarray(split.tokens), np.asarray(one.tokens))),
              scale_t_shard=list(w.addressable_shards[0].data.shape), scale_t=list(w.shape))

@@ -9,6 +9,7 @@ called directly (tokens).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -26,7 +27,7 @@ from helpers import PROGRESS, error_lines
 import kdtree_jax as kj
 from kdtree_jax import cli
 from kdtree_jax.hf import load_hf
-from kdtree_jax.quant import is_int4_leaf
+from pallas_kernels.int4 import Int4Weight
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 REPO = Path(__file__).resolve().parent.parent
@@ -99,8 +100,8 @@ def test_info_lists_int4_tensors_of_a_converted_checkpoint(models, capsys):
     assert rc == 0
     info = json.loads(out)
     _, params = load_hf(FIXTURES / "hf_k2_int4", jnp.float32, progress=False)
-    leaves = jax.tree.leaves(params, is_leaf=is_int4_leaf)
-    want_count = sum(leaf["qweight"].size * 4 if is_int4_leaf(leaf) else leaf.size for leaf in leaves)
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Int4Weight))
+    want_count = sum(math.prod(leaf.dense_shape) if isinstance(leaf, Int4Weight) else leaf.size for leaf in leaves)
     want_bytes: dict[str, int] = {}
     for x in jax.tree.leaves(params):
         want_bytes[jnp.dtype(x.dtype).name] = want_bytes.get(jnp.dtype(x.dtype).name, 0) + x.nbytes

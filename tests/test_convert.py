@@ -23,7 +23,7 @@ from kdtree_jax import checkpoint as ckpt
 from kdtree_jax.checkpoint import CheckpointError, CheckpointWriter, load_checkpoint, save_checkpoint
 from kdtree_jax.convert import convert_hf
 from kdtree_jax.hf import HFCheckpointError, HFImport, load_hf
-from kdtree_jax.quant import is_int4_leaf
+from pallas_kernels.int4 import Int4Weight
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 ALL = ["hf_k2_dense", "hf_k25_dense", "hf_k2_int4", "hf_dsv3_f32"]
@@ -64,7 +64,7 @@ def test_bf16_conversion_keeps_int4_leaves_and_float32_router(tmp_path):
     assert_same_params(params, want)
     assert params["layers_1"]["attn"]["q_b"].dtype == jnp.bfloat16
     assert params["layers_1"]["moe"]["router"].dtype == jnp.float32
-    assert is_int4_leaf(params["layers_1"]["moe"]["experts"]["gate"])
+    assert isinstance(params["layers_1"]["moe"]["experts"]["gate"], Int4Weight)
     meta = json.loads((out / "config.json").read_text())
     assert meta["param_dtype"] == "bfloat16"
     assert sorted(meta["quantization"]["int4_leaves"]) == sorted(
@@ -221,9 +221,10 @@ def test_int4_leaf_metadata_must_name_dense_weights_of_the_config():
     abstract = jax.eval_shape(lambda: kj.init_params(SMALL, jax.random.key(0)))
     got = ckpt.abstract_int4_leaves(abstract, {"layers_1/moe/experts/down": "bfloat16"})
     leaf = got["layers_1"]["moe"]["experts"]["down"]  # dense [E, I, D] = [8, 64, 192]
-    assert (leaf["qweight"].shape, leaf["qweight"].dtype) == ((8, 192, 16), jnp.int16)
-    assert (leaf["scale"].shape, leaf["scale"].dtype) == ((8, 192, 2), jnp.bfloat16)
-    assert not isinstance(abstract["layers_1"]["moe"]["experts"]["down"], dict)  # input untouched
+    assert isinstance(leaf, Int4Weight)
+    assert (leaf.qweight.shape, leaf.qweight.dtype) == ((8, 192, 16), jnp.int16)
+    assert (leaf.scale.shape, leaf.scale.dtype) == ((8, 192, 2), jnp.bfloat16)
+    assert not isinstance(abstract["layers_1"]["moe"]["experts"]["down"], Int4Weight)  # input untouched
     with pytest.raises(CheckpointError, match="'layers_0/moe/experts/gate', which is not a dense weight"):
         ckpt.abstract_int4_leaves(abstract, {"layers_0/moe/experts/gate": "bfloat16"})
     with pytest.raises(CheckpointError, match="bad scale dtype"):

@@ -21,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 
 import kdtree_jax as kj
 from kdtree_jax.hf import INDEX_FILE, HFCheckpointError, load_hf
-from kdtree_jax.quant import int4_leaf_dequantize, is_int4_leaf
+from pallas_kernels.int4 import Int4Weight
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 ALL = ["hf_k2_dense", "hf_k25_dense", "hf_k2_int4", "hf_dsv3_f32"]
@@ -55,19 +55,20 @@ def test_logits_match_transformers(name):
 
 
 def test_int4_experts_stay_packed_and_dequantize_to_the_oracle_weights():
-    """INT4 experts load as INT4 leaves (never dense); dequantized, they give the oracle's logits."""
+    """INT4 experts load as Int4Weights (never dense); dequantized, they give the oracle's logits."""
     cfg, params = load_hf(FIXTURES / "hf_k2_int4", dtype=jnp.float32, progress=False)
     for layer in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
         experts = params[f"layers_{layer}"]["moe"]["experts"]
         for proj, (n, k) in {"gate": (32, 64), "up": (32, 64), "down": (64, 32)}.items():
             leaf = experts[proj]
-            assert is_int4_leaf(leaf)
-            assert leaf["qweight"].shape == (cfg.n_routed_experts, n, k // 4)
-            assert leaf["scale"].dtype == jnp.bfloat16  # the file's scale dtype, untouched
+            assert isinstance(leaf, Int4Weight)
+            assert leaf.qweight.shape == (cfg.n_routed_experts, n, k // 4)
+            assert leaf.scale.dtype == jnp.bfloat16  # the file's scale dtype, untouched
     # Everything else stays dense.
     assert params["layers_1"]["moe"]["shared"]["gate"].dtype == jnp.float32
-    dense = jax.tree.map(lambda leaf: jnp.swapaxes(int4_leaf_dequantize(leaf), -1, -2)
-                         if is_int4_leaf(leaf) else leaf, params, is_leaf=is_int4_leaf)
+    is_int4 = lambda x: isinstance(x, Int4Weight)  # noqa: E731
+    dense = jax.tree.map(lambda leaf: jnp.swapaxes(leaf.dequantize(), -1, -2) if is_int4(leaf) else leaf,
+                         params, is_leaf=is_int4)
     tokens, want = oracle("hf_k2_int4")
     assert rel_err(kj.forward(dense, cfg, tokens), want) <= RTOL
 

@@ -1,11 +1,14 @@
-"""INT4 group-32 format: jnp functions and the params leaf against the NumPy reference (reference/int4.py)."""
+"""INT4 group-32 format: jnp functions and the typed Int4Weight against the NumPy reference (reference/int4.py)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdtree_jax import quant
+from kdtree_jax.linear import linear
+from pallas_kernels.dispatch import Kernels
+from pallas_kernels import int4 as quant
+from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
 from reference import int4 as ref
 
 
@@ -81,38 +84,46 @@ def test_leaf_round_trip_bit_exact(lead, scale_dtype):
     q = rng.integers(-8, 8, size=(*lead, n, k)).astype(np.int8)
     packed = ref.pack(q)
     scale = jnp.asarray(rng.uniform(0.01, 0.1, size=(*lead, n, k // 32)), scale_dtype)
-    leaf = quant.int4_leaf_from_compressed(jnp.asarray(packed), scale)
-    assert quant.is_int4_leaf(leaf)
-    assert leaf["qweight"].shape == (*lead, n, k // 4) and leaf["qweight"].dtype == jnp.int16
+    leaf = Int4Weight.from_compressed(jnp.asarray(packed), scale)
+    assert isinstance(leaf, Int4Weight) and leaf.check() == (n, k) and leaf.lead_shape == lead
+    assert leaf.qweight.shape == (*lead, n, k // 4) and leaf.qweight.dtype == jnp.int16
     # Kernel layout: int16 word w nibble i = column 4w+i as q + 8.
-    words = np.asarray(leaf["qweight"]).view(np.uint16).astype(np.int64)
+    words = np.asarray(leaf.qweight).view(np.uint16).astype(np.int64)
     for i in range(4):
         np.testing.assert_array_equal(((words >> (4 * i)) & 0xF) - 8, q[..., i::4])
-    back_packed, back_scale = quant.int4_leaf_to_compressed(leaf)
+    back_packed, back_scale = leaf.to_compressed()
     np.testing.assert_array_equal(np.asarray(back_packed), packed)
     assert back_scale.dtype == scale.dtype
     np.testing.assert_array_equal(np.asarray(back_scale), np.asarray(scale))
-    np.testing.assert_allclose(np.asarray(quant.int4_leaf_dequantize(leaf)),
+    np.testing.assert_allclose(np.asarray(leaf.dequantize()),
                                ref.dequantize(q, np.asarray(scale.astype(jnp.float32))), rtol=1e-6)
+    # the stored (checkpoint) form round-trips; the Mosaic layout holds the same q and (bf16) scales
+    assert Int4Weight.is_dict(leaf.to_dict()) and Int4Weight.from_dict(leaf.to_dict()) == leaf
+    mosaic = leaf.to_mosaic()
+    assert isinstance(mosaic, MosaicInt4Weight) and mosaic.check() == (n, k)
+    np.testing.assert_array_equal(np.asarray(mosaic.w_i4.astype(jnp.int8)), q)
+    np.testing.assert_array_equal(np.asarray(jnp.swapaxes(mosaic.scale_t, -1, -2)),
+                                  np.asarray(scale.astype(jnp.bfloat16)))
+    if scale_dtype == jnp.bfloat16:  # bf16 scales: the way back is bit-exact
+        back = mosaic.to_checkpoint_layout()
+        np.testing.assert_array_equal(np.asarray(back.qweight), np.asarray(leaf.qweight))
 
 
 def test_leaf_passes_through_jit_as_pytree():
     rng = np.random.default_rng(6)
     w = jnp.asarray(rng.standard_normal((2, 64, 32)), jnp.float32)  # stacked [E, K, N] params layout
-    leaf = quant.int4_leaf_from_dense(w)
-    assert leaf["qweight"].shape == (2, 32, 16) and leaf["scale"].shape == (2, 32, 2)
+    leaf = Int4Weight.from_dense(w)
+    assert leaf.qweight.shape == (2, 32, 16) and leaf.scale.shape == (2, 32, 2)
+    assert leaf.dense_shape == (2, 64, 32)
     out = jax.jit(lambda t: jax.tree.map(lambda a: a, t))(leaf)
-    assert quant.is_int4_leaf(out)
-    deq = np.asarray(quant.int4_leaf_dequantize(leaf))  # [E, N, K]
-    step = np.repeat(np.asarray(leaf["scale"].astype(jnp.float32)), 32, axis=-1)
+    assert isinstance(out, Int4Weight)
+    np.testing.assert_array_equal(np.asarray(out.qweight), np.asarray(leaf.qweight))
+    deq = np.asarray(leaf.dequantize())  # [E, N, K]
+    step = np.repeat(np.asarray(leaf.scale.astype(jnp.float32)), 32, axis=-1)
     assert np.all(np.abs(deq - np.swapaxes(np.asarray(w), -1, -2)) <= 0.5 * step * (1 + 1e-6) + 1e-7)
 
 
 def test_int4_linear_xla_path_vs_reference():
-    from kdtree_jax.linear import linear
-    from pallas_kernels.dispatch import Kernels
-    from pallas_kernels.int4 import Int4Weight
-
     rng = np.random.default_rng(7)
     q = rng.integers(-8, 8, size=(48, 64)).astype(np.int8)
     s = rng.uniform(0.01, 0.1, size=(48, 2)).astype(np.float32)
@@ -127,12 +138,16 @@ def test_bad_inputs_raise_clearly():
     with pytest.raises(ValueError, match="K=40"):
         quant.quantize_int4(jnp.zeros((4, 40)))
     with pytest.raises(ValueError, match="scale shape"):
-        quant.int4_leaf_from_compressed(jnp.zeros((4, 8), jnp.int32), jnp.zeros((4, 3), jnp.float32))
+        Int4Weight.from_compressed(jnp.zeros((4, 8), jnp.int32), jnp.zeros((4, 3), jnp.float32))
     with pytest.raises(ValueError, match="int32"):
-        quant.int4_leaf_from_compressed(jnp.zeros((4, 8), jnp.uint32), jnp.zeros((4, 2), jnp.float32))
+        Int4Weight.from_compressed(jnp.zeros((4, 8), jnp.uint32), jnp.zeros((4, 2), jnp.float32))
     with pytest.raises(ValueError, match="bfloat16 or float32"):
-        quant.int4_leaf_from_compressed(jnp.zeros((4, 8), jnp.int32), jnp.zeros((4, 2), jnp.float16))
-    with pytest.raises(ValueError, match="not an INT4 leaf"):
-        quant.check_int4_leaf({"packed": jnp.zeros((4, 8), jnp.int32)})
+        Int4Weight.from_compressed(jnp.zeros((4, 8), jnp.int32), jnp.zeros((4, 2), jnp.float16))
+    with pytest.raises(ValueError, match="not a stored INT4 weight"):
+        Int4Weight.from_dict({"packed": jnp.zeros((4, 8), jnp.int32)})
+    with pytest.raises(ValueError, match="qweight must be int16"):
+        Int4Weight(jnp.zeros((4, 8), jnp.int32), jnp.zeros((4, 1), jnp.float32)).check()
+    with pytest.raises(ValueError, match="unstacked"):
+        linear(jnp.zeros((1, 64)), Int4Weight.from_dense(jnp.zeros((2, 64, 32))), Kernels(linear="xla"))
     with pytest.raises(ValueError, match="q values"):
         ref.pack(np.full((1, 8), 8))

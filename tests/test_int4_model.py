@@ -8,7 +8,7 @@ import pytest
 import kdtree_jax as kj
 from helpers import random_params, rel_err
 from kdtree_jax.drafter import DrafterConfig, init_drafter_params
-from kdtree_jax.quant import is_int4_leaf
+from pallas_kernels.int4 import Int4Weight
 from reference import model as ref
 
 TINY = kj.ModelConfig.tiny()
@@ -18,8 +18,9 @@ PROMPTS = [[5, 17, 33, 2 + 1, 250], [7], [100, 101, 102, 103, 104, 105, 106, 107
 
 
 def _int4_paths(params):
-    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_int4_leaf)[0]
-    return sorted(jax.tree_util.keystr(path) for path, leaf in leaves if is_int4_leaf(leaf))
+    is_int4 = lambda x: isinstance(x, Int4Weight)  # noqa: E731
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_int4)[0]
+    return sorted(jax.tree_util.keystr(path) for path, leaf in leaves if is_int4(leaf))
 
 
 @pytest.fixture(scope="module", params=["tiny", "other"])

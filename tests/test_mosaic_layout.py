@@ -11,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 import kdtree_jax as kj
 from helpers import random_params, rel_err
-from kdtree_jax import quant, sharding
-from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
+from kdtree_jax import sharding
+from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight, is_quantized
 from pallas_kernels.moe_w4a16 import grouped_moe_w4a16
 
 CFG = kj.ModelConfig.tiny().replace(num_hidden_layers=3)  # layer 0 dense, layers 1-2 MoE
@@ -30,16 +30,14 @@ def mosaic_params(int4_params):
 
 def _dequant(leaf):
     """[..., N, K] float64 of either layout, written out here independently of the code under test."""
-    if isinstance(leaf, (Int4Weight, MosaicInt4Weight)):
-        leaf = dict(vars(leaf))
-    if quant.is_mosaic_leaf(leaf):
-        w = np.asarray(leaf["w_i4"].astype(jnp.int8), np.float64)
-        s = np.swapaxes(np.asarray(leaf["scale_t"].astype(jnp.float32), np.float64), -1, -2)
+    if isinstance(leaf, MosaicInt4Weight):
+        w = np.asarray(leaf.w_i4.astype(jnp.int8), np.float64)
+        s = np.swapaxes(np.asarray(leaf.scale_t.astype(jnp.float32), np.float64), -1, -2)
     else:
-        words = np.asarray(leaf["qweight"]).astype(np.int64) & 0xFFFF
+        words = np.asarray(leaf.qweight).astype(np.int64) & 0xFFFF
         nib = (words[..., None] >> (4 * np.arange(4))) & 0xF
         w = (nib - 8).reshape(*words.shape[:-1], -1).astype(np.float64)
-        s = np.asarray(leaf["scale"].astype(jnp.float32), np.float64)
+        s = np.asarray(leaf.scale.astype(jnp.float32), np.float64)
     return w * np.repeat(s, 32, axis=-1)
 
 
@@ -51,11 +49,11 @@ def test_conversion_is_exact_and_only_touches_routed_experts(int4_params, mosaic
             continue
         for w in ("gate", "up", "down"):
             leaf, before = mosaic_params[name]["moe"]["experts"][w], int4_params[name]["moe"]["experts"][w]
-            assert quant.is_mosaic_leaf(leaf) and leaf["w_i4"].dtype == jnp.int4
+            assert isinstance(leaf, MosaicInt4Weight) and leaf.w_i4.dtype == jnp.int4
             np.testing.assert_array_equal(_dequant(leaf), _dequant(before))  # bf16 scales: bit exact
-        assert quant.is_int4_leaf(int4_params[name]["moe"]["experts"]["gate"])  # the input is not modified
+        assert isinstance(int4_params[name]["moe"]["experts"]["gate"], Int4Weight)  # the input is not modified
         shared = mosaic_params[name]["moe"]["shared"]["gate"]
-        assert not quant.is_any_int4_leaf(shared)  # policy "experts": the shared expert stays dense
+        assert not is_quantized(shared)  # policy "experts": the shared expert stays dense
 
 
 def test_bad_conversions_raise(int4_params, mosaic_params):
@@ -183,9 +181,9 @@ def test_sharding_rules_and_bytes(int4_params, mosaic_params):
     specs = sharding.param_specs(mosaic_params)["layers_1"]["moe"]["experts"]
     canon = sharding.param_specs(int4_params)["layers_1"]["moe"]["experts"]
     for w in ("gate", "up", "down"):
-        assert specs[w]["w_i4"] == canon[w]["qweight"]
-        *lead, a, b = tuple(canon[w]["scale"])
-        assert specs[w]["scale_t"] == P(*lead, b, a)
+        assert specs[w].w_i4 == canon[w].qweight
+        *lead, a, b = tuple(canon[w].scale)
+        assert specs[w].scale_t == P(*lead, b, a)
     mesh = {"expert": 2, "tensor": 2}
     sharding.check_mesh(CFG, mesh, mosaic_params)  # every split dim divides
     assert (sharding.params_bytes_per_device(mosaic_params, mesh)

@@ -21,7 +21,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import kdtree_jax as kj
-from kdtree_jax import quant, sharding
+from kdtree_jax import sharding
+from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
 from kdtree_jax.sharding import MeshError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,9 +112,9 @@ def test_layout_rules_for_every_leaf_dense_and_int4():
     qspecs = sharding.param_specs(jax.eval_shape(lambda: kj.quantize(kj.init_params(TINY, jax.random.key(0)),
                                                                      TINY, policy="all_mlp")))
     experts = qspecs["layers_1"]["moe"]["experts"]
-    assert experts["gate"] == {"qweight": P("expert", "tensor", None), "scale": P("expert", "tensor", None)}
-    assert experts["down"] == {"qweight": P("expert", None, "tensor"), "scale": P("expert", None, "tensor")}
-    assert qspecs["layers_0"]["mlp"]["down"]["qweight"] == P(None, "tensor")
+    assert experts["gate"] == Int4Weight(P("expert", "tensor", None), P("expert", "tensor", None))
+    assert experts["down"] == Int4Weight(P("expert", None, "tensor"), P("expert", None, "tensor"))
+    assert qspecs["layers_0"]["mlp"]["down"] == Int4Weight(P(None, "tensor"), P(None, "tensor"))
 
 
 def test_unknown_leaf_has_no_silent_rule():
@@ -237,11 +238,11 @@ def test_bench_sharded_builds_mosaic_layout_params_on_a_mesh():
     mesh = sharding.make_mesh({"expert": 1, "tensor": 1})
     params = bench.random_params_on_mesh(cfg, mesh, jnp.bfloat16, moe_layout="mosaic")
     gate = params["layers_1"]["moe"]["experts"]["gate"]
-    assert quant.is_mosaic_leaf(gate) and gate["w_i4"].dtype == jnp.int4
-    assert gate["w_i4"].shape == (cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size)
-    assert gate["scale_t"].shape == (cfg.n_routed_experts, cfg.hidden_size // 32, cfg.moe_intermediate_size)
-    assert float(jnp.abs(gate["w_i4"].astype(jnp.float32)).max()) == 8.0  # q in [-8, 7], not a constant
-    assert bench.abstract_params(cfg, moe_layout="mosaic")["layers_1"]["moe"]["experts"]["down"]["w_i4"].shape == \
+    assert isinstance(gate, MosaicInt4Weight) and gate.w_i4.dtype == jnp.int4
+    assert gate.w_i4.shape == (cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size)
+    assert gate.scale_t.shape == (cfg.n_routed_experts, cfg.hidden_size // 32, cfg.moe_intermediate_size)
+    assert float(jnp.abs(gate.w_i4.astype(jnp.float32)).max()) == 8.0  # q in [-8, 7], not a constant
+    assert bench.abstract_params(cfg, moe_layout="mosaic")["layers_1"]["moe"]["experts"]["down"].w_i4.shape == \
         (cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -18,7 +18,7 @@ import pytest
 
 import kdtree_jax as kj
 from kdtree_jax.drafter import drafter_extend_context, drafter_forward, init_drafter_cache
-from kdtree_jax.quant import is_int4_leaf
+from pallas_kernels.int4 import Int4Weight
 
 ASSETS = Path(kj.__file__).parent / "assets"
 MAX_SHIPPED_BYTES = 15 * 2**20
@@ -123,8 +123,8 @@ def test_shipped_pair_loads_and_fits(shipped):
     for layer in range(cfg.num_hidden_layers):
         block = params[f"layers_{layer}"]
         if cfg.is_moe_layer(layer):
-            assert all(is_int4_leaf(block["moe"]["experts"][w]) for w in ("gate", "up", "down"))
-            assert not is_int4_leaf(block["moe"]["shared"]["gate"])
+            assert all(isinstance(block["moe"]["experts"][w], Int4Weight) for w in ("gate", "up", "down"))
+            assert not isinstance(block["moe"]["shared"]["gate"], Int4Weight)
         else:
             assert "mlp" in block
     size = sum(f.stat().st_size for f in ASSETS.rglob("*") if f.is_file())
