@@ -122,7 +122,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per variant (median reported)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="results folder")
     args = parser.parse_args(argv)
-    meta = metadata(attention_impl=_attention_impl(), batch=1, new_tokens=args.new_tokens)
+    meta = metadata(batch=1, new_tokens=args.new_tokens)
     models = [("tiny", kj.ModelConfig.tiny(), jnp.float32, [4, 16, 64], 8)]
     if not args.quick:
         models.append(("mid", MID, jnp.bfloat16, [4, 16, 32, 64, 128], 16))
@@ -130,22 +130,19 @@ def main(argv=None):
     for name, cfg, dtype, budgets, block in models:
         new_tokens = 16 if args.quick else args.new_tokens
         rows += bench_model(name, cfg, dtype, budgets, new_tokens, 2 if args.quick else args.repeats, block)
+        # what generate's default kernels="auto" runs for this model here (abstract params: shapes only)
+        abstract = jax.eval_shape(lambda c=cfg, d=dtype: kj.init_params(c, jax.random.key(0), dtype=d))
+        meta[f"kernels_{name}"] = kj.plan_summary(kj.kernel_plan(abstract, cfg))
     stem = "decode_" + ("quick_" if args.quick else "") + meta["platform"]
     table = render(meta, rows)
     write_results(args.out / stem, meta, {"rows": rows}, table)
     print(table)
 
 
-def _attention_impl() -> str:
-    from kdtree_jax import attention  # noqa: PLC0415
-
-    return getattr(attention, "describe_impl", lambda: "xla")()
-
-
 def render(meta, rows) -> str:
     lines = [f"# Decode benchmark ({meta['device']}, JAX {meta['jax']}, {meta['date']})", "",
-             f"batch {meta['batch']}, {meta['new_tokens']} new tokens per call, greedy, attention: "
-             f"{meta['attention_impl']}; wall clock around one generate dispatch (median).", "",
+             f"batch {meta['batch']}, {meta['new_tokens']} new tokens per call, greedy, kernels: "
+             f"{meta.get('kernels_tiny', '?')}; wall clock around one generate dispatch (median).", "",
              "| model | method | drafter | budget | ms/call | tokens/s | rounds | ms/round | accept len | "
              "speedup vs AR | == AR |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -22,7 +22,6 @@ import os
 import platform
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import jax
@@ -32,9 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kdtree_jax as kj  # noqa: E402
 from benchmarks.common import Timer, metadata, write_results  # noqa: E402
-from kdtree_jax.attention import describe_impl as describe_attention  # noqa: E402
-from pallas_kernels.tree_attention import TreeAttentionFallbackWarning  # noqa: E402
-from pallas_kernels.w4a16 import W4A16FallbackWarning  # noqa: E402
 
 ASSETS = Path(kj.__file__).parent / "assets"
 DEFAULT_BUDGETS = (4, 8, 16, 32, 64, 128, 256)
@@ -107,8 +103,6 @@ def main() -> None:
         raise SystemExit(f"--num-prompts {args.num_prompts} must be a multiple of every batch {args.batches}")
     if args.matmul_precision == "highest":
         jax.config.update("jax_default_matmul_precision", "highest")
-    warnings.filterwarnings("ignore", category=W4A16FallbackWarning)  # CPU runs the XLA paths on purpose;
-    warnings.filterwarnings("ignore", category=TreeAttentionFallbackWarning)  # meta records which ran
 
     from tokenizers import Tokenizer  # noqa: PLC0415
 
@@ -120,7 +114,7 @@ def main() -> None:
     meta = metadata(host=f"{platform.machine()}, {os.cpu_count()} CPU cores", target=str(args.target), drafter=str(args.drafter), num_prompts=args.num_prompts,
                 prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                 block_size=dcfg.block_size, matmul_precision=args.matmul_precision,
-                attention=describe_attention())
+                kernels=kj.plan_summary(kj.kernel_plan(params, cfg)))  # what generate's "auto" runs here
     rows, invariant_failures = [], []
     print(f"{'batch':>5} {'temp':>4} {'method':>7} {'budget':>6} {'accept':>7} {'fwd/tok':>8} {'tok/s':>9} "
           f"{'speedup':>8}  greedy==AR", flush=True)

@@ -1,4 +1,4 @@
-"""The Mosaic GPU grouped INT4 MoE (pallas_kernels/w4a16_mgpu/moe.py) on one K2.6 layer's routed experts,
+"""The Mosaic GPU grouped INT4 MoE (pallas_kernels/moe_w4a16/mosaic_gpu.py) on one K2.6 layer's routed experts,
 on the H200: correctness against the XLA reference, then device-side time per variant against the
 touched-expert floor, with each variant's per-kernel breakdown, in one run.
 
@@ -44,7 +44,8 @@ def main():
     from benchmarks.common import Timer, copy_bandwidth, metadata, write_results
     from benchmarks.cost_model import BF16_BYTES, CostModel
     from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig
-    from pallas_kernels.w4a16_mgpu.moe import grouped_moe_w4a16_mgpu, routed_moe_mosaic_reference
+    from pallas_kernels.int4 import MosaicInt4Weight
+    from pallas_kernels.moe_w4a16 import grouped_moe_w4a16_mgpu, grouped_moe_w4a16_reference
 
     if jax.default_backend() != "gpu":
         raise SystemExit("bench_moe_mgpu needs a Hopper GPU: CPU timings prove nothing")
@@ -73,9 +74,10 @@ def main():
     def make_experts(key):
         def leaf(k, n_out, k_in):
             kw, ks = jax.random.split(k)
-            return {"w_i4": jax.random.randint(kw, (e, n_out, k_in), -8, 8, jnp.int8).astype(jnp.int4),
-                    "scale_t": jax.random.uniform(ks, (e, k_in // 32, n_out), jnp.float32, 0.004, 0.02
-                                                  ).astype(jnp.bfloat16)}
+            return MosaicInt4Weight(
+                w_i4=jax.random.randint(kw, (e, n_out, k_in), -8, 8, jnp.int8).astype(jnp.int4),  # [E, N, K]
+                scale_t=jax.random.uniform(ks, (e, k_in // 32, n_out), jnp.float32, 0.004, 0.02
+                                           ).astype(jnp.bfloat16))  # [E, K/32, N]
         kg, ku, kd = jax.random.split(key, 3)
         return {"gate": leaf(kg, inter, d), "up": leaf(ku, inter, d), "down": leaf(kd, d, inter)}
 
@@ -84,8 +86,12 @@ def main():
                                 zip(jax.random.split(k, 3), [(d, inter), (d, inter), (inter, d)])])(jax.random.key(2))
     shared_fn = jax.jit(lambda x, w: (jax.nn.silu(x @ w[0]) * (x @ w[1])) @ w[2])
     shared_floor = 3 * d * inter * BF16_BYTES / bandwidth
-    reference = jax.jit(lambda x, ex, ids, w: jax.lax.map(  # one token at a time: [k, N, K] f32 per step
-        lambda a: routed_moe_mosaic_reference(a[0][None], ex, a[1][None], a[2][None])[0], (x, ids, w)))
+    def token_reference(ex, x_t, ids_t, w_t):  # one token: its k experts dequantized, [k, N, K] f32
+        chosen = jax.tree.map(lambda a: a[ids_t], ex)
+        return grouped_moe_w4a16_reference(x_t[None].astype(jnp.float32), chosen,
+                                           jnp.arange(top_k, dtype=jnp.int32)[None], w_t[None])[0]  # [D] f32
+
+    reference = jax.jit(lambda x, ex, ids, w: jax.lax.map(lambda a: token_reference(ex, *a), (x, ids, w)))
     fns = {name: jax.jit(lambda x, ex, ids, w, up=up, down=down: grouped_moe_w4a16_mgpu(
         x, ex, ids, w, config_up=up, config_down=down)) for name, (up, down) in variants.items()}
 

@@ -1,4 +1,4 @@
-"""The Mosaic GPU W4A16 prototype (pallas_kernels/w4a16_mgpu) on the H200: correctness, then device-side
+"""The Mosaic GPU W4A16 prototype (pallas_kernels/experimental/w4a16_mosaic_gpu.py) on the H200: correctness, then device-side
 timings against the Triton W4A16 kernel, XLA bf16 `jnp.dot` and the memory floor, in one run.
 
   python benchmarks/bench_w4a16_mgpu.py --out DIR
@@ -41,8 +41,8 @@ def main():
 
     from benchmarks.common import Timer, metadata, write_results
     from pallas_kernels.w4a16 import w4a16_matmul, w4a16_matmul_reference
-    from pallas_kernels.w4a16_mgpu import MgpuConfig, to_mgpu_layout
-    from pallas_kernels.experimental.w4a16_mosaic_gpu import w4a16_matmul_mgpu_kernel
+    from pallas_kernels.experimental.w4a16_mosaic_gpu import MgpuConfig, w4a16_matmul_mgpu_kernel
+    from pallas_kernels.int4 import Int4Weight
 
     if jax.default_backend() != "gpu":
         raise SystemExit("bench_w4a16_mgpu needs a Hopper GPU: CPU timings prove nothing")
@@ -62,17 +62,19 @@ def main():
             print(f"deadline: skipping K={k} N={n}", flush=True)
             continue
         key, kq, ks, kb = jax.random.split(key, 4)
-        leaf = {"qweight": jax.random.randint(kq, (n, k // 4), -32768, 32767, jnp.int32).astype(jnp.int16),
-                "scale": jax.random.uniform(ks, (n, k // 32), jnp.float32, 0.005, 0.05).astype(jnp.bfloat16)}
-        w_i4, scale_t = jax.jit(to_mgpu_layout)(leaf["qweight"], leaf["scale"])
+        leaf = Int4Weight(
+            qweight=jax.random.randint(kq, (n, k // 4), -32768, 32767, jnp.int32).astype(jnp.int16),  # [N, K/4]
+            scale=jax.random.uniform(ks, (n, k // 32), jnp.float32, 0.005, 0.05).astype(jnp.bfloat16))  # [N, K/32]
+        mosaic = jax.jit(Int4Weight.to_mosaic)(leaf)  # w_i4 int4 [N, K], scale_t bf16 [K/32, N]
+        w_i4, scale_t = mosaic.w_i4, mosaic.scale_t
         w_bf16 = jax.random.normal(kb, (k, n), jnp.bfloat16) * 0.02
         for m in MS:
             key, kx = jax.random.split(key)
             x = jax.random.normal(kx, (m, k), jnp.bfloat16)
-            want = np.asarray(jax.jit(w4a16_matmul_reference)(x, leaf["qweight"], leaf["scale"]).astype(jnp.float32))
+            want = np.asarray(jax.jit(w4a16_matmul_reference)(x, leaf).astype(jnp.float32))
             row = {"k": k, "n": n, "m": m, "floor_us": floor_us(m, k, n)}
             _, row["xla_bf16_us"] = measure(jax.jit(lambda x, w: x @ w), x, w_bf16)
-            _, row["triton_us"] = measure(jax.jit(lambda x, leaf: w4a16_matmul(x, leaf, impl="pallas")), x, leaf)
+            _, row["triton_us"] = measure(jax.jit(lambda x, leaf: w4a16_matmul(x, leaf, impl="triton")), x, leaf)
             mp = -(-m // 8) * 8
             x_p = jnp.pad(x, ((0, mp - m), (0, 0)))
             for bn, bk, steps, a_op in VARIANTS:

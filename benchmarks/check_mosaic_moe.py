@@ -16,7 +16,7 @@ control says what bf16 arithmetic alone does to the invariant; and at K2.6 exper
 kernel's batch invariance (a token alone vs among 33: the AR step's and the verify's shapes).
 
   python benchmarks/check_mosaic_moe.py --out DIR          # H200
-  python benchmarks/check_mosaic_moe.py --tiny --out DIR   # CPU smoke run (XLA fallbacks): checks nothing
+  python benchmarks/check_mosaic_moe.py --tiny --out DIR   # CPU smoke run (the XLA reference for both): checks nothing
 
 Writes DIR/mosaic_moe_model.md / .json with the run's metadata (benchmarks/common.py). Exit status 1 when the Mosaic path is less faithful to float32
 than the Triton one on the trained model (top-1 agreement with float32 lower by more than 1 point): token
@@ -29,7 +29,6 @@ import argparse
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,17 +64,22 @@ def main():
     budgets = [int(b) for b in args.budgets.split(",")]
     timer = Timer(1, device=False)
     meta = metadata(tiny=args.tiny, timing="wall clock of one compiled generate call (one dispatch, the whole batch)")
+    # each path names its MoE kernel explicitly: on the GPU a kernel that cannot run raises (never an XLA run
+    # reported as the kernel); the CPU smoke run uses the XLA reference for both layouts, and says so
+    impls = {"triton": "triton", "mosaic": "mosaic_gpu"} if on_gpu else {"triton": "xla", "mosaic": "xla"}
+    kernels = {path: kj.Kernels(moe=impl) for path, impl in impls.items()}
+    meta["moe_impls"] = impls
     print(meta, flush=True)
+
     def cast(tree, dtype):  # floating leaves (INT4 scales included) to dtype; INT4 words stay int16
         return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
     bf16 = lambda tree: cast(tree, jnp.bfloat16)  # noqa: E731
 
-    def run(cfg, params, prompts, **kw):
-        call = lambda: kj.generate(cfg, params, prompts, max_new_tokens=new_tokens, stop_tokens=(), **kw)  # noqa: E731
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the CPU smoke run's fallback notes
-            timing = timer(call)
+    def run(cfg, params, prompts, path, **kw):
+        call = lambda: kj.generate(cfg, params, prompts, max_new_tokens=new_tokens, stop_tokens=(),  # noqa: E731
+                                   kernels=kernels[path], **kw)
+        timing = timer(call)
         out, seconds = timing.out, timing.wall_s
         acc = np.asarray(out.acceptance_lengths)
         return {"tokens": np.asarray(out.tokens), "tok_s": len(prompts) * new_tokens / seconds,
@@ -90,12 +94,12 @@ def main():
         return row
 
     def invariant_rows(model, cfg, params, mosaic, drafter, prompts):
-        ar = {"triton": run(cfg, params, prompts), "mosaic": run(cfg, mosaic, prompts)}
+        ar = {"triton": run(cfg, params, prompts, "triton"), "mosaic": run(cfg, mosaic, prompts, "mosaic")}
         rows = [compare(model, "AR: Mosaic vs Triton experts", ar["mosaic"], ar["triton"])]
         for budget in budgets:
-            tree = run(cfg, mosaic, prompts, method="ddtree", drafter=drafter, tree_budget=budget)
+            tree = run(cfg, mosaic, prompts, "mosaic", method="ddtree", drafter=drafter, tree_budget=budget)
             rows.append(compare(model, f"DDTree b{budget} vs AR, Mosaic", tree, ar["mosaic"]))
-        tree = run(cfg, params, prompts, method="ddtree", drafter=drafter, tree_budget=budgets[-1])
+        tree = run(cfg, params, prompts, "triton", method="ddtree", drafter=drafter, tree_budget=budgets[-1])
         rows.append(compare(model, f"DDTree b{budgets[-1]} vs AR, Triton (control)", tree, ar["triton"]))
         return rows, ar
 
@@ -111,7 +115,8 @@ def main():
     mosaic = kj.to_mosaic_experts(params, cfg)
     rows, ar = invariant_rows("shipped", cfg, params, mosaic, drafter, prompts)
     seqs = jnp.concatenate([jnp.asarray(prompts, jnp.int32), jnp.asarray(ar["triton"]["tokens"])], 1)
-    logits = {"shipped": teacher_forced(cfg, {"mosaic": mosaic, "triton": params}, cast(params, jnp.float32), seqs)}
+    logits = {"shipped": teacher_forced(cfg, {"mosaic": mosaic, "triton": params}, cast(params, jnp.float32), seqs,
+                                        kernels)}
     shipped = logits["shipped"]
     shipped_ok = shipped["mosaic"]["top1_vs_f32"] >= shipped["triton"]["top1_vs_f32"] - 0.01
 
@@ -133,15 +138,16 @@ def main():
     k26_rows, ar = invariant_rows("k26", cfg, params, mosaic, drafter, prompts)
     rows += k26_rows
     seqs = jnp.asarray([p + ar["triton"]["tokens"][i].tolist() for i, p in enumerate(prompts[:1])], jnp.int32)
-    logits["k26"] = teacher_forced(cfg, {"mosaic": mosaic, "triton": params}, cast(params, jnp.float32), seqs)
+    logits["k26"] = teacher_forced(cfg, {"mosaic": mosaic, "triton": params}, cast(params, jnp.float32), seqs,
+                                   kernels)
     layer = f"layers_{cfg.first_k_dense_replace}"
     batch = moe_batch_invariance(params[layer]["moe"]["experts"], mosaic[layer]["moe"]["experts"],
-                                 cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok)
+                                 cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, impls)
     write(args, meta, rows, logits, batch, budgets)
     return 0 if shipped_ok else 1
 
 
-def teacher_forced(cfg, paths: dict, params_f32, seqs) -> dict:
+def teacher_forced(cfg, paths: dict, params_f32, seqs, kernels: dict) -> dict:
     """Logits of each bf16 path and of the float32 model on the same sequences: per path, top-1 agreement
     with float32 and the largest |difference| in units of the float32 logits' standard deviation."""
     import jax
@@ -149,11 +155,9 @@ def teacher_forced(cfg, paths: dict, params_f32, seqs) -> dict:
 
     import kdtree_jax as kj
 
-    fwd = jax.jit(lambda p, t: kj.forward(p, cfg, t))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the CPU smoke run's fallback notes
-        ref = np.asarray(fwd(params_f32, seqs), np.float32)
-        got = {name: np.asarray(fwd(p, seqs), np.float32) for name, p in paths.items()}
+    fwd = jax.jit(kj.forward, static_argnums=(1, 3))
+    ref = np.asarray(fwd(params_f32, cfg, seqs, kernels["triton"]), np.float32)  # float32: the Triton path's kernels
+    got = {name: np.asarray(fwd(p, cfg, seqs, kernels[name]), np.float32) for name, p in paths.items()}
     out = {"positions": int(np.prod(seqs.shape))}
     scale = float(ref.std())
     for name, g in got.items():
@@ -166,7 +170,7 @@ def teacher_forced(cfg, paths: dict, params_f32, seqs) -> dict:
     return out
 
 
-def moe_batch_invariance(canonical, mosaic, hidden, num_experts, top_k, t=33) -> dict:
+def moe_batch_invariance(canonical, mosaic, hidden, num_experts, top_k, impls: dict, t=33) -> dict:
     """Each MoE kernel on t tokens at once vs each token alone (decode), same routing: is a token's output
     bit-identical (the AR step and the tree verify see a token in these two situations)?"""
     import jax
@@ -174,22 +178,20 @@ def moe_batch_invariance(canonical, mosaic, hidden, num_experts, top_k, t=33) ->
     import numpy as np
 
     from pallas_kernels.moe_w4a16 import grouped_moe_w4a16
-    from pallas_kernels.w4a16_mgpu.moe import routed_moe_mosaic
 
     kx, kr = jax.random.split(jax.random.key(5))
     x = jax.random.normal(kx, (t, hidden), jnp.bfloat16)
     ids = jax.lax.top_k(jax.random.uniform(kr, (t, num_experts)), top_k)[1].astype(jnp.int32)
     w = jnp.full((t, top_k), 1.0 / top_k, jnp.float32)
-    fns = {"triton": jax.jit(lambda x, i, w: grouped_moe_w4a16(x, canonical, i, w, out_dtype=jnp.float32)),
-           "mosaic": jax.jit(lambda x, i, w: routed_moe_mosaic(x, mosaic, i, w, out_dtype=jnp.float32))}
+    fns = {name: jax.jit(lambda x, i, w, experts=experts, impl=impls[name]: grouped_moe_w4a16(
+               x, experts, i, w, impl=impl, out_dtype=jnp.float32))
+           for name, experts in (("triton", canonical), ("mosaic", mosaic))}
     out = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for name, f in fns.items():
-            together = np.asarray(f(x, ids, w))
-            alone = np.concatenate([np.asarray(f(x[r:r + 1], ids[r:r + 1], w[r:r + 1])) for r in range(t)])
-            out[name] = {"bit_identical": bool((together == alone).all()),
-                         "max_rel_diff": float(np.abs(together - alone).max() / np.abs(together).max())}
+    for name, f in fns.items():
+        together = np.asarray(f(x, ids, w))
+        alone = np.concatenate([np.asarray(f(x[r:r + 1], ids[r:r + 1], w[r:r + 1])) for r in range(t)])
+        out[name] = {"impl": impls[name], "bit_identical": bool((together == alone).all()),
+                     "max_rel_diff": float(np.abs(together - alone).max() / np.abs(together).max())}
     print("MoE batch invariance:", out, flush=True)
     return out
 
