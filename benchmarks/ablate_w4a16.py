@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as pltriton  # noqa: E402
 
 from benchmarks.common import Timer, metadata, write_results  # noqa: E402
+from pallas_kernels.int4 import Int4Weight  # noqa: E402
 from pallas_kernels.w4a16 import BlockConfig, get_config, w4a16_matmul  # noqa: E402
 
 
@@ -86,7 +87,7 @@ def main():
                                  (16, 512, 1, 2, 4)]]
     for cfg in cfgs:
         try:
-            f = jax.jit(lambda a, q, s, cfg=cfg: w4a16_matmul(a, (q, s), impl="pallas", config=cfg))
+            f = jax.jit(lambda a, q, s, cfg=cfg: w4a16_matmul(a, Int4Weight(q, s), impl="triton", config=cfg))
             record(f"w4a16 kernel {cfg}", measure(f, x, qweight, scale), wbytes_int4)
         except Exception as e:  # noqa: BLE001
             print("FAILED", cfg, type(e).__name__, str(e)[:150], flush=True)

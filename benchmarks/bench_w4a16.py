@@ -114,7 +114,7 @@ def main():
         packed = ref.pack(q)
         scale = jnp.asarray(rng.uniform(0.005, 0.05, size=(n, k // 32)), jnp.bfloat16)
         x = jnp.asarray(rng.standard_normal((m, k)), act)
-        leaf = Int4Weight.from_compressed(jnp.asarray(packed), scale).to_dict()
+        leaf = Int4Weight.from_compressed(jnp.asarray(packed), scale)
         want = ref.matmul(np.asarray(x.astype(jnp.float32), np.float64), packed,
                           np.asarray(scale.astype(jnp.float32), np.float64))
         return x, leaf, want
@@ -125,7 +125,7 @@ def main():
         x, leaf, want = np_problem(m, k, n, act)
         cfg = get_config(m, k, n)
         try:
-            got = np.asarray(w4a16_matmul(x, leaf, impl="pallas").astype(jnp.float32), np.float64)
+            got = np.asarray(w4a16_matmul(x, leaf, impl="triton").astype(jnp.float32), np.float64)
             err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
         except Exception as e:  # noqa: BLE001 - record and continue, the run is precious
             err = f"ERROR {type(e).__name__}: {str(e)[:300]}"
@@ -152,12 +152,12 @@ def main():
             row = {"m": m, "k": k, "n": n, "floor_us": floor_us(m, k, n, copy_bps)}
             _, row["xla_bf16_us"] = measure(jax.jit(lambda a, w: a @ w), x, w_bf16)
             _, row["xla_int4_us"] = measure(jax.jit(w4a16_matmul_xla), x, qweight, scale)
-            want = np.asarray(jax.jit(w4a16_matmul_reference)(x.astype(jnp.float32), qweight, scale))
+            want = np.asarray(jax.jit(w4a16_matmul_reference)(x.astype(jnp.float32), Int4Weight(qweight, scale)))
             sweep = []
             cands = candidates(m, k, n) if time.time() - t_start < args.deadline_s else [get_config(m, k, n)]
             for cfg in cands:
                 try:
-                    f = jax.jit(lambda a, q, s, cfg=cfg: w4a16_matmul(a, (q, s), impl="pallas", config=cfg))
+                    f = jax.jit(lambda a, q, s, cfg=cfg: w4a16_matmul(a, Int4Weight(q, s), impl="triton", config=cfg))
                     out, us = measure(f, x, qweight, scale)
                     got = np.asarray(out.astype(jnp.float32))
                     err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))

@@ -9,7 +9,7 @@ fed in production) and accumulates in float32:
   moe_dense_all:     every expert on every token (reads all E experts);
   moe_gather:        one (token, choice) assignment at a time: gather its expert, run it on its one token
                      (reads an expert once per assignment, T * k reads).
-INT4 weights: the checkpoint layout (int16 words [..., N, K/4], four nibbles q + 8 each, low nibble first;
+INT4 weights: `Int4Weight`, the checkpoint layout (int16 words [..., N, K/4], four nibbles q + 8 each, low nibble first;
 scales [..., N, K/group]); `_arrays` is the one place that reads a weight.
 """
 
@@ -19,10 +19,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.int4 import Int4Weight
 
-def _arrays(leaf) -> tuple[jax.Array, jax.Array]:
-    """(int16 words [..., N, K/4], scales [..., N, K/group]) of an INT4 weight."""
-    return leaf["qweight"], leaf["scale"]
+
+def _arrays(leaf: Int4Weight) -> tuple[jax.Array, jax.Array]:
+    """(int16 words [..., N, K/4], scales [..., N, K/group]) of an INT4 weight in the checkpoint layout."""
+    if not isinstance(leaf, Int4Weight):
+        raise ValueError(f"the XLA baselines take an Int4Weight (checkpoint layout), got {type(leaf).__name__}")
+    return leaf.qweight, leaf.scale
 
 
 def dequantize(qweight: jax.Array, scale: jax.Array, dtype) -> jax.Array:

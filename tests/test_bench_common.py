@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from benchmarks import common, xla_baselines
+from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
 
 
 def _head() -> str:
@@ -116,32 +117,45 @@ def test_timer_refuses_a_bad_iteration_count(iters):
 def test_random_params_follow_the_abstract_tree():
     abstract = {"norm": jax.ShapeDtypeStruct((8,), jnp.float32),
                 "w": jax.ShapeDtypeStruct((16, 8), jnp.bfloat16),
-                "experts": {"qweight": jax.ShapeDtypeStruct((2, 8, 16), jnp.int16),
-                            "scale": jax.ShapeDtypeStruct((2, 8, 2), jnp.bfloat16)}}
+                "experts": Int4Weight(qweight=jax.ShapeDtypeStruct((2, 8, 16), jnp.int16),
+                                      scale=jax.ShapeDtypeStruct((2, 8, 2), jnp.bfloat16)),
+                "mosaic": MosaicInt4Weight(w_i4=jax.ShapeDtypeStruct((2, 8, 64), jnp.int4),
+                                           scale_t=jax.ShapeDtypeStruct((2, 2, 8), jnp.bfloat16))}
     params = common.random_params(abstract, jax.random.key(1))
     assert jax.tree.map(lambda a: (a.shape, a.dtype), params) == jax.tree.map(lambda a: (a.shape, a.dtype), abstract)
     assert bool((params["norm"] == 1).all()) and float(jnp.std(params["w"].astype(jnp.float32))) > 0.1
-    assert float(params["experts"]["scale"][0, 0, 0]) == pytest.approx(1 / (4 * 8), rel=1e-2)  # K = 64
+    assert isinstance(params["experts"], Int4Weight) and isinstance(params["mosaic"], MosaicInt4Weight)
+    assert float(params["experts"].scale[0, 0, 0]) == pytest.approx(1 / (4 * 8), rel=1e-2)  # K = 64
+    assert float(params["mosaic"].scale_t[0, 0, 0]) == pytest.approx(1 / (4 * 8), rel=1e-2)  # K = 64
+    assert int(params["mosaic"].w_i4.astype(jnp.int8).min()) >= -8
 
 
 # ---------------------------------------------------------------------------------------- XLA baselines
 def _int4(rng, *lead, n, k):
-    """A random INT4 weight: (leaf in the checkpoint layout, float64 dequantized [..., N, K])."""
+    """A random INT4 weight: (Int4Weight, the checkpoint layout; float64 dequantized [..., N, K])."""
     q = rng.integers(-8, 8, size=(*lead, n, k))
     scale = rng.uniform(0.01, 0.1, size=(*lead, n, k // 32)).astype(np.float32)
     nibbles = (q + 8).reshape(*lead, n, k // 4, 4)
     words = (nibbles << (4 * np.arange(4))).sum(-1).astype(np.uint16).view(np.int16)
     dense = q * np.repeat(scale.astype(np.float64), 32, axis=-1)
-    return {"qweight": jnp.asarray(words), "scale": jnp.asarray(scale)}, dense
+    return Int4Weight(qweight=jnp.asarray(words), scale=jnp.asarray(scale)), dense
 
 
 def test_w4a16_matmul_xla_matches_float64():
     rng = np.random.default_rng(0)
     leaf, w = _int4(rng, n=24, k=64)
     x = rng.standard_normal((5, 64)).astype(np.float32)
-    got = np.asarray(xla_baselines.w4a16_matmul_xla(jnp.asarray(x), leaf["qweight"], leaf["scale"]))
+    got = np.asarray(xla_baselines.w4a16_matmul_xla(jnp.asarray(x), leaf.qweight, leaf.scale))
     want = x.astype(np.float64) @ w.T
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+
+
+def test_moe_baselines_reject_untyped_weights():
+    rng = np.random.default_rng(2)
+    experts = {w: _int4(rng, 2, n=32, k=32)[0] for w in ("gate", "up", "down")}
+    experts["gate"] = experts["gate"].to_dict()  # the removed dict form
+    with pytest.raises(ValueError, match="take an Int4Weight.*got dict"):
+        xla_baselines.moe_touched_loop(jnp.ones((1, 32)), experts, jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1)))
 
 
 @pytest.mark.parametrize("name", sorted(xla_baselines.MOE_BASELINES))
