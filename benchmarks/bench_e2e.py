@@ -55,7 +55,7 @@ def run_config(cfg, params, drafter, prompts, batch, method, budget, temperature
     timer = Timer(repeats, device=False)  # wall clock around one dispatch (compile + warm-up call first)
     for g, group in enumerate(groups):
         key = jax.random.key(1000 + g)
-        timing = timer(lambda: kj.generate(cfg, params, group, key=key, **kwargs))
+        timing = timer(lambda group=group, key=key: kj.generate(cfg, params, group, key=key, **kwargs))
         out = timing.out
         seconds += timing.wall_s
         lengths = np.asarray(out.lengths)
@@ -111,7 +111,8 @@ def main() -> None:
     dcfg, dparams = kj.load_checkpoint(args.drafter, expect_kind="drafter")
     drafter = (dcfg, dparams)
     prompts = load_prompts(tok, args.num_prompts, args.prompt_tokens)
-    meta = metadata(host=f"{platform.machine()}, {os.cpu_count()} CPU cores", target=str(args.target), drafter=str(args.drafter), num_prompts=args.num_prompts,
+    meta = metadata(host=f"{platform.machine()}, {os.cpu_count()} CPU cores", target=str(args.target),
+                drafter=str(args.drafter), num_prompts=args.num_prompts,
                 prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                 block_size=dcfg.block_size, matmul_precision=args.matmul_precision,
                 kernels=kj.plan_summary(kj.kernel_plan(params, cfg)))  # what generate's "auto" runs here
@@ -159,7 +160,7 @@ def merge(paths: list[Path], stem: Path) -> None:
     merge's own record under "merged_by"."""
     runs = [json.loads(p.read_text()) for p in paths]
     keys = ("device", "jax", "num_prompts", "prompt_tokens", "max_new_tokens", "block_size", "matmul_precision")
-    for p, run in zip(paths[1:], runs[1:]):
+    for p, run in zip(paths[1:], runs[1:], strict=True):
         differ = [k for k in keys if run["meta"].get(k) != runs[0]["meta"].get(k)]
         if differ:
             raise SystemExit(f"{p} differs from {paths[0]} in {differ}: not one experiment")

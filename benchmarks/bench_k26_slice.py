@@ -83,12 +83,12 @@ def slice_params(cfg, dtype, key):
     return random_params(abstract, key)
 
 
-def decoder_layer(cfg, layer: int, params, h, positions, cache, start, visibility):
-    """The model's decoder layer `layer` on h [1, T, D] over the latent cache [1, S, c + r] (rows from
-    start [1] on are the tree's), visibility [1, T, T] -> h [1, T, D]."""
+def decoder_layer(cfg, layer: int, kernels, params, h, positions, cache, start, visibility):
+    """The model's decoder layer `layer` with `kernels` (kj.Kernels) on h [1, T, D] over the latent cache
+    [1, S, c + r] (rows from start [1] on are the tree's), visibility [1, T, T] -> h [1, T, D]."""
     from kdtree_jax.model import DecoderLayer
 
-    module = DecoderLayer(cfg, layer, params["embed_tokens"].dtype)
+    module = DecoderLayer(cfg, layer, params["embed_tokens"].dtype, kernels)
     out, _ = module.apply({"params": params[f"layers_{layer}"]}, h, positions, cache, start, visibility)
     return out
 
@@ -99,12 +99,12 @@ def attention_and_routed_moe_stood_in():
     that do (almost) no work but keep their inputs alive, so that XLA keeps everything around them ("rest")."""
     from kdtree_jax import attention, model
 
-    def attend(q, cache, start, visibility, *, scale, value_dim):  # [B, T, H, c + r] -> its latent part
-        del cache, start, visibility, scale
+    def attend(q, cache, start, visibility, *, scale, value_dim, kernels=None):  # [B, T, H, c + r] -> latent part
+        del cache, start, visibility, scale, kernels
         return q[..., :value_dim]
 
-    def routed(x, experts, idx, weights):  # keeps the router's top-k alive through the weights
-        del experts, idx
+    def routed(x, experts, idx, weights, kernels=None):  # keeps the router's top-k alive through the weights
+        del experts, idx, kernels
         return x * weights.sum(-1, keepdims=True).astype(x.dtype)
 
     saved = attention.mla_attention, model.routed_experts
@@ -155,7 +155,8 @@ def main():
     from benchmarks.common import Timer, copy_bandwidth, metadata
     from benchmarks.cost_model import CostModel, evaluate_budgets, saturating_profile
     from benchmarks.xla_baselines import MOE_BASELINES
-    from kdtree_jax import attention, model as kmodel
+    from kdtree_jax import attention as kattention
+    from kdtree_jax import model as kmodel
     from kdtree_jax.layers import rms_norm
     from kdtree_jax.linear import linear
 
@@ -167,12 +168,19 @@ def main():
     ss = [int(v) for v in args.ss.split(",")]
     if args.tiny:
         ts, ss = [t for t in ts if t <= 33] or [1], [64, 256]
-    # Off a GPU the model's routed experts run its XLA touched-experts fallback.
-    moe_impl = args.moe if on_gpu else "xla_touched"
+    # Every path names its kernels: on a GPU the Pallas kernels (one that cannot run raises, never an XLA run
+    # reported as the kernel); the CPU smoke run names the XLA references (pallas_kernels.dispatch "xla").
+    moe_impl = args.moe if on_gpu else "xla"
     alt_impl = {"mosaic": "triton", "triton": "mosaic"}.get(moe_impl)
+    attention_impl = "triton" if on_gpu else "xla"
+    kernels_for = {"mosaic": kj.Kernels(attention=attention_impl, moe="mosaic_gpu"),
+                   "triton": kj.Kernels(attention=attention_impl, moe="triton"),
+                   "xla": kj.Kernels(attention="xla", linear="xla", moe="xla")}
+    # "rest" stands the routed experts in, so its layer runs on the checkpoint-layout params
+    rest_kernels = kernels_for["triton" if on_gpu else "xla"]
     timer = Timer(args.iters)
     meta = metadata(
-        tiny=args.tiny, layers=args.layers, attention_impl=attention.describe_impl(),
+        tiny=args.tiny, layers=args.layers, attention_impl=attention_impl,
         moe_impl=moe_impl, alt_moe_impl=alt_impl,
         timing=("CUPTI summed kernel time, median" if on_gpu
                 else "CPU WALL CLOCK, median: NOT MEASUREMENTS, proves only that the script runs"),
@@ -197,30 +205,31 @@ def main():
     mosaic = kj.to_mosaic_experts(params, cfg) if on_gpu else None  # a load-time conversion
     jax.block_until_ready((params, mosaic))
     meta["build_s"] = time.time() - t0
+    meta["kernels"] = kj.plan_summary(kj.kernel_plan(params, cfg, kernels=kernels_for[moe_impl]))
     print(f"built {args.layers} layers on device in {meta['build_s']:.1f} s", flush=True)
-    by_impl = {"mosaic": mosaic, "triton": params, "xla_touched": params}  # whose routed experts each impl runs
+    by_impl = {"mosaic": mosaic, "triton": params, "xla": params}  # whose routed experts each impl runs
     p0 = params["layers_0"]
     c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
 
     def experts(tree):
         return tree["layers_0"]["moe"]["experts"]
 
-    attend = jax.jit(lambda q, cache, start, mask: attention.mla_attention(
-        q, cache, start, mask, scale=cfg.softmax_scale, value_dim=c))
-    routed = jax.jit(kmodel.routed_experts)  # the model's: which kernel runs follows the experts' layout
+    attend = jax.jit(lambda q, cache, start, mask: kattention.mla_attention(
+        q, cache, start, mask, scale=cfg.softmax_scale, value_dim=c, kernels=kernels_for[moe_impl]))
+    routed = jax.jit(kmodel.routed_experts, static_argnums=4)  # the model's, on the kernel named by argument 4
     baselines = {impl: jax.jit(fn) for impl, fn in MOE_BASELINES.items()}
 
     def slice_forward(tree, h, positions, cache, start, mask):
         for layer in range(cfg.num_hidden_layers):  # static unroll: each layer its own weights
-            h = decoder_layer(cfg, layer, tree, h, positions, cache, start, mask)
+            h = decoder_layer(cfg, layer, kernels_for[moe_impl], tree, h, positions, cache, start, mask)
         return h
 
     def rest_fn(*a):  # the first layer compiled with the stand-ins (a fresh jit: no cached real trace)
         with attention_and_routed_moe_stood_in():
-            return jax.jit(lambda tree, *b: decoder_layer(cfg, 0, tree, *b)).lower(*a).compile()
+            return jax.jit(lambda tree, *b: decoder_layer(cfg, 0, rest_kernels, tree, *b)).lower(*a).compile()
 
     slice_fn = jax.jit(slice_forward)
-    head_fn = jax.jit(lambda x, w: linear(x, w).astype(jnp.float32))
+    head_fn = jax.jit(lambda x, w: linear(x, w, kernels_for[moe_impl]).astype(jnp.float32))
     head_w = params["lm_head"]
 
     rng = np.random.default_rng(0)
@@ -235,14 +244,14 @@ def main():
         idx, w = kmodel.route(cfg, x, p0["moe"]["router"], p0["moe"]["router_bias"])  # [T, k]
         touched = int(jnp.unique(idx).size)
         mrow = {"T": t, "touched": touched}
-        timing = timer(routed, x, experts(by_impl[moe_impl]), idx, w)
+        timing = timer(routed, x, experts(by_impl[moe_impl]), idx, w, kernels_for[moe_impl])
         mrow["moe_s"] = timing.seconds
         ref = baselines["xla_touched"](x, experts(params), idx, w)
         err = rel_err(timing.out, ref)
         checks.append({"T": t, "what": f"moe {moe_impl} vs xla_touched (bf16 dequant)", "max_rel_err": err})
         if on_gpu:
             mrow["moe_wall_s"] = timing.wall_s
-            alt = timer(routed, x, experts(by_impl[alt_impl]), idx, w)
+            alt = timer(routed, x, experts(by_impl[alt_impl]), idx, w, kernels_for[alt_impl])
             mrow["alt_s"], mrow["alt_wall_s"] = alt.seconds, alt.wall_s
             checks.append({"T": t, "what": f"moe {alt_impl} vs xla_touched (bf16 dequant)",
                            "max_rel_err": rel_err(alt.out, ref)})
@@ -280,7 +289,8 @@ def main():
             row["glue_s"] = row["layer_s"] - row["attention_s"] - row["moe_s"] - row["rest_s"]
             rows.append(row)
             print(f"  S={s}: attention {attn_s * 1e6:.1f} us (floor {row['attention_floor_s'] * 1e6:.1f}), "
-                  f"moe {row['moe_s'] * 1e6:.1f} (floor {row['moe_floor_s'] * 1e6:.1f}), rest {row['rest_s'] * 1e6:.1f} "
+                  f"moe {row['moe_s'] * 1e6:.1f} (floor {row['moe_floor_s'] * 1e6:.1f}), "
+                  f"rest {row['rest_s'] * 1e6:.1f} "
                   f"(floor {row['rest_floor_s'] * 1e6:.1f}), layer {row['layer_s'] * 1e6:.1f} us", flush=True)
 
     result = summarize(meta, rows, moe_rows, checks, cost, on_gpu, evaluate_budgets, saturating_profile)
@@ -392,7 +402,8 @@ def summarize(meta, rows, moe_rows, checks, model, on_gpu, evaluate_budgets, sat
                "(modelled) + lm_head(T) (measured). Draft time per round: "
                f"{model.draft_estimate_seconds(1) * 1e3:.2f} ms (modelled, no K2.6 drafter here: to be measured). "
                "Break-even acceptance = (draft + verify(1 + B)) / AR step.", "",
-               "| S | T | budget | verify ms | AR step ms | draft ms | break-even acceptance |", "|---|---|---|---|---|---|---|"]
+               "| S | T | budget | verify ms | AR step ms | draft ms | break-even acceptance |",
+               "|---|---|---|---|---|---|---|"]
         by = {(r["T"], r["S"]): r for r in rows}
         for s in sorted({r["S"] for r in rows}):
             if (1, s) not in by:
@@ -442,7 +453,7 @@ def plot(result, path):
     ss = sorted({r["S"] for r in rows})
     fig, axes = plt.subplots(1, len(ss) + 1, figsize=(5 * (len(ss) + 1), 4))
     axes = np.atleast_1d(axes)
-    for ax, s in zip(axes, ss):
+    for ax, s in zip(axes, ss, strict=False):  # the last axis is not an S
         rs = [r for r in rows if r["S"] == s]
         x = np.arange(len(rs))
         bottom = np.zeros(len(rs))

@@ -43,9 +43,9 @@ def main():
     import kdtree_jax as kj
     from benchmarks.common import Timer, copy_bandwidth, metadata, write_results
     from benchmarks.cost_model import BF16_BYTES, CostModel
-    from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig
     from pallas_kernels.int4 import MosaicInt4Weight
     from pallas_kernels.moe_w4a16 import grouped_moe_w4a16_mgpu, grouped_moe_w4a16_reference
+    from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig
 
     if jax.default_backend() != "gpu":
         raise SystemExit("bench_moe_mgpu needs a Hopper GPU: CPU timings prove nothing")
@@ -82,8 +82,8 @@ def main():
         return {"gate": leaf(kg, inter, d), "up": leaf(ku, inter, d), "down": leaf(kd, d, inter)}
 
     experts = jax.block_until_ready(make_experts(jax.random.key(1)))
-    shared = jax.jit(lambda k: [jax.random.normal(kk, shp, jnp.bfloat16) * 0.02 for kk, shp in
-                                zip(jax.random.split(k, 3), [(d, inter), (d, inter), (inter, d)])])(jax.random.key(2))
+    shared = jax.jit(lambda k: [jax.random.normal(kk, shp, jnp.bfloat16) * 0.02 for kk, shp in zip(
+        jax.random.split(k, 3), [(d, inter), (d, inter), (inter, d)], strict=True)])(jax.random.key(2))
     shared_fn = jax.jit(lambda x, w: (jax.nn.silu(x @ w[0]) * (x @ w[1])) @ w[2])
     shared_floor = 3 * d * inter * BF16_BYTES / bandwidth
     def token_reference(ex, x_t, ids_t, w_t):  # one token: its k experts dequantized, [k, N, K] f32

@@ -5,7 +5,8 @@
     python benchmarks/bench_sharded.py --mesh expert=2,tensor=1 --out benchmarks/results/sharded_h200x2.json
     python benchmarks/bench_sharded.py --mesh expert=1,tensor=2 --out benchmarks/results/sharded_h200x2_tp.json
     # CPU smoke test (tests/test_sharding.py)
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/bench_sharded.py --tiny --mesh expert=2,tensor=2
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+        python benchmarks/bench_sharded.py --tiny --mesh expert=2,tensor=2
 
 MoE exchange, for T tokens entering one MoE layer (jitted alone, median of --repeats):
   all_reduce  what the model runs (kdtree_jax.model.moe_sharded): tokens replicated, every shard runs its
@@ -37,12 +38,16 @@ sys.path[:0] = [str(ROOT)]
 import kdtree_jax as kj  # noqa: E402
 from benchmarks.common import Timer, metadata, random_params, write_json, write_markdown, write_png  # noqa: E402
 from kdtree_jax import checkpoint, sharding  # noqa: E402
-from pallas_kernels.int4 import MosaicInt4Weight  # noqa: E402
 from kdtree_jax.ddtree import OracleDraft  # noqa: E402
-from kdtree_jax.model import _routed_experts_f32, moe_sharded, route  # noqa: E402
 from kdtree_jax.layers import swiglu  # noqa: E402
-from kdtree_jax.model import init_params  # noqa: E402
 from kdtree_jax.linear import linear  # noqa: E402
+from kdtree_jax.model import (  # noqa: E402
+    _routed_experts_f32,
+    init_params,  # noqa: E402
+    moe_sharded,
+    route,
+)
+from pallas_kernels.int4 import MosaicInt4Weight  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------- models
@@ -154,7 +159,7 @@ def bench_moe_exchange(cfg, params, mesh, token_counts, repeats) -> list[dict]:
         x = jax.random.normal(jax.random.key(tokens), (padded, cfg.hidden_size), jnp.float32).astype(dtype)
         valid = (jnp.arange(padded) < tokens)[:, None]
 
-        def routed(x, moe, fn):
+        def routed(x, moe, fn, valid=valid):
             idx, w = route(cfg, x, moe["router"], moe["router_bias"])
             return fn(mesh, x, idx, jnp.where(valid, w, 0.0), moe["experts"], moe.get("shared", {}))
 
@@ -167,7 +172,8 @@ def bench_moe_exchange(cfg, params, mesh, token_counts, repeats) -> list[dict]:
                    "all_to_all_ms": time_fn(all_to_all, (x, moe), repeats),
                    "max_abs_diff": float(np.abs(a - b).max()), "max_abs": float(np.abs(a).max())}
         row["winner"] = "all_reduce" if row["all_reduce_ms"] <= row["all_to_all_ms"] else "all_to_all"
-        print(f"  MoE T={tokens:4d}: all_reduce {row['all_reduce_ms']:8.3f} ms  all_to_all {row['all_to_all_ms']:8.3f} ms"
+        print(f"  MoE T={tokens:4d}: all_reduce {row['all_reduce_ms']:8.3f} ms  "
+              f"all_to_all {row['all_to_all_ms']:8.3f} ms"
               f"  ({row['winner']}; max |diff| {row['max_abs_diff']:.2e})", flush=True)
         rows.append(row)
     del experts, shared
@@ -260,7 +266,8 @@ def bench_decode(cfg, params, mesh, batch, new_tokens, budget, repeats) -> list[
             seq = np.concatenate([np.asarray(prompts), np.asarray(ar.tokens)], axis=1)
             extra = dict(method="ddtree", drafter=OracleDraft(jnp.asarray(seq, jnp.int32), 16, cfg.vocab_size),
                          tree_budget=budget)
-        timing = Timer(repeats, device=False)(lambda: kj.generate(cfg, params, prompts, **kwargs, **extra))
+        timing = Timer(repeats, device=False)(
+            lambda extra=extra: kj.generate(cfg, params, prompts, **kwargs, **extra))
         out, seconds = timing.out, timing.wall_s
         if method == "ar":
             ar = out
@@ -393,7 +400,8 @@ def report(path) -> dict:
         lines.append(f"| {t} | {v['context']} | {v['per_layer_ms']:.3f} | "
                      + (f"{o['per_layer_ms']:.3f} ({o['layers']} layers) | {o['per_layer_ms'] / v['per_layer_ms']:.2f}x"
                         if o else "- | -")
-                     + (f" | {c['psum_ms'] * 1e3:.1f} | {c['psum_ms'] / v['per_layer_ms']:.1%} |" if c else " | - | - |"))
+                     + (f" | {c['psum_ms'] * 1e3:.1f} | {c['psum_ms'] / v['per_layer_ms']:.1%} |" if c
+                        else " | - | - |"))
     lines += ["", "Per layer = the whole forward (embedding and lm_head included) / layers, so the one-device "
               "figure (fewer layers) carries a larger share of the head.", "",
               "## MoE token exchange, one MoE layer jitted alone", "",
@@ -406,7 +414,8 @@ def report(path) -> dict:
         lines += ["", "## Decode on the mesh (batch 1; DDTree with an oracle drafter = the acceptance upper bound)",
                   "", "| method | budget | tokens/s | target forwards | same tokens as AR |", "|---|---|---|---|---|"]
         for d in r["decode"]:
-            lines.append(f"| {d['method']} | {d.get('budget', '-')} | {d['tokens_per_s']:.1f} | {d['target_forwards']} | "
+            lines.append(f"| {d['method']} | {d.get('budget', '-')} | {d['tokens_per_s']:.1f} | "
+                         f"{d['target_forwards']} | "
                          f"{d['same_tokens_as_ar']} |")
     if r.get("rounds"):
         lines += ["", "## One DDTree round, stage by stage (random one-layer drafter; wall us per jitted stage)", ""]

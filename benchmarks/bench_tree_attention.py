@@ -29,10 +29,9 @@ import os
 import sys
 import time
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import Timer, metadata, write_json, write_markdown, write_png, write_results  # noqa: E402
@@ -169,7 +168,9 @@ def main():
         e, sets, ref0 = entries[(S, T)]
         rec = dict(config=dataclasses.asdict(cfg))
         try:
-            fn = lambda *a: tree_attention_pallas(*a, scale=scale, value_dim=c, config=cfg, interpret=interpret)
+            def fn(*a, cfg=cfg):
+                return tree_attention_pallas(*a, scale=scale, value_dim=c, config=cfg, interpret=interpret)
+
             out, t, t_kernel = time_sets(timer, fn, sets)
             rec.update(us=t, kernel_only_us=t_kernel, rel_err=rel_err(out[0], ref0))
         except Exception as ex:  # noqa: BLE001
@@ -227,7 +228,8 @@ def main():
     # Summary table.
     lines = [f"# Tree-masked MLA attention, {meta['device']}, jax {meta['jax']}, {meta['date']}",
              "", f"H={H}, c={c}, r={r}, B=1, {meta['dtype']}; {meta['method']}.", "",
-             "| S | T | floor us | target us | XLA us | kernel us (best) | kernel-only us | x vs XLA | of floor | best config | rel err |",
+             "| S | T | floor us | target us | XLA us | kernel us (best) | kernel-only us | x vs XLA | of floor | "
+             "best config | rel err |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for e in results["shapes"]:
         good = [v for v in e["variants"] if ok(v)]
@@ -241,10 +243,12 @@ def main():
                 f"| {e['S']} | {e['T']} | {e['floor_us']:.1f} | {e['target_us'] or '-'} | "
                 f"{xla:.1f} | {b['us']:.1f} | {b['kernel_only_us'] or 0:.1f} | {xla / b['us']:.2f} | "
                 f"{e['floor_us'] / b['us']:.0%} | {cs} | {b['rel_err']:.1e} |" if xla else
-                f"| {e['S']} | {e['T']} | {e['floor_us']:.1f} | {e['target_us'] or '-'} | - | {b['us']:.1f} | - | - | - | {cs} | {b['rel_err']:.1e} |")
+                f"| {e['S']} | {e['T']} | {e['floor_us']:.1f} | {e['target_us'] or '-'} | - | {b['us']:.1f} | - | - | "
+                f"- | {cs} | {b['rel_err']:.1e} |")
         else:
             errs = [v.get("error", f"rel_err {v.get('rel_err')}") for v in e["variants"]]
-            lines.append(f"| {e['S']} | {e['T']} | {e['floor_us']:.1f} | - | {e.get('xla_us', '-')} | FAILED | | | | {errs[:1]} | |")
+            lines.append(f"| {e['S']} | {e['T']} | {e['floor_us']:.1f} | - | {e.get('xla_us', '-')} | FAILED | | | | "
+                         f"{errs[:1]} | |")
     table = "\n".join(lines)
     results["elapsed_s"] = time.time() - t_begin
     write_results(stem, meta, results, table)
@@ -269,7 +273,8 @@ def summarize(paths, out_dir):
              f"r={meta['r']}, B=1, {meta['dtype']}, random trees, start = S. Device time by CUPTI "
              "(median of 5; all kernels of one call: row-mask build + Triton kernel + LSE combine). "
              "Floor = max(bytes / 3.4 TB/s, FLOPs / 800 TFLOP/s). XLA = plain jnp (bf16 einsums, f32 softmax).",
-             "", "| S | T | floor us | target us | XLA us | kernel us | kernel TFLOP/s | vs XLA | floor/kernel | config | max rel err |",
+             "", "| S | T | floor us | target us | XLA us | kernel us | kernel TFLOP/s | vs XLA | floor/kernel | "
+             "config | max rel err |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     labels, rows = [], []
     for (S, T), e in sorted(merged.items(), key=lambda kv: (kv[0][1], kv[0][0])):

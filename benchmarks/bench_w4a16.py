@@ -183,12 +183,14 @@ def main():
     md = [f"# W4A16 GEMM on {meta['device']}", "",
           f"JAX {meta['jax']}, {meta['date']}, {meta['timing']}; copy bandwidth measured "
           f"{meta['copy_TBps_measured']:.2f} TB/s (floor = max(bytes / copy bw, FLOPs / 800 TFLOP/s)).", "",
-          "| K | N | M | kernel us | kernel TB/s (int4+scales) | XLA bf16 us | XLA dequant+dot us | floor us | kernel / floor | config |",
+          "| K | N | M | kernel us | kernel TB/s (int4+scales) | XLA bf16 us | XLA dequant+dot us | floor us | "
+          "kernel / floor | config |",
           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ku = r["kernel_us"]
         cfg = r["kernel_config"] or {}
-        cs = f"bm{cfg.get('block_m')} bn{cfg.get('block_n')} bk{cfg.get('block_k')} s{cfg.get('split_k')} w{cfg.get('num_warps')} st{cfg.get('num_stages')} {cfg.get('dequant')}"
+        cs = (f"bm{cfg.get('block_m')} bn{cfg.get('block_n')} bk{cfg.get('block_k')} s{cfg.get('split_k')} "
+              f"w{cfg.get('num_warps')} st{cfg.get('num_stages')} {cfg.get('dequant')}")
         md.append(f"| {r['k']} | {r['n']} | {r['m']} | {ku:.1f} | {r['kernel_TBps']:.2f} | {r['xla_bf16_us']:.1f} | "
                   f"{r['xla_int4_us']:.1f} | {r['floor_us']:.1f} | {ku / r['floor_us']:.2f} | {cs} |"
                   if ku else f"| {r['k']} | {r['n']} | {r['m']} | FAILED | | {r['xla_bf16_us']:.1f} | "
@@ -214,13 +216,14 @@ def draw(data, out):
 
     rows, meta = data["rows"], data["meta"]
     fig, axes = plt.subplots(1, len(SHAPES), figsize=(4.2 * len(SHAPES), 3.8), sharey=True)
-    for ax, (k, n) in zip(axes, SHAPES):
+    for ax, (k, n) in zip(axes, SHAPES, strict=True):
         rs = sorted([r for r in rows if r["k"] == k and r["n"] == n], key=lambda r: r["m"])
         if not rs:
             continue
         wbytes = n * k // 2 + n * (k // 32) * 2
         ms = [r["m"] for r in rs]
-        tbps = lambda key: [wbytes / (r[key] * 1e-6) / 1e12 if r.get(key) else np.nan for r in rs]  # noqa: E731
+        tbps = lambda key, rs=rs, wbytes=wbytes: [  # noqa: E731
+            wbytes / (r[key] * 1e-6) / 1e12 if r.get(key) else np.nan for r in rs]
         ax.plot(ms, tbps("kernel_us"), "o-", label="Pallas W4A16 kernel")
         ax.plot(ms, tbps("xla_int4_us"), "s--", label="XLA dequant+dot")
         ax.plot(ms, tbps("xla_bf16_us"), "^:", label="XLA bf16 dot (int4-equivalent bytes)")

@@ -1,5 +1,5 @@
-"""The Mosaic GPU W4A16 prototype (pallas_kernels/experimental/w4a16_mosaic_gpu.py) on the H200: correctness, then device-side
-timings against the Triton W4A16 kernel, XLA bf16 `jnp.dot` and the memory floor, in one run.
+"""The Mosaic GPU W4A16 prototype (pallas_kernels/experimental/w4a16_mosaic_gpu.py) on the H200: correctness,
+then device-side timings against the Triton W4A16 kernel, XLA bf16 `jnp.dot` and the memory floor, in one run.
 
   python benchmarks/bench_w4a16_mgpu.py --out DIR
 
@@ -40,9 +40,9 @@ def main():
     import numpy as np
 
     from benchmarks.common import Timer, metadata, write_results
-    from pallas_kernels.w4a16 import w4a16_matmul, w4a16_matmul_reference
     from pallas_kernels.experimental.w4a16_mosaic_gpu import MgpuConfig, w4a16_matmul_mgpu_kernel
     from pallas_kernels.int4 import Int4Weight
+    from pallas_kernels.w4a16 import w4a16_matmul, w4a16_matmul_reference
 
     if jax.default_backend() != "gpu":
         raise SystemExit("bench_w4a16_mgpu needs a Hopper GPU: CPU timings prove nothing")

@@ -84,8 +84,9 @@ def main():
     md += [f"| {impl} | {method} | {budget} | {'yes' if same else 'NO'} | {first} |"
            for impl, method, budget, same, first in invariant]
     print("\n".join(md))
-    data = {"kernel": [dict(zip(("dtype", "T", "rel_err"), row)) for row in kernel],
-            "invariant": [dict(zip(("attention", "method", "budget", "same", "first_diff"), row)) for row in invariant]}
+    data = {"kernel": [dict(zip(("dtype", "T", "rel_err"), row, strict=True)) for row in kernel],
+            "invariant": [dict(zip(("attention", "method", "budget", "same", "first_diff"), row, strict=True))
+                          for row in invariant]}
     write_results(os.path.join(args.out, f"gpu_invariant_{meta['platform']}"), meta, data, "\n".join(md))
 
 

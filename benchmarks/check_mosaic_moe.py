@@ -18,9 +18,10 @@ kernel's batch invariance (a token alone vs among 33: the AR step's and the veri
   python benchmarks/check_mosaic_moe.py --out DIR          # H200
   python benchmarks/check_mosaic_moe.py --tiny --out DIR   # CPU smoke run (the XLA reference for both): checks nothing
 
-Writes DIR/mosaic_moe_model.md / .json with the run's metadata (benchmarks/common.py). Exit status 1 when the Mosaic path is less faithful to float32
-than the Triton one on the trained model (top-1 agreement with float32 lower by more than 1 point): token
-streams of two bf16 paths part at near-ties anyway, so token equality is reported, not required.
+Writes DIR/mosaic_moe_model.md / .json with the run's metadata (benchmarks/common.py). Exit status 1 when the
+Mosaic path is less faithful to float32 than the Triton one on the trained model (top-1 agreement with float32
+lower by more than 1 point): token streams of two bf16 paths part at near-ties anyway, so token equality is
+reported, not required.
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMIT_ENV = "BENCH_GIT_COMMIT"
@@ -58,7 +59,7 @@ def metadata(**extra: Any) -> dict:
     commit, dirty, source = git_commit()
     meta = {"device": getattr(device, "device_kind", device.platform), "platform": device.platform,
             "devices": jax.device_count(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "commit": commit, "dirty": dirty, "command": shlex.join(sys.orig_argv)}
     if source != "git":
         meta["commit_source"] = source

@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from typing import Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import NamedTuple
 
 from pallas_kernels.int4 import GROUP_SIZE
 
@@ -83,7 +84,7 @@ class CostModel:
                              f"num_dense_layers={self.num_dense_layers} > num_layers={self.num_layers}")
 
     @classmethod
-    def from_config(cls, cfg, **overrides) -> "CostModel":
+    def from_config(cls, cfg, **overrides) -> CostModel:
         """The shape fields from a `kdtree_jax.ModelConfig`; machine/overhead fields from `overrides`."""
         return cls(
             num_layers=cfg.num_hidden_layers, num_dense_layers=cfg.first_k_dense_replace, hidden=cfg.hidden_size,
@@ -95,7 +96,7 @@ class CostModel:
             drafter_intermediate=cfg.intermediate_size, **overrides)
 
     @classmethod
-    def measured_h200(cls, **overrides) -> "CostModel":
+    def measured_h200(cls, **overrides) -> CostModel:
         """Kimi K2.6 with the overheads measured on one H200 (benchmarks/results/k26_slice.json,
         2026-11-30, JAX 0.11.2: the Triton tree-attention kernel and the Mosaic GPU grouped MoE kernel,
         CUPTI kernel time) and that run's copy bandwidth. tests/test_budget.py checks these against the
@@ -211,7 +212,7 @@ class CostModel:
         return self.round_seconds(budget, context_len) / self.ar_step_seconds(context_len)
 
     # ------------------------------------------------------------------------------- calibration
-    def calibrated(self, rows) -> "CostModel":
+    def calibrated(self, rows) -> CostModel:
         """Overheads from slice-benchmark rows [{"T", "S", "attention_s", "moe_s", "rest_s"}, ...]
         (per-layer seconds measured with the grouped kernel): median of measured / floor per term."""
         rows = list(rows)
