@@ -27,7 +27,10 @@ def test_k26_slice_tiny_smoke_run(tmp_path):
     md = (tmp_path / "k26_slice_tiny.md").read_text()
     assert "these numbers are NOT measurements" in md
     stored = json.loads((tmp_path / "k26_slice_tiny.json").read_text())
-    assert {r["T"] for r in stored["rows"]} == {1, 9} and stored["meta"]["moe_impl"] == "xla_touched"
+    assert {r["T"] for r in stored["rows"]} == {1, 9} and stored["meta"]["moe_impl"] == "xla"
+    # the CPU smoke run names the XLA references explicitly, and its metadata says what ran
+    assert stored["meta"]["kernels"].startswith("attention xla (asked for)")
+    assert "moe xla (asked for)" in stored["meta"]["kernels"]
 
 
 @pytest.mark.parametrize("name", ["k26_slice"])
@@ -42,3 +45,20 @@ def test_moe_mgpu_refuses_a_cpu(tmp_path):
                           cwd=ROOT, env=CPU, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "needs a Hopper GPU: CPU timings prove nothing" in proc.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_gpu_invariant_refuses_the_triton_kernel_on_a_cpu(tmp_path):
+    """An explicitly named kernel that cannot run is an error, never an XLA run reported as the kernel."""
+    proc = subprocess.run([sys.executable, "benchmarks/check_gpu_invariant.py", "--attention", "triton",
+                           "--skip-kernel", "--out", str(tmp_path)],
+                          cwd=ROOT, env=CPU, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "KernelUnavailableError: attention impl='triton' cannot run" in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_decode_quick_smoke_run_records_the_kernel_plan(tmp_path):
+    _run("benchmarks/bench_decode.py", "--quick", "--out", str(tmp_path))
+    stored = json.loads(next(tmp_path.glob("decode_quick_*.json")).read_text())
+    assert stored["meta"]["kernels_tiny"].startswith("attention xla (no GPU")  # "auto" on a CPU
+    assert {r["method"] for r in stored["rows"]} >= {"ar", "dflash", "ddtree"}
+    assert all(r["matches_ar"] for r in stored["rows"] if r["model"] == "tiny")
