@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -65,7 +66,7 @@ class DrafterConfig:
         """L = block_size - 1: positions drafted per round (the bonus token is known)."""
         return self.block_size - 1
 
-    def validate(self) -> "DrafterConfig":
+    def validate(self) -> DrafterConfig:
         """Raise ConfigError naming the first bad value; return self so calls can chain."""
 
         def positive_int(name: str, value: Any) -> None:
@@ -109,7 +110,7 @@ class DrafterConfig:
                                   f"original_max_position_embeddings, got {rs!r}")
         return self
 
-    def check_target(self, cfg: ModelConfig) -> "DrafterConfig":
+    def check_target(self, cfg: ModelConfig) -> DrafterConfig:
         """Raise ConfigError if this drafter cannot run on target `cfg`; return self."""
         self.validate()
         if self.hidden_size != cfg.hidden_size:
@@ -133,7 +134,7 @@ class DrafterConfig:
                    num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
                    head_dim: int | None = None, intermediate_size: int | None = None,
                    mask_token_id: int | None = None, rms_norm_eps: float | None = None,
-                   rope_theta: float | None = None) -> "DrafterConfig":
+                   rope_theta: float | None = None) -> DrafterConfig:
         """A drafter for target `cfg`: hidden size, mask id, eps and rope theta from the target.
 
         Defaults: `num_target_layers` = `num_layers` target layers spread over the target as DFlash
@@ -165,7 +166,7 @@ class DrafterConfig:
         )
         return out.check_target(cfg)
 
-    def replace(self, **changes: Any) -> "DrafterConfig":
+    def replace(self, **changes: Any) -> DrafterConfig:
         return dataclasses.replace(self, **changes).validate()
 
     def to_dict(self) -> dict[str, Any]:
@@ -174,7 +175,7 @@ class DrafterConfig:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "DrafterConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> DrafterConfig:
         """Inverse of to_dict (our own serialisation, stored next to drafter checkpoints)."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"expected a DrafterConfig dict, got {type(data).__name__}")
@@ -285,7 +286,7 @@ def init_drafter_params(dcfg: DrafterConfig, key: jax.Array, dtype=jnp.float32) 
 def _init_drafter_params(dcfg: DrafterConfig, key: jax.Array, dtype) -> dict:
     names = drafter_param_names(dcfg)
     keys = jax.random.split(key, len(names))
-    return {name: _init_component(dcfg, name, k, dtype) for name, k in zip(names, keys)}
+    return {name: _init_component(dcfg, name, k, dtype) for name, k in zip(names, keys, strict=True)}
 
 
 @functools.lru_cache(maxsize=16)

@@ -26,9 +26,10 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -485,7 +486,7 @@ class HFImport:
             for reader in readers.values():
                 reader.__exit__(None, None, None)
 
-    def _load(self, key: str, readers: dict[str, "_ShardReader"]):
+    def _load(self, key: str, readers: dict[str, _ShardReader]):
         def get(name: str) -> np.ndarray:
             file = self._infos[name].file
             if file not in readers:

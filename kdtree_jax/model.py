@@ -19,7 +19,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.sharding import PartitionSpec as P
 
 from kdtree_jax import attention, sharding

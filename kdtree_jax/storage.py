@@ -368,7 +368,7 @@ def checksums(flat: Mapping[str, object]) -> dict[str, str]:
     """{tensor name: sha256} of a flat {name: array} (hashed in parallel: hashlib releases the GIL)."""
     names = list(flat)
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1, max(1, len(names)))) as pool:
-        return dict(zip(names, pool.map(lambda n: array_checksum(flat[n]), names)))
+        return dict(zip(names, pool.map(lambda n: array_checksum(flat[n]), names), strict=True))
 
 
 def verify_checksums(flat: Mapping[str, object], recorded: Mapping[str, str], where: str) -> None:
@@ -423,7 +423,8 @@ def read_error_message(error: BaseException, directory: Path) -> str:
         if found:
             tensor = found.group(1).replace(".", "/")
             cause = found.group(2)[:300]
-            kind = "data corruption in" if re.search(r"corrupt|checksum|decompress", cause, re.IGNORECASE) else "cannot read"
+            corrupt = re.search(r"corrupt|checksum|decompress", cause, re.IGNORECASE)
+            kind = "data corruption in" if corrupt else "cannot read"
             return f"{kind} tensor {tensor} of {directory}: {cause}"
     first = texts[0].split(" See full TensorStore details")[0][:300] if texts else type(error).__name__
     return f"cannot read the tensors of {directory} (truncated or damaged?): {type(error).__name__}: {first}"
