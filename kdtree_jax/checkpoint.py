@@ -458,7 +458,7 @@ def _with_shardings(cfg, kind: str, abstract, mesh):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
-def _typed(tree):
+def _typed(tree: Any) -> Any:
     """Plain dicts from Orbax's restored tree, every stored INT4 dict {"qweight", "scale"} an Int4Weight."""
     if hasattr(tree, "items"):
         plain = {k: _typed(v) for k, v in tree.items()}

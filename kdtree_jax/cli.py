@@ -452,7 +452,7 @@ def _run(cfg, params, prompts, method, drafter, args):
 
     from kdtree_jax.generate import generate  # noqa: PLC0415
 
-    kwargs = dict(max_new_tokens=args.max_new_tokens, method=method, temperature=args.temperature,
+    kwargs: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, method=method, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, key=jax.random.key(args.seed), stop_tokens=args.stop,
                   mesh=args.mesh, kernels=_kernels(args))
     if method != "ar":

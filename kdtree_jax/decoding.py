@@ -95,7 +95,7 @@ def check_key(key) -> None:
     """Raise ValueError unless `key` is one PRNG key: jax.random.key(seed) (or a legacy uint32[2] key)."""
     dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
     if isinstance(key, (jax.Array, np.ndarray)) and shape is not None:
-        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and shape == ():
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and shape == ():
             return
         if dtype == np.uint32 and shape == (2,):  # jax.random.PRNGKey(seed)
             return

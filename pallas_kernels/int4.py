@@ -100,8 +100,10 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
 class Int4Weight:
     """An INT4 weight in the checkpoint layout: qweight int16 [..., N, K/4], scale bf16|f32 [..., N, K/32]."""
 
-    qweight: jax.Array
-    scale: jax.Array
+    # jax.Array in params; abstract trees hold a jax.ShapeDtypeStruct per field and sharding specs a
+    # PartitionSpec (the same type is the pytree prefix for all three), hence Any
+    qweight: Any  # int16 [..., N, K/4]
+    scale: Any  # bf16|f32 [..., N, K/32]
 
     LAYOUT = "checkpoint"
 
@@ -200,8 +202,9 @@ class MosaicInt4Weight:
     """An INT4 weight in the Mosaic GPU kernels' layout: w_i4 int4 [..., N, K], scale_t bf16 [..., K/32, N].
     Made at load time from an Int4Weight (`Int4Weight.to_mosaic`); checkpoints never hold it."""
 
-    w_i4: jax.Array
-    scale_t: jax.Array
+    # jax.Array in params, jax.ShapeDtypeStruct / PartitionSpec in abstract trees / sharding specs (as above)
+    w_i4: Any  # int4 [..., N, K]
+    scale_t: Any  # bf16 [..., K/32, N]
 
     LAYOUT = "mosaic_gpu"
 
