@@ -18,8 +18,14 @@ from kdtree_jax.checkpoint import CheckpointError, load_checkpoint, save_checkpo
 from kdtree_jax.config import ConfigError, ModelConfig, YarnScaling
 from kdtree_jax.ddtree import DFlashDraft, OracleDraft
 from kdtree_jax.decoding import GenerateOutput
-from kdtree_jax.drafter import (DrafterCache, DrafterConfig, drafter_extend_context, drafter_forward,
-                                init_drafter_cache, init_drafter_params)
+from kdtree_jax.drafter import (
+                                DrafterCache,
+                                DrafterConfig,
+                                drafter_extend_context,
+                                drafter_forward,
+                                init_drafter_cache,
+                                init_drafter_params,
+)
 from kdtree_jax.generate import generate
 from kdtree_jax.hf import HFCheckpointError, load_hf
 from kdtree_jax.hf_drafter import DrafterFormatError, export_hf_drafter, load_hf_drafter
@@ -27,7 +33,7 @@ from kdtree_jax.kernels import kernel_plan, plan_summary, prepare_params
 from kdtree_jax.model import KVCache, forward, forward_with_cache, init_cache, init_params
 from kdtree_jax.quantize import mosaic_moe_unsupported, quantize, to_mosaic_experts
 from kdtree_jax.tree import Tree, build_chain, build_tree
-from pallas_kernels.dispatch import KernelUnavailableError, Kernels
+from pallas_kernels.dispatch import Kernels, KernelUnavailableError
 from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
 
 __all__ = [

@@ -25,8 +25,9 @@ import contextlib
 import json
 import os
 import warnings
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -217,7 +218,8 @@ class CheckpointWriter:
             raise CheckpointError(f"checkpoint {self.path} is incomplete: entries {missing} were never written")
         _check_tree(self.expected, _saved_index(self._tmp, self.meta, self.expected),
                     f"checkpoint written at {self.path}")
-        self.meta["checksums"] = {"algorithm": storage.CHECKSUM_ALGORITHM, "tensors": dict(sorted(self.checksums.items()))}
+        self.meta["checksums"] = {"algorithm": storage.CHECKSUM_ALGORITHM,
+                                  "tensors": dict(sorted(self.checksums.items()))}
         (self._tmp / "config.json").write_text(json.dumps(self.meta, indent=2))
         storage.commit(self._tmp, self.path, replace=self.overwrite)
         self._state = "committed"
@@ -237,7 +239,7 @@ class CheckpointWriter:
             storage.remove_tree(self._tmp)
             self._lock.release()
 
-    def __enter__(self) -> "CheckpointWriter":
+    def __enter__(self) -> CheckpointWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -304,7 +306,7 @@ def _item_metadata(directory: Path):
     try:
         with storage.quiet_tensor_io():
             item = ocp.StandardCheckpointer().metadata(directory).item_metadata
-    except Exception as e:  # orbax raises many types for damaged directories
+    except Exception as e:  # noqa: BLE001 (orbax raises many types for damaged directories)
         raise CheckpointError(f"cannot read the tensor index of {directory}: {e}") from None
     if item is None:  # Orbax returns None (after logging a warning) when its index files are damaged
         raise CheckpointError(f"cannot read the tensor index of {directory}: its Orbax metadata files are "
@@ -456,7 +458,7 @@ def _with_shardings(cfg, kind: str, abstract, mesh):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
-def _typed(tree):
+def _typed(tree: Any) -> Any:
     """Plain dicts from Orbax's restored tree, every stored INT4 dict {"qweight", "scale"} an Int4Weight."""
     if hasattr(tree, "items"):
         plain = {k: _typed(v) for k, v in tree.items()}

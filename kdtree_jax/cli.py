@@ -22,8 +22,9 @@ import sys
 import time
 import warnings
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 # the limits --help states (importing the package already loaded these modules)
 from kdtree_jax.ddtree import MAX_TREE_BUDGET
@@ -297,7 +298,7 @@ def _load_tokenizer(path: str):
                        "(pip install tokenizers, or pass token ids without --tokenizer)") from None
     try:
         return Tokenizer.from_file(str(path))
-    except Exception as e:  # the Rust binding raises a bare Exception for malformed files
+    except Exception as e:  # noqa: BLE001 (the Rust binding raises a bare Exception for malformed files)
         raise CLIError(f"cannot read tokenizer {path!r}: {e}") from None
 
 
@@ -365,7 +366,8 @@ def _load_model(args):
         return cfg, params, f"Hugging Face {args.hf} ({dtype})"
     cfg = _preset_config(args.preset, args.layers)
     dtype = args.dtype or "float32"
-    return cfg, _random_target(cfg, args.seed, _dtype(dtype)), f"preset {args.preset} (random, seed {args.seed}, {dtype})"
+    desc = f"preset {args.preset} (random, seed {args.seed}, {dtype})"
+    return cfg, _random_target(cfg, args.seed, _dtype(dtype)), desc
 
 
 def _kernels(args):
@@ -450,7 +452,7 @@ def _run(cfg, params, prompts, method, drafter, args):
 
     from kdtree_jax.generate import generate  # noqa: PLC0415
 
-    kwargs = dict(max_new_tokens=args.max_new_tokens, method=method, temperature=args.temperature,
+    kwargs: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, method=method, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, key=jax.random.key(args.seed), stop_tokens=args.stop,
                   mesh=args.mesh, kernels=_kernels(args))
     if method != "ar":
@@ -519,7 +521,7 @@ def cmd_generate(args) -> None:
         rows = _rows(out)
         new = sum(len(r) for r in rows)
         print(f"\n[{method}] {sampling}" + (f", budget {args.budget}" if method == "ddtree" else ""))
-        for b, (prompt, row) in enumerate(zip(prompts, rows)):
+        for b, (prompt, row) in enumerate(zip(prompts, rows, strict=True)):
             print(f"prompt {b}: {' '.join(map(str, prompt))}")
             if tokenizer is not None:
                 print(f"  prompt text: {tokenizer.decode(prompt)!r}")
@@ -716,7 +718,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         if args.command is None:
-            raise CLIError(f"no command given: choose one of generate, convert, init, info, verify (see '{PROG} --help')")
+            raise CLIError("no command given: choose one of generate, convert, init, info, verify "
+                           f"(see '{PROG} --help')")
         args.func(args)
         return 0
     except KeyboardInterrupt:

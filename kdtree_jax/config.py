@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -102,7 +103,7 @@ class ModelConfig:
         return layer >= self.first_k_dense_replace and self.n_routed_experts > 0
 
     # ---------------------------------------------------------------------------------- checks
-    def validate(self) -> "ModelConfig":
+    def validate(self) -> ModelConfig:
         """Raise ConfigError naming the first bad value; return self so calls can chain."""
 
         def positive(name: str) -> None:
@@ -193,7 +194,7 @@ class ModelConfig:
 
     # --------------------------------------------------------------------------------- presets
     @classmethod
-    def tiny(cls) -> "ModelConfig":
+    def tiny(cls) -> ModelConfig:
         """A small model with every feature of K2.6 present: MLA with q/kv LoRA, YaRN, routed MoE
         with bias routing and a shared expert, a dense first layer. Runs in milliseconds on a CPU."""
         return cls(
@@ -208,7 +209,7 @@ class ModelConfig:
         ).validate()
 
     @classmethod
-    def kimi_k26(cls) -> "ModelConfig":
+    def kimi_k26(cls) -> ModelConfig:
         """Kimi K2.6 at full size (1.03 T parameters): for shapes and abstract evaluation."""
         return cls(
             vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
@@ -222,7 +223,7 @@ class ModelConfig:
             mask_token_id=163838,
         ).validate()
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes).validate()
 
     # ------------------------------------------------------------------------------- (de)serialise
@@ -232,7 +233,7 @@ class ModelConfig:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ModelConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
         """Inverse of to_dict (our own serialisation, not a Hugging Face config)."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"expected a ModelConfig dict, got {type(data).__name__}")
@@ -258,7 +259,7 @@ class ModelConfig:
             raise ConfigError(f"bad ModelConfig fields: {e}") from None
 
     @classmethod
-    def from_hf_config(cls, hf: Mapping[str, Any]) -> "ModelConfig":
+    def from_hf_config(cls, hf: Mapping[str, Any]) -> ModelConfig:
         """Build from a Hugging Face config.json dict: `deepseek_v3`, `kimi_k2`, or `kimi_k25` (the
         text model lives in `text_config`); rope given either as legacy `rope_theta` + `rope_scaling`
         or as transformers-5 `rope_parameters`."""

@@ -41,7 +41,7 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype=jnp.
     when out_dir exists (unless overwrite; with it, when out_dir is anything but a kdtree-jax checkpoint),
     is or contains hf_dir, is being written by another process, or the written checkpoint does not verify.
     """
-    hf = open_hf(hf_dir, dtype)  # every header check runs here, before a byte is written
+    hf = open_hf(Path(hf_dir), dtype)  # every header check runs here, before a byte is written
     # overwrite replaces only a kdtree-jax checkpoint, and never the HF input or a directory holding it
     writer = CheckpointWriter(out_dir, hf.cfg, param_dtype=hf.dtype, quantization=hf_quantization(hf.int4_leaves),
                               overwrite=overwrite, inputs={"Hugging Face directory": hf_dir})

@@ -25,8 +25,14 @@ import jax.numpy as jnp
 from kdtree_jax import sharding
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.decoding import GenerateOutput, SamplingParams, cache_length, emit, on_mesh, prefill, sample
-from kdtree_jax.drafter import (DrafterCache, DrafterConfig, check_drafter_params, drafter_extend_context,
-                                drafter_forward, init_drafter_cache)
+from kdtree_jax.drafter import (
+    DrafterCache,
+    DrafterConfig,
+    check_drafter_params,
+    drafter_extend_context,
+    drafter_forward,
+    init_drafter_cache,
+)
 from kdtree_jax.model import KVCache, Params, forward_with_cache, init_cache, write_rows
 from kdtree_jax.tree import Tree, build_chain, build_tree
 from pallas_kernels.int4 import Int4Weight

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -94,7 +95,7 @@ def check_key(key) -> None:
     """Raise ValueError unless `key` is one PRNG key: jax.random.key(seed) (or a legacy uint32[2] key)."""
     dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
     if isinstance(key, (jax.Array, np.ndarray)) and shape is not None:
-        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and shape == ():
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and shape == ():
             return
         if dtype == np.uint32 and shape == (2,):  # jax.random.PRNGKey(seed)
             return

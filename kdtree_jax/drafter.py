@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer  # still public in jax 0.11 (not deprecated); jax has no other concreteness test
 
 from kdtree_jax.config import ConfigError, ModelConfig, YarnScaling
 from kdtree_jax.layers import apply_rope, rms_norm, rope_frequencies, swiglu
@@ -65,7 +67,7 @@ class DrafterConfig:
         """L = block_size - 1: positions drafted per round (the bonus token is known)."""
         return self.block_size - 1
 
-    def validate(self) -> "DrafterConfig":
+    def validate(self) -> DrafterConfig:
         """Raise ConfigError naming the first bad value; return self so calls can chain."""
 
         def positive_int(name: str, value: Any) -> None:
@@ -109,7 +111,7 @@ class DrafterConfig:
                                   f"original_max_position_embeddings, got {rs!r}")
         return self
 
-    def check_target(self, cfg: ModelConfig) -> "DrafterConfig":
+    def check_target(self, cfg: ModelConfig) -> DrafterConfig:
         """Raise ConfigError if this drafter cannot run on target `cfg`; return self."""
         self.validate()
         if self.hidden_size != cfg.hidden_size:
@@ -119,6 +121,7 @@ class DrafterConfig:
         if bad:
             raise ConfigError(f"drafter target_layer_ids {bad} do not exist in a target with "
                               f"num_hidden_layers={cfg.num_hidden_layers}")
+        assert self.mask_token_id is not None  # validate() above rejects None
         if self.mask_token_id >= cfg.vocab_size:
             raise ConfigError(f"drafter mask_token_id={self.mask_token_id} is outside the target vocabulary "
                               f"[0, {cfg.vocab_size})")
@@ -133,7 +136,7 @@ class DrafterConfig:
                    num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
                    head_dim: int | None = None, intermediate_size: int | None = None,
                    mask_token_id: int | None = None, rms_norm_eps: float | None = None,
-                   rope_theta: float | None = None) -> "DrafterConfig":
+                   rope_theta: float | None = None) -> DrafterConfig:
         """A drafter for target `cfg`: hidden size, mask id, eps and rope theta from the target.
 
         Defaults: `num_target_layers` = `num_layers` target layers spread over the target as DFlash
@@ -141,7 +144,9 @@ class DrafterConfig:
         KV heads = the largest divisor of the heads <= heads / 8; intermediate size = the target's dense one.
         """
         heads = cfg.num_attention_heads if num_attention_heads is None else num_attention_heads
-        if num_key_value_heads is None and isinstance(heads, int) and heads > 0:
+        if num_key_value_heads is None:  # the default is derived from the heads, so they must be valid first
+            if not isinstance(heads, (int, np.integer)) or isinstance(heads, bool) or heads <= 0:
+                raise ConfigError(f"DrafterConfig.num_attention_heads must be a positive integer, got {heads!r}")
             num_key_value_heads = max(d for d in range(1, max(1, heads // 8) + 1) if heads % d == 0)
         if mask_token_id is None:
             if cfg.mask_token_id is None:
@@ -165,7 +170,7 @@ class DrafterConfig:
         )
         return out.check_target(cfg)
 
-    def replace(self, **changes: Any) -> "DrafterConfig":
+    def replace(self, **changes: Any) -> DrafterConfig:
         return dataclasses.replace(self, **changes).validate()
 
     def to_dict(self) -> dict[str, Any]:
@@ -174,7 +179,7 @@ class DrafterConfig:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "DrafterConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> DrafterConfig:
         """Inverse of to_dict (our own serialisation, stored next to drafter checkpoints)."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"expected a DrafterConfig dict, got {type(data).__name__}")
@@ -254,7 +259,10 @@ def _init_component(dcfg: DrafterConfig, name: str, key: jax.Array, dtype) -> An
         raise ValueError(f"unknown drafter params entry {name!r}")
 
     def make(shape, init, k):
-        return _init_linear(k, *shape, dtype) if init == LINEAR else jnp.ones(shape, dtype)
+        if init == LINEAR:
+            fan_in, fan_out = shape  # linear maps are declared [in, out]
+            return _init_linear(k, fan_in, fan_out, dtype)
+        return jnp.ones(shape, dtype)
 
     if entries[0][0] == ():  # a single weight: it takes the entry's key itself
         (_, shape, init), = entries
@@ -285,7 +293,7 @@ def init_drafter_params(dcfg: DrafterConfig, key: jax.Array, dtype=jnp.float32) 
 def _init_drafter_params(dcfg: DrafterConfig, key: jax.Array, dtype) -> dict:
     names = drafter_param_names(dcfg)
     keys = jax.random.split(key, len(names))
-    return {name: _init_component(dcfg, name, k, dtype) for name, k in zip(names, keys)}
+    return {name: _init_component(dcfg, name, k, dtype) for name, k in zip(names, keys, strict=True)}
 
 
 @functools.lru_cache(maxsize=16)
@@ -352,7 +360,7 @@ def _rope(dcfg: DrafterConfig) -> tuple[np.ndarray, float]:
 
 
 def _is_concrete(x: Any) -> bool:
-    return not isinstance(x, jax.core.Tracer)
+    return not isinstance(x, Tracer)
 
 
 def context_features(dparams: dict, dcfg: DrafterConfig, target_hidden: jax.Array) -> jax.Array:
@@ -420,7 +428,8 @@ def drafter_extend_context(dparams: dict, dcfg: DrafterConfig, cache: DrafterCac
                         cache.lengths + num_valid.astype(jnp.int32))
 
 
-def _check_batch_hidden(dcfg: DrafterConfig, cache: DrafterCache, target_hidden: jax.Array, where: str) -> None:
+def _check_batch_hidden(dcfg: DrafterConfig, cache: DrafterCache, target_hidden: jax.Array | None,
+                        where: str) -> None:
     Ld, B, S, KVH, hd = cache.keys.shape
     expected = (dcfg.num_hidden_layers, B, S, dcfg.num_key_value_heads, dcfg.head_dim)
     if (Ld, KVH, hd) != (expected[0], expected[3], expected[4]) or cache.values.shape != cache.keys.shape:
@@ -492,8 +501,11 @@ def drafter_forward(dparams: dict, dcfg: DrafterConfig, cache: DrafterCache, emb
                          f"got {type(lm_head).__name__}")
     if lm_head.shape != (D, V):
         raise ValueError(f"drafter_forward: lm_head must be [D, V] = [{D}, {V}], got {tuple(lm_head.shape)}")
-    if dcfg.mask_token_id >= V:
-        raise ValueError(f"drafter_forward: mask_token_id={dcfg.mask_token_id} is outside the vocabulary of {V}")
+    mask_id = dcfg.mask_token_id
+    if mask_id is None:  # only a config that skipped validate() gets here
+        raise ValueError("drafter_forward: dcfg.mask_token_id is None; set it (DrafterConfig.for_target does)")
+    if mask_id >= V:
+        raise ValueError(f"drafter_forward: mask_token_id={mask_id} is outside the vocabulary of {V}")
     for name, arr in (("bonus_tokens", bonus_tokens), ("block_start", block_start)):
         if arr.shape != (B,) or not jnp.issubdtype(arr.dtype, jnp.integer):
             raise ValueError(f"drafter_forward: {name} must be int [B] = [{B}], got {arr.dtype} {tuple(arr.shape)}")
@@ -501,7 +513,7 @@ def drafter_forward(dparams: dict, dcfg: DrafterConfig, cache: DrafterCache, emb
     Tb = dcfg.block_size
     tokens = jnp.concatenate(
         [bonus_tokens[:, None].astype(jnp.int32),
-         jnp.full((B, Tb - 1), dcfg.mask_token_id, jnp.int32)], axis=1)  # [B, Tb]
+         jnp.full((B, Tb - 1), mask_id, jnp.int32)], axis=1)  # [B, Tb]
     positions = block_start[:, None].astype(jnp.int32) + jnp.arange(Tb, dtype=jnp.int32)[None, :]  # [B, Tb]
     h = jnp.take(embed_tokens, tokens, axis=0)  # [B, Tb, D]
     eps = dcfg.rms_norm_eps

@@ -8,7 +8,8 @@ dispatch. The pieces every method shares (sampling, prefill, ...) live in kdtree
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +18,20 @@ import numpy as np
 from kdtree_jax import sharding
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.ddtree import generate_speculative
-from kdtree_jax.decoding import (GenerateOutput, SamplingParams, cache_length, check_key, check_sampling, emit,
-                                 is_int, on_mesh, prefill, prepare_prompts, resolve_stop_tokens, sample)
+from kdtree_jax.decoding import (
+    GenerateOutput,
+    SamplingParams,
+    cache_length,
+    check_key,
+    check_sampling,
+    emit,
+    is_int,
+    on_mesh,
+    prefill,
+    prepare_prompts,
+    resolve_stop_tokens,
+    sample,
+)
 from kdtree_jax.model import KVCache, Params, forward_with_cache, init_cache
 from pallas_kernels.dispatch import Kernels
 

@@ -26,9 +26,10 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -180,6 +181,7 @@ def _list_tensors(path: Path) -> dict[str, _TensorInfo]:
     for file in files:
         shard = path / file
         if not shard.is_file():
+            assert weight_map is not None  # SINGLE_FILE was found above: a missing shard is one the index names
             missing = sorted(k for k, v in weight_map.items() if v == file)
             raise HFCheckpointError(f"shard {file!r} named in {INDEX_FILE} (for {len(missing)} tensors, "
                                     f"e.g. {missing[0]!r}) does not exist in {str(path)!r}")
@@ -383,6 +385,7 @@ class _ShardReader:
         return self
 
     def __exit__(self, *exc):
+        assert self._file is not None  # set by __enter__
         self._file.__exit__(*exc)
         self._raw = None
 
@@ -395,6 +398,7 @@ class _ShardReader:
                 self._raw = {k: v for k, v in deserialize(self.path.read_bytes())}
             data = self._raw[name]["data"]
             return np.frombuffer(bytes(data), _NUMPY_DTYPES["F8_E4M3"]).reshape(info.shape)
+        assert self._file is not None  # reads happen inside the reader's `with` block
         try:
             with jax.default_device(jax.devices("cpu")[0]):
                 return np.asarray(self._file.get_tensor(name))
@@ -424,7 +428,7 @@ class HFImport:
     needs them.
     """
 
-    progress_bar = None  # a tqdm bar that counts tensors as they are read (load_hf sets one)
+    progress_bar: tqdm | None = None  # a tqdm bar that counts tensors as they are read (load_hf sets one)
 
     def __init__(self, path: Path, cfg: ModelConfig, raw: dict, dtype, infos: dict[str, _TensorInfo],
                  canonical: dict[str, str], sources: dict, vectors: list):
@@ -485,7 +489,7 @@ class HFImport:
             for reader in readers.values():
                 reader.__exit__(None, None, None)
 
-    def _load(self, key: str, readers: dict[str, "_ShardReader"]):
+    def _load(self, key: str, readers: dict[str, _ShardReader]):
         def get(name: str) -> np.ndarray:
             file = self._infos[name].file
             if file not in readers:

@@ -123,4 +123,5 @@ def prepare_params(params: dict, cfg: ModelConfig, kernels: Kernels | None = Non
                                                   + ("no MoE layers" if experts is None else "dense experts"))
         return params
     layout = _moe_layout(experts, params["embed_tokens"].dtype, cfg, kernels, device)
+    assert layout is not None  # None only for experts that are not canonical INT4, returned above
     return to_mosaic_experts(params, cfg) if layout.impl == "mosaic_gpu" else params

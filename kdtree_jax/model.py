@@ -13,13 +13,13 @@ Two attention forms share one set of weights:
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast, overload
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-
+from jax.core import Tracer  # still public in jax 0.11 (not deprecated); jax has no other concreteness test
 from jax.sharding import PartitionSpec as P
 
 from kdtree_jax import attention, sharding
@@ -65,15 +65,17 @@ def _weight(mod: nn.Module, name: str):
     """A weight leaf: at init created as declared (kdtree_jax.weights: shape, dtype, initializer); at apply
     whatever the tree holds (a dense array or a typed INT4 weight), so a quantized tree runs through the
     same module. `mod` carries `cfg` and `param_dtype`."""
+    scope = mod.scope
+    assert scope is not None  # called from a module method inside init/apply: the module is bound
     if mod.is_initializing():
-        path = (*mod.scope.path, name)
+        path = (*scope.path, name)
         spec = declare(mod.cfg).get(path)
         if spec is None:
             raise KeyError(f"the model uses {'/'.join(path)}, which kdtree_jax/weights.py does not declare")
         return mod.param(name, spec.initializer(), spec.shape, spec.dtype(mod.param_dtype))
     value = mod.get_variable("params", name)
     if value is None:
-        raise KeyError(f"params are missing {'/'.join(mod.scope.path)}/{name}")
+        raise KeyError(f"params are missing {'/'.join(scope.path)}/{name}")
     return value
 
 
@@ -128,6 +130,7 @@ class MLA(nn.Module):
             return linear(out.reshape(batch, steps, heads * vdim), w_o), None
 
         # absorbed form over the latent cache
+        assert start is not None  # Transformer passes start [B] whenever it passes a latent cache
         new_rows = jnp.concatenate([c_kv, k_pe], axis=-1).astype(latent_cache.dtype)  # [B, T, c+r]
         latent_cache = write_rows(latent_cache, new_rows, start)
         q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w_uk.astype(q_nope.dtype))  # [B, T, H, c]
@@ -152,6 +155,11 @@ class DenseMLP(nn.Module):
     cfg: ModelConfig
     param_dtype: Any
     kernels: Kernels = Kernels()
+
+    @overload
+    def __call__(self, x: None = None) -> dict[str, Any]: ...
+    @overload
+    def __call__(self, x: jax.Array) -> jax.Array: ...
 
     @nn.compact
     def __call__(self, x=None):
@@ -363,7 +371,9 @@ def check_tokens(cfg: ModelConfig, tokens) -> None:
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels"))
 def _forward(params, cfg, tokens, kernels):
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    logits, _, _ = Transformer(cfg, _param_dtype(params), kernels).apply({"params": params}, tokens, positions)
+    # flax types apply's result as Any | (out, state); without mutable= it is the module's 3-tuple
+    logits, _, _ = cast(tuple[jax.Array, jax.Array, None],
+                        Transformer(cfg, _param_dtype(params), kernels).apply({"params": params}, tokens, positions))
     return logits
 
 
@@ -387,7 +397,7 @@ def forward(params: Params, cfg: ModelConfig, tokens, kernels: Kernels | None = 
     if tokens.shape[1] > cfg.max_position_embeddings:  # the model (and its YaRN scaling) is defined up to there
         raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's max_position_embeddings="
                          f"{cfg.max_position_embeddings}")
-    if not isinstance(tokens, jax.core.Tracer):
+    if not isinstance(tokens, Tracer):
         check_tokens(cfg, tokens)
     return _forward(params, cfg, tokens.astype(jnp.int32), _kernels(kernels))
 
@@ -399,7 +409,9 @@ def forward_with_cache(params: Params, cfg: ModelConfig, tokens: jax.Array, posi
     are written at cache slots lengths[b] + t; new token t sees every committed row and the new rows u
     with visibility[b, t, u] (default causal). Returns (logits [B, T, V] f32, hidden [B, T, n, D],
     cache with the rows written; `lengths` unchanged - the caller commits). kernels: as in `forward`."""
-    logits, hidden, latent = Transformer(cfg, _param_dtype(params), _kernels(kernels)).apply(
+    out = Transformer(cfg, _param_dtype(params), _kernels(kernels)).apply(
         {"params": params}, tokens, positions, cache.latent, cache.lengths, visibility,
         hidden_layers=tuple(hidden_layers))
+    # flax types apply's result as Any | (out, state); without mutable= it is the module's 3-tuple
+    logits, hidden, latent = cast(tuple[jax.Array, jax.Array, jax.Array], out)
     return logits, hidden, cache._replace(latent=latent)

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -229,7 +230,7 @@ def check_mesh(cfg: ModelConfig, mesh, params_or_abstract=None) -> None:
         else:
             arrays = {"": (leaf, specs)}
         for suffix, (array, leaf_p) in arrays.items():
-            for dim, (extent, axes) in enumerate(zip(array.shape, tuple(leaf_p) + (None,) * array.ndim)):
+            for dim, (extent, axes) in enumerate(zip(array.shape, tuple(leaf_p) + (None,) * array.ndim, strict=False)):
                 n = _mesh_size(sizes, axes)
                 if extent % n:
                     hint = (f" (INT4 scales hold K/{GROUP_SIZE} groups per row)" if suffix.startswith("/scale")
@@ -244,7 +245,7 @@ def params_bytes_per_device(params_or_abstract, mesh) -> int:
     specs = jax.tree.leaves(param_specs(params_or_abstract), is_leaf=lambda x: isinstance(x, P))
     leaves = jax.tree.leaves(params_or_abstract)
     total = 0
-    for leaf, leaf_p in zip(leaves, specs):
+    for leaf, leaf_p in zip(leaves, specs, strict=True):
         split = math.prod(_mesh_size(sizes, a) for a in leaf_p)
         bits = 4 if np.dtype(leaf.dtype) == np.dtype(jax.numpy.int4) else 8 * np.dtype(leaf.dtype).itemsize
         total += int(np.prod(leaf.shape, dtype=np.int64)) * bits // 8 // split

@@ -208,7 +208,7 @@ def commit(tmp: Path, dest: Path, *, replace: bool) -> None:
         except BaseException:
             # Still alive: put the old checkpoint back now rather than leave it to the next load. If this
             # fails too, the journal stays and the next load or write recovers.
-            if moved_old and not os.path.lexists(dest):
+            if moved_old and old is not None and not os.path.lexists(dest):  # moved_old implies old
                 os.rename(old, dest)
             os.unlink(journal)
             raise
@@ -232,8 +232,9 @@ def _recover_locked(dest: Path) -> list[str]:
                     and re.fullmatch(rf"\.{re.escape(dest.name)}\.tmp-[0-9a-f]{{8}}", tmp_name)
                     and (old_name is None or (isinstance(old_name, str)
                          and re.fullmatch(rf"\.{re.escape(dest.name)}\.old-[0-9a-f]{{8}}", old_name))))
-        tmp = dest.parent / tmp_name if names_ok else None
-        old = dest.parent / old_name if names_ok and old_name else None
+        # names_ok checked both are str (or old None); the isinstance is repeated so the type checker sees it
+        tmp = dest.parent / tmp_name if names_ok and isinstance(tmp_name, str) else None
+        old = dest.parent / old_name if names_ok and isinstance(old_name, str) and old_name else None
         pid = record.get("pid") if isinstance(record, dict) else None
         if tmp is not None and tmp.exists():  # the new checkpoint is complete: finish the commit
             if os.path.lexists(dest):
@@ -368,7 +369,7 @@ def checksums(flat: Mapping[str, object]) -> dict[str, str]:
     """{tensor name: sha256} of a flat {name: array} (hashed in parallel: hashlib releases the GIL)."""
     names = list(flat)
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1, max(1, len(names)))) as pool:
-        return dict(zip(names, pool.map(lambda n: array_checksum(flat[n]), names)))
+        return dict(zip(names, pool.map(lambda n: array_checksum(flat[n]), names), strict=True))
 
 
 def verify_checksums(flat: Mapping[str, object], recorded: Mapping[str, str], where: str) -> None:
@@ -423,7 +424,8 @@ def read_error_message(error: BaseException, directory: Path) -> str:
         if found:
             tensor = found.group(1).replace(".", "/")
             cause = found.group(2)[:300]
-            kind = "data corruption in" if re.search(r"corrupt|checksum|decompress", cause, re.IGNORECASE) else "cannot read"
+            corrupt = re.search(r"corrupt|checksum|decompress", cause, re.IGNORECASE)
+            kind = "data corruption in" if corrupt else "cannot read"
             return f"{kind} tensor {tensor} of {directory}: {cause}"
     first = texts[0].split(" See full TensorStore details")[0][:300] if texts else type(error).__name__
     return f"cannot read the tensors of {directory} (truncated or damaged?): {type(error).__name__}: {first}"

@@ -73,6 +73,12 @@ class _Row:
     when: Callable[[ModelConfig], bool] = lambda cfg: True
 
 
+def _q_lora(cfg: ModelConfig) -> int:
+    """q_lora_rank, for the rows that exist only with a low-rank query (their `when` checks it is set)."""
+    assert cfg.q_lora_rank is not None
+    return cfg.q_lora_rank
+
+
 def _heads_qk(cfg: ModelConfig) -> int:
     return cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
 
@@ -84,12 +90,12 @@ _TABLE: tuple[_Row, ...] = (
          hf_linear=False),
     _Row(ATTN, "q", lambda c: (c.hidden_size, _heads_qk(c)), ("embed", "heads"), "fan_in_normal",
          "q_proj.weight", when=lambda c: c.q_lora_rank is None),
-    _Row(ATTN, "q_a", lambda c: (c.hidden_size, c.q_lora_rank), ("embed", "q_lora"), "fan_in_normal",
+    _Row(ATTN, "q_a", lambda c: (c.hidden_size, _q_lora(c)), ("embed", "q_lora"), "fan_in_normal",
          "q_a_proj.weight", when=lambda c: c.q_lora_rank is not None),
-    _Row(ATTN, "q_a_norm", lambda c: (c.q_lora_rank,), ("norm",), "ones", "q_a_layernorm.weight",
+    _Row(ATTN, "q_a_norm", lambda c: (_q_lora(c),), ("norm",), "ones", "q_a_layernorm.weight",
          hf_linear=False, when=lambda c: c.q_lora_rank is not None),
     # columns are head-major: a column block of q_b / kv_b / rows of o = whole heads
-    _Row(ATTN, "q_b", lambda c: (c.q_lora_rank, _heads_qk(c)), ("q_lora", "heads"), "fan_in_normal",
+    _Row(ATTN, "q_b", lambda c: (_q_lora(c), _heads_qk(c)), ("q_lora", "heads"), "fan_in_normal",
          "q_b_proj.weight", when=lambda c: c.q_lora_rank is not None),
     # columns [0, c): latent c_kv; [c, c+r): k_pe before RoPE
     _Row(ATTN, "kv_a", lambda c: (c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim), ("embed", "latent"),

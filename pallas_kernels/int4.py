@@ -100,8 +100,10 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
 class Int4Weight:
     """An INT4 weight in the checkpoint layout: qweight int16 [..., N, K/4], scale bf16|f32 [..., N, K/32]."""
 
-    qweight: jax.Array
-    scale: jax.Array
+    # jax.Array in params; abstract trees hold a jax.ShapeDtypeStruct per field and sharding specs a
+    # PartitionSpec (the same type is the pytree prefix for all three), hence Any
+    qweight: Any  # int16 [..., N, K/4]
+    scale: Any  # bf16|f32 [..., N, K/32]
 
     LAYOUT = "checkpoint"
 
@@ -138,7 +140,7 @@ class Int4Weight:
 
     # ---- conversions
     @classmethod
-    def from_compressed(cls, packed: jax.Array, scale: jax.Array) -> "Int4Weight":
+    def from_compressed(cls, packed: jax.Array, scale: jax.Array) -> Int4Weight:
         """File layout (packed int32 [..., N, K/8], scale [..., N, K/32]) -> Int4Weight. Bit-exact."""
         if packed.dtype != jnp.int32:
             raise ValueError(f"packed must be int32 [..., N, K/8], got {packed.dtype}")
@@ -160,7 +162,7 @@ class Int4Weight:
         return lax.bitcast_convert_type(halves, jnp.int32), self.scale
 
     @classmethod
-    def from_dense(cls, w: jax.Array, scale_dtype=jnp.bfloat16) -> "Int4Weight":
+    def from_dense(cls, w: jax.Array, scale_dtype=jnp.bfloat16) -> Int4Weight:
         """Quantize a params-convention weight [..., K, N] ([in, out]; stacked experts [E, K, N])."""
         q, scale = quantize_int4(jnp.swapaxes(w, -1, -2), scale_dtype)  # [..., N, K]
         return cls.from_compressed(pack_int4(q), scale)
@@ -170,7 +172,7 @@ class Int4Weight:
         packed, scale = self.to_compressed()
         return dequantize_int4(unpack_int4(packed), scale, dtype)
 
-    def to_mosaic(self) -> "MosaicInt4Weight":
+    def to_mosaic(self) -> MosaicInt4Weight:
         """-> the Mosaic GPU layout: int4 [..., N, K] and bf16 scales [..., K/32, N] (same bytes)."""
         shifts = jnp.arange(4, dtype=jnp.int32) * 4
         nib = (self.qweight.astype(jnp.int32)[..., None] >> shifts) & 0xF  # [..., N, K/4, 4]
@@ -182,7 +184,7 @@ class Int4Weight:
         return {"qweight": self.qweight, "scale": self.scale}
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Int4Weight":
+    def from_dict(cls, d: Any) -> Int4Weight:
         if not cls.is_dict(d):
             keys = sorted(d) if isinstance(d, dict) else type(d).__name__
             raise ValueError(f"not a stored INT4 weight: want a dict with keys ['qweight', 'scale'], got {keys}")
@@ -200,8 +202,9 @@ class MosaicInt4Weight:
     """An INT4 weight in the Mosaic GPU kernels' layout: w_i4 int4 [..., N, K], scale_t bf16 [..., K/32, N].
     Made at load time from an Int4Weight (`Int4Weight.to_mosaic`); checkpoints never hold it."""
 
-    w_i4: jax.Array
-    scale_t: jax.Array
+    # jax.Array in params, jax.ShapeDtypeStruct / PartitionSpec in abstract trees / sharding specs (as above)
+    w_i4: Any  # int4 [..., N, K]
+    scale_t: Any  # bf16 [..., K/32, N]
 
     LAYOUT = "mosaic_gpu"
 

@@ -13,7 +13,8 @@ Everything is float64; inputs of any float dtype (jax bf16 included) are convert
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -274,7 +275,7 @@ def moe(p_moe: Mapping, cfg: ModelConfig, x: np.ndarray) -> np.ndarray:
     experts = p_moe["experts"]
     out = np.zeros_like(x)  # [T, D]
     for t in range(x.shape[0]):
-        for e, w in zip(idx[t], weights[t]):
+        for e, w in zip(idx[t], weights[t], strict=True):
             e = int(e)
             y = swiglu(x[t:t + 1], _expert_weight(experts["gate"], e), _expert_weight(experts["up"], e),
                        _expert_weight(experts["down"], e))  # [1, D]
@@ -311,10 +312,10 @@ def forward(params: Mapping, cfg: ModelConfig, tokens, return_hidden: Iterable[i
         raise ValueError(f"token ids must be in [0, vocab_size={cfg.vocab_size}), got min "
                          f"{tokens.min()} max {tokens.max()}")
     L = cfg.num_hidden_layers
-    return_hidden = tuple(int(l) for l in return_hidden)
-    for l in return_hidden:
-        if not 0 <= l < L:
-            raise ValueError(f"return_hidden layer {l} is outside [0, num_hidden_layers={L})")
+    return_hidden = tuple(int(layer) for layer in return_hidden)
+    for layer in return_hidden:
+        if not 0 <= layer < L:
+            raise ValueError(f"return_hidden layer {layer} is outside [0, num_hidden_layers={L})")
     params = to_float64(params)
     if cfg.tie_word_embeddings:
         lm_head = params["embed_tokens"].T  # [D, V]
@@ -325,14 +326,14 @@ def forward(params: Mapping, cfg: ModelConfig, tokens, return_hidden: Iterable[i
 
     B, S = tokens.shape
     positions = np.arange(S)
-    hidden = {l: np.zeros((B, S, cfg.hidden_size)) for l in return_hidden}
+    hidden = {layer: np.zeros((B, S, cfg.hidden_size)) for layer in return_hidden}
     logits = np.zeros((B, S, cfg.vocab_size))
     for b in range(B):
         h = params["embed_tokens"][tokens[b]]  # [S, D]; no embedding scaling
-        for l in range(L):
-            h = _decoder_layer(params[f"layers_{l}"], cfg, l, h, positions)
-            if l in hidden:
-                hidden[l][b] = h
+        for layer in range(L):
+            h = _decoder_layer(params[f"layers_{layer}"], cfg, layer, h, positions)
+            if layer in hidden:
+                hidden[layer][b] = h
         logits[b] = _linear(rms_norm(h, params["final_norm"], cfg.rms_norm_eps), lm_head)
     if return_hidden:
         return logits, hidden

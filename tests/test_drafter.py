@@ -268,6 +268,11 @@ def test_config_round_trip_and_for_target():
     assert DrafterConfig.for_target(ModelConfig.kimi_k26(), num_layers=4).num_key_value_heads == 8
     with pytest.raises(ConfigError, match="no mask_token_id"):
         DrafterConfig.for_target(tiny.replace(mask_token_id=None))
+    # the default KV heads derive from the heads, so bad heads are named before anything else
+    for heads in (0, 2.0, True):
+        with pytest.raises(ConfigError, match=rf"num_attention_heads must be a positive integer, got {heads!r}"):
+            DrafterConfig.for_target(tiny, num_attention_heads=heads)
+    assert DrafterConfig.for_target(tiny, num_attention_heads=np.int64(16)).num_key_value_heads == 2
     with pytest.raises(ConfigError, match="6 layers"):
         default_target_layer_ids(6, 7)
 
@@ -310,6 +315,9 @@ def test_api_shape_errors():
     with pytest.raises(ValueError, match="do not match"):
         drafter_forward(params, small_config(num_hidden_layers=1), cache, embed, lm_head, jnp.array([1, 2]),
                         cache.lengths)
+    unvalidated = dataclasses.replace(dcfg, mask_token_id=None)  # dataclasses.replace skips validate()
+    with pytest.raises(ValueError, match="mask_token_id is None"):
+        drafter_forward(params, unvalidated, cache, embed, lm_head, jnp.array([1, 2]), cache.lengths)
     with pytest.raises(ValueError, match="max_len must be a positive"):
         init_drafter_cache(dcfg, 2, 0)
     assert isinstance(cache, DrafterCache)

@@ -78,7 +78,7 @@ def plot_curves(log_path: Path, png_path: Path, title: str, keys: tuple[str, ...
     for key in keys:
         pts = [(r["step"], r[key]) for r in records if key in r]
         if pts:
-            xs, ys = zip(*pts)
+            xs, ys = zip(*pts, strict=True)
             ax.plot(xs, ys, label=key, marker="o" if len(pts) < 40 else None)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")

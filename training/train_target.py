@@ -23,8 +23,7 @@ import optax
 
 import kdtree_jax as kj
 from kdtree_jax.model import MoE, Transformer, route
-from training.common import (JsonLog, describe_device, load_tokenizer, param_count, plot_curves,
-                             target_config)
+from training.common import JsonLog, describe_device, load_tokenizer, param_count, plot_curves, target_config
 from training.data import corpus_files, random_windows, token_stream
 
 

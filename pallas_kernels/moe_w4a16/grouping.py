@@ -8,6 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+
 class Grouping(NamedTuple):
     """Static-shape routing tables. A = T*k assignments, P = max_row_tiles * block_m padded rows."""
 

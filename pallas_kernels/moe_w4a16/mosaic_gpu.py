@@ -100,7 +100,8 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
     config_up = config_up or default_mosaic_config(hidden)
     config_down = config_down or default_mosaic_config(inter)
     if expert_ids.shape != weights.shape or expert_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"expert_ids {expert_ids.shape} and weights {weights.shape} must both be [T, k], T={x.shape[0]}")
+        raise ValueError(f"expert_ids {expert_ids.shape} and weights {weights.shape} must both be [T, k], "
+                         f"T={x.shape[0]}")
 
     def swiglu_tiles(x_rows, tile_expert):  # [R bm, D] rows -> [R, D, bm] f32 down outputs (0: unused tiles)
         used = (tile_expert >= 0)[:, None, None]  # unused tiles' outputs are never written: mask them

@@ -41,7 +41,6 @@ from pallas_kernels.moe_w4a16.grouping import group_assignments
 from pallas_kernels.w4a16.triton import _dequant_tile
 
 
-
 @dataclasses.dataclass(frozen=True)
 class MoEBlockConfig:
     """Tile sizes for the two kernels. block_m: rows (assignments) per tile; *_up: gate/up kernel

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import dispatch
-
 from pallas_kernels.tree_attention.reference import tree_mla_attention_reference
 from pallas_kernels.tree_attention.triton import BlockConfig, tree_attention_pallas
 from pallas_kernels.tree_attention.tuned import pick_config
@@ -41,7 +41,6 @@ def check_tree_attention_values(start, tree_mask, *, cache_rows: int) -> None:
 
     Raises ValueError if some start[b] < 0, start[b] + T > cache_rows, or tree_mask has a False
     on its diagonal. Inside jit these go unchecked: start + T > S_max reads past the cache."""
-    import numpy as np
 
     start = np.asarray(start)
     tree_mask = np.asarray(tree_mask)

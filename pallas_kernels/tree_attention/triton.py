@@ -95,7 +95,7 @@ def _tree_attention_kernel(
     kv_end = jnp.minimum(start + num_tree, cache_ref.shape[0])
 
     def tile(k0, carry, masked: bool):
-        acc, m, l = carry  # [BR, c] f32, [BR] f32, [BR] f32
+        acc, m, denom = carry  # [BR, c] f32, [BR] f32, [BR] f32
         if masked:
             kv_ok = (k0 + jnp.arange(block_kv)) < kv_end  # [BK]
             k_c = pltriton.load(
@@ -117,24 +117,24 @@ def _tree_attention_kernel(
             s = jnp.where(visible, s, NEG)
         m_tile = jnp.max(s, axis=1)  # [BR]
         if rescale_threshold > 0:
-            def rescale(acc, m, l):
+            def rescale(acc, m, denom):
                 m_new = jnp.maximum(m, m_tile)
                 alpha = jnp.exp2(m - m_new)
-                return acc * alpha[:, None], m_new, l * alpha
+                return acc * alpha[:, None], m_new, denom * alpha
 
             grow = jnp.max(m_tile - m) > rescale_threshold  # one branch for the whole tile
-            acc, m, l = jax.lax.cond(grow, rescale, lambda acc, m, l: (acc, m, l), acc, m, l)
+            acc, m, denom = jax.lax.cond(grow, rescale, lambda acc, m, denom: (acc, m, denom), acc, m, denom)
         else:
             m_new = jnp.maximum(m, m_tile)
             alpha = jnp.exp2(m - m_new)
-            acc, m, l = acc * alpha[:, None], m_new, l * alpha
+            acc, m, denom = acc * alpha[:, None], m_new, denom * alpha
         p = jnp.exp2(s - m[:, None])  # [BR, BK], <= 2**rescale_threshold
         if masked:
             # A row with nothing visible yet has m == NEG and would get p == 1 here.
             p = jnp.where(visible, p, 0.0)
-        l = l + jnp.sum(p, axis=1)
+        denom = denom + jnp.sum(p, axis=1)
         acc = acc + jnp.dot(p.astype(k_c.dtype), k_c, preferred_element_type=jnp.float32)
-        return acc, m, l
+        return acc, m, denom
 
     carry = (
         jnp.zeros((block_rows, c), jnp.float32),
@@ -150,16 +150,16 @@ def _tree_attention_kernel(
     if num_splits > 1:
         n_tail = jnp.where(split == num_splits - 1, n_tail, 0)
     carry = jax.lax.fori_loop(0, n_tail, lambda j, cr: tile((n_full + j) * block_kv, cr, True), carry)
-    acc, m, l = carry
+    acc, m, denom = carry
 
     if num_splits == 1:
         (o_ref,) = out_refs
-        o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+        o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
     else:
         o_ref, lse_ref = out_refs
-        has = l > 0
-        o_ref[...] = (acc / jnp.where(has, l, 1.0)[:, None]).astype(o_ref.dtype)
-        lse_ref[...] = jnp.where(has, m + jnp.log2(jnp.where(has, l, 1.0)), NEG)
+        has = denom > 0
+        o_ref[...] = (acc / jnp.where(has, denom, 1.0)[:, None]).astype(o_ref.dtype)
+        lse_ref[...] = jnp.where(has, m + jnp.log2(jnp.where(has, denom, 1.0)), NEG)
 
 
 def build_row_mask(tree_mask, num_heads: int, rows_padded: int, block_kv: int):

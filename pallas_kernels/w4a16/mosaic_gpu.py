@@ -41,7 +41,7 @@ class MgpuConfig:
     a_operand: str = "registers"
 
     @classmethod
-    def parse(cls, text: str) -> "MgpuConfig":
+    def parse(cls, text: str) -> MgpuConfig:
         """A tiling written as colon-separated fields, e.g. "bn64:bk256:s4" or "bn128:bk128:s3:smem":
         bnN block_n, bkN block_k, sN max_concurrent_steps, and the words registers / smem (a_operand).
         Unnamed fields keep their defaults."""
