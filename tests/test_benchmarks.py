@@ -14,6 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 CPU = dict(os.environ, JAX_PLATFORMS="cpu")  # the CPU paths, also on a machine with a GPU
+if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode:
+    # a copy without .git (e.g. on a GPU host): benchmarks then need the commit from the environment
+    CPU.setdefault("BENCH_GIT_COMMIT", "unknown (tests run outside a git checkout)")
 
 
 def _run(*argv):

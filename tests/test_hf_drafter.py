@@ -256,7 +256,7 @@ BASE = {"hidden_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4, "n
     ({"dflash_config": {"target_layer_ids": [1]}}, "mask_token_id"),
     ({"dflash_config": {"mask_token_id": 3}}, "neither dflash_config.target_layer_ids nor num_target_layers"),
     ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
-    ({"dflash_config": dict(BASE["dflash_config"], block_size=1)}, "block_size must be >= 2"),
+    ({"dflash_config": dict(BASE["dflash_config"], block_size=1)}, r"block_size must be in \[2, 64\]"),
 ])
 def test_unsupported_or_bad_configs_are_refused_by_name(change, match):
     with pytest.raises(DrafterFormatError, match=match):

@@ -149,7 +149,8 @@ def test_without_a_mesh_the_model_code_is_unchanged():
 
 # ---------------------------------------------------------------------- 8 simulated CPU devices
 def _start(*jobs: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # simulated CPU devices on any host (on a GPU host jax would otherwise pick the one GPU)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # the worker sets its own device count
     return subprocess.Popen([sys.executable, str(ROOT / "tests" / "sharded_worker.py"), *jobs], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -251,7 +252,7 @@ def test_bench_sharded_builds_mosaic_layout_params_on_a_mesh():
 
 
 def test_bench_sharded_runs_on_fake_devices(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT),
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",  # simulated CPU devices on any host
                XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_sharded.py"), "--tiny",
