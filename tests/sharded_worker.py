@@ -34,14 +34,15 @@ import numpy as np  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 warnings.simplefilter("ignore")  # the CPU W4A16 fallback warning, once per process
 
+from helpers import SMALL, random_params  # noqa: E402
+
 import kdtree_jax as kj  # noqa: E402
-from helpers import random_params  # noqa: E402
 from kdtree_jax import cli, sharding  # noqa: E402
 from kdtree_jax.ddtree import OracleDraft  # noqa: E402
 from kdtree_jax.drafter import DrafterConfig, init_drafter_params  # noqa: E402
 
 # two layers: the dense first layer (tensor-split MLP) and one MoE layer (experts + shared expert)
-TINY = kj.ModelConfig.tiny().replace(num_hidden_layers=2)
+TINY = SMALL
 # wider where the mesh splits, so tensor=4 and 8 divide it (heads, experts, INT4 scale groups)
 MID = TINY.replace(num_attention_heads=8, moe_intermediate_size=256)
 PROMPTS = [[5, 17, 33, 250], [7], [100, 101, 102, 103, 104, 105]]

@@ -8,11 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import SMALL, random_params
 
 import kdtree_jax as kj
-from helpers import random_params
-
-SMALL = kj.ModelConfig.tiny().replace(num_hidden_layers=2)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from helpers import SMALL
 
 import kdtree_jax as kj
 from kdtree_jax import checkpoint as ckpt
@@ -27,7 +28,6 @@ from pallas_kernels.int4 import Int4Weight
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 ALL = ["hf_k2_dense", "hf_k25_dense", "hf_k2_int4", "hf_dsv3_f32"]
-SMALL = kj.ModelConfig.tiny().replace(num_hidden_layers=2)
 
 
 def assert_same_params(got, want):

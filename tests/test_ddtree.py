@@ -7,15 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY, random_params
 
 import kdtree_jax as kj
-from helpers import random_params
 from kdtree_jax.ddtree import OracleDraft, accept_path
 from kdtree_jax.drafter import DrafterConfig, init_drafter_params
 from kdtree_jax.tree import build_tree
 from reference import model as ref
 
-TINY = kj.ModelConfig.tiny()
 SMALL_VOCAB = TINY.replace(vocab_size=24, mask_token_id=23, num_hidden_layers=2)
 
 
@@ -30,8 +29,8 @@ def ragged_prompts(cfg, seed, lengths):
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    params = random_params(TINY, seed=0)
+def tiny(tiny_params):
+    params = tiny_params
     prompts = ragged_prompts(TINY, 0, (5, 1, 9))
     ar = kj.generate(TINY, params, prompts, max_new_tokens=14, stop_tokens=())
     return params, prompts, ar

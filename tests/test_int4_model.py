@@ -4,14 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY, random_params, rel_err
 
 import kdtree_jax as kj
-from helpers import random_params, rel_err
 from kdtree_jax.drafter import DrafterConfig, init_drafter_params
 from pallas_kernels.int4 import Int4Weight
 from reference import model as ref
 
-TINY = kj.ModelConfig.tiny()
 OTHER = TINY.replace(hidden_size=256, moe_intermediate_size=96, intermediate_size=320, q_lora_rank=None,
                      num_hidden_layers=3, n_routed_experts=6, num_experts_per_tok=2)
 PROMPTS = [[5, 17, 33, 2 + 1, 250], [7], [100, 101, 102, 103, 104, 105, 106, 107]]
@@ -82,8 +81,8 @@ def test_int4_checkpoint_round_trip(models, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_bad_policy_and_double_quantization_are_refused():
-    params = random_params(TINY, 0)
+def test_bad_policy_and_double_quantization_are_refused(tiny_params):
+    params = tiny_params
     with pytest.raises(ValueError, match="policy"):
         kj.quantize(params, TINY, policy="attention")
     q = kj.quantize(params, TINY)

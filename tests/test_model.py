@@ -4,13 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY, random_params, rel_err
 
 import kdtree_jax as kj
-from helpers import random_params, rel_err
 from kdtree_jax import layers, model
 from reference import model as ref
 
-TINY = kj.ModelConfig.tiny()
 VARIANTS = {
     "tiny": TINY,
     "no_q_lora_no_yarn": TINY.replace(q_lora_rank=None, rope_scaling=None, num_hidden_layers=3),
@@ -22,11 +21,6 @@ VARIANTS = {
                                                              mscale=1.0, mscale_all_dim=1.0),
                                  num_hidden_layers=2),
 }
-
-
-@pytest.fixture(scope="module")
-def tiny_params():
-    return random_params(TINY, seed=0)
 
 
 def test_rms_norm_and_rope_match_reference():

@@ -7,15 +7,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY, random_params, rel_err
 from jax.sharding import PartitionSpec as P
 
 import kdtree_jax as kj
-from helpers import random_params, rel_err
 from kdtree_jax import sharding
 from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight, is_quantized
 from pallas_kernels.moe_w4a16 import grouped_moe_w4a16
 
-CFG = kj.ModelConfig.tiny().replace(num_hidden_layers=3)  # layer 0 dense, layers 1-2 MoE
+CFG = TINY.replace(num_hidden_layers=3)  # layer 0 dense, layers 1-2 MoE
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,10 @@ import math
 
 import numpy as np
 import pytest
+from helpers import SMALL, TINY
 
 from kdtree_jax.config import ModelConfig, YarnScaling
 from reference import model as ref
-
-TINY = ModelConfig.tiny()
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -61,7 +60,6 @@ def make_params(cfg: ModelConfig, seed: int = 0) -> dict:
 
 
 # A 2-layer tiny model keeps the forward-based tests fast; it still has one dense and one MoE layer.
-SMALL = TINY.replace(num_hidden_layers=2)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY
 
 import kdtree_jax as kj
 from kdtree_jax.drafter import drafter_extend_context, drafter_forward, init_drafter_cache
@@ -32,7 +33,7 @@ ACCEPTANCE_FLOOR = 4.5
 
 # --------------------------------------------------------------------- training forward == inference
 def _tiny_drafter(seed=0):
-    cfg = kj.ModelConfig.tiny()
+    cfg = TINY
     dcfg = kj.DrafterConfig.for_target(cfg, num_layers=2, num_target_layers=2, block_size=5)
     dparams = kj.init_drafter_params(dcfg, jax.random.key(seed))
     rng = np.random.default_rng(seed)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import error_lines
+from helpers import SMALL, error_lines
 
 import kdtree_jax as kj
 from kdtree_jax import cli, storage
@@ -42,7 +42,6 @@ from kdtree_jax.storage import CheckpointRecoveryWarning, UnverifiedCheckpointWa
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = REPO / "kdtree_jax" / "assets"
-SMALL = kj.ModelConfig.tiny().replace(num_hidden_layers=2)
 DRAFTER = kj.DrafterConfig.for_target(SMALL, block_size=4)
 
 

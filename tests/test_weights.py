@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY
 
 import kdtree_jax as kj
 from kdtree_jax import checkpoint, hf, sharding, weights
 from kdtree_jax.drafter import DrafterConfig, declare_drafter, init_drafter_params
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = kj.ModelConfig.tiny()
 VARIANTS = {
     "tiny": TINY,
     "no_q_lora_no_shared_tied": TINY.replace(q_lora_rank=None, n_shared_experts=0, tie_word_embeddings=True,

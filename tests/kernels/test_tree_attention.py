@@ -3,11 +3,10 @@ reference, both checked against an independent float64 NumPy implementation."""
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from pallas_kernels import dispatch
 from pallas_kernels.tree_attention import (
