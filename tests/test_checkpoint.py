@@ -26,7 +26,7 @@ def test_round_trip_is_bit_exact(saved):
     cfg, loaded = kj.load_checkpoint(path)
     assert cfg == SMALL
     assert jax.tree.structure(loaded) == jax.tree.structure(params)
-    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -37,7 +37,7 @@ def test_bf16_round_trip(tmp_path):
     _, loaded = kj.load_checkpoint(tmp_path / "bf16")
     assert loaded["layers_0"]["attn"]["q_b"].dtype == jnp.bfloat16
     assert loaded["layers_1"]["moe"]["router"].dtype == jnp.float32
-    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
@@ -130,5 +130,5 @@ def test_checkpoint_written_on_another_platform_loads(saved, tmp_path):
     assert rewritten > 0, f"no stored sharding names {here}"
     cfg, loaded = kj.load_checkpoint(copy)
     assert cfg == SMALL
-    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -305,7 +305,7 @@ def test_convert_command_writes_a_loadable_checkpoint(models):
     cfg, params = kj.load_checkpoint(models / "int4")
     want_cfg, want = load_hf(FIXTURES / "hf_k2_int4", jnp.float32, progress=False)
     assert cfg == want_cfg
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -363,7 +363,8 @@ BAD = [
     (["generate", "--checkpoint", "{target}", "--moe-kernel", "mosaic_gpu"],
      "moe impl='mosaic_gpu' needs INT4 routed experts; this model has dense experts"),
     (["generate", "--checkpoint", "{int4}", "--moe-kernel", "mosaic_gpu"], "moe impl='mosaic_gpu' cannot run: needs"),
-    (["generate", "--preset", "tiny", "--layers", "1", "--max-new-tokens", "300"], "exceeds the model's max_position_embeddings"),
+    (["generate", "--preset", "tiny", "--layers", "1", "--max-new-tokens", "300"],
+     "exceeds the model's max_position_embeddings"),
     (["generate", "--preset", "tiny", "--tokenizer", "{tmp}/tok.json"], "tokenizer file"),
     (["convert", "{tmp}/nope", "{tmp}/out"], "Hugging Face directory"),
     (["convert", "{hfbad}", "{tmp}/out"], "no config.json"),

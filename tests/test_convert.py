@@ -33,7 +33,7 @@ ALL = ["hf_k2_dense", "hf_k25_dense", "hf_k2_int4", "hf_dsv3_f32"]
 def assert_same_params(got, want):
     assert jax.tree.structure(got) == jax.tree.structure(want)
     flat_got = jax.tree_util.tree_flatten_with_path(got)[0]
-    for (path, a), b in zip(flat_got, jax.tree.leaves(want)):
+    for (path, a), b in zip(flat_got, jax.tree.leaves(want), strict=True):
         name = jax.tree_util.keystr(path)
         assert a.dtype == b.dtype and a.shape == b.shape, name
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)

@@ -76,7 +76,7 @@ def test_int4_checkpoint_round_trip(models, tmp_path):
     kj.save_checkpoint(tmp_path / "q", cfg, qparams)
     cfg2, loaded = kj.load_checkpoint(tmp_path / "q")
     assert cfg2 == cfg and _int4_paths(loaded) == _int4_paths(qparams)
-    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(qparams)):
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(qparams), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

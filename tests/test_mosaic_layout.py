@@ -146,7 +146,7 @@ def test_model_routed_experts_kernel_interpret_matches_reference():
     """grouped_moe_w4a16 on MosaicInt4Weight experts: the Mosaic kernel in interpret mode (simulated) == the
     XLA path == float64."""
     rng = np.random.default_rng(0)
-    E, D, I, T, k = 4, 128, 64, 3, 2
+    E, D, I, T, k = 4, 128, 64, 3, 2  # noqa: E741 (I: intermediate size)
     experts = {n: Int4Weight.from_dense(jnp.asarray(rng.standard_normal((E,) + shape) / np.sqrt(shape[0]),
                                                     jnp.float32))
                for n, shape in (("gate", (D, I)), ("up", (D, I)), ("down", (I, D)))}

@@ -166,7 +166,8 @@ def test_acceptance_floor(greedy_runs):
     """A drafter regression (untrained, swapped, mis-wired features) shows up here first."""
     assert ACCEPTANCE_FLOOR is not None, "set ACCEPTANCE_FLOOR after measuring the shipped pair"
     got = _mean_acceptance(greedy_runs["ddtree64"], 0)
-    assert got >= ACCEPTANCE_FLOOR, f"DDTree acceptance {got:.2f} < floor {ACCEPTANCE_FLOOR} (was {ACCEPTANCE_MEASURED})"
+    assert got >= ACCEPTANCE_FLOOR, (f"DDTree acceptance {got:.2f} < floor {ACCEPTANCE_FLOOR} "
+                                     f"(was {ACCEPTANCE_MEASURED})")
     # the tree beats the single path, which beats plain decoding's 1 token per forward
     assert got >= _mean_acceptance(greedy_runs["dflash"], 0) > 1.0
 
