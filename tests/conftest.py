@@ -6,6 +6,8 @@ import jax
 import pytest
 from helpers import SMALL, TINY, random_params
 
+import kdtree_jax as kj
+
 jax.config.update("jax_default_matmul_precision", "highest")
 
 KERNELS = Path(__file__).parent / "kernels"
@@ -43,3 +45,15 @@ def small_cfg():
 def tiny_params():
     """random_params(TINY, seed=0), float32; built once for every file that uses it (treat as read-only)."""
     return random_params(TINY, seed=0)
+
+
+@pytest.fixture(scope="session")
+def small_params():
+    """random_params(SMALL, seed=0), float32 (read-only)."""
+    return random_params(SMALL, seed=0)
+
+
+@pytest.fixture(scope="session")
+def small_init_params():
+    """kj.init_params(SMALL, key(0)), float32: unit norms, zero router bias (read-only)."""
+    return kj.init_params(SMALL, jax.random.key(0))

@@ -8,14 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import SMALL, random_params
+from helpers import SMALL
 
 import kdtree_jax as kj
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    params = random_params(SMALL, seed=0)
+def saved(tmp_path_factory, small_params):
+    params = small_params
     path = tmp_path_factory.mktemp("ckpt") / "model"
     kj.save_checkpoint(path, SMALL, params)
     return path, params
@@ -51,8 +51,8 @@ def test_existing_path_is_not_overwritten_without_consent(saved, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["again"]  # no temporary or old directories left
 
 
-def test_failed_save_leaves_nothing_behind(tmp_path):
-    params = random_params(SMALL, seed=0)
+def test_failed_save_leaves_nothing_behind(tmp_path, small_params):
+    params = small_params
     bad = dict(params)
     bad["final_norm"] = jnp.ones((3,))
     with pytest.raises(kj.CheckpointError, match="final_norm"):

@@ -78,11 +78,11 @@ def test_every_option_of_every_command_is_explained(capsys):
 
 
 # ---------------------------------------------------------------------------------------- commands
-def test_init_and_info_count_parameters_and_bytes(models, small_cfg, capsys):
+def test_init_and_info_count_parameters_and_bytes(models, small_init_params, capsys):
     rc, out, _ = run(["info", models / "target", "--json"], capsys)
     assert rc == 0
     info = json.loads(out)
-    params = kj.init_params(small_cfg, jax.random.key(0))
+    params = small_init_params
     leaves = jax.tree.leaves(params)
     assert info["kind"] == "target" and info["config"]["num_hidden_layers"] == 2
     assert info["parameters"] == sum(x.size for x in leaves)

@@ -154,8 +154,8 @@ def test_bad_hf_directory_fails_before_anything_is_written(tmp_path):
 
 
 # --------------------------------------------------------------------------- the writer and format
-def test_writer_refuses_incomplete_duplicate_unknown_and_misshaped_entries(tmp_path):
-    params = kj.init_params(SMALL, jax.random.key(0))
+def test_writer_refuses_incomplete_duplicate_unknown_and_misshaped_entries(tmp_path, small_init_params):
+    params = small_init_params
     with pytest.raises(CheckpointError, match=r"incomplete: entries \[.*'layers_1'.*never written"):
         with CheckpointWriter(tmp_path / "a", SMALL, param_dtype="float32") as w:
             for entry in ("embed_tokens", "layers_0"):
@@ -174,8 +174,8 @@ def test_writer_refuses_incomplete_duplicate_unknown_and_misshaped_entries(tmp_p
     assert os.listdir(tmp_path) == []
 
 
-def test_unexpected_entry_on_disk_is_refused(tmp_path):
-    params = kj.init_params(SMALL, jax.random.key(0))
+def test_unexpected_entry_on_disk_is_refused(tmp_path, small_init_params):
+    params = small_init_params
     path = save_checkpoint(tmp_path / "c", SMALL, params)
     shutil.copytree(path / "params" / "layers_1", path / "params" / "layers_2")
     with pytest.raises(CheckpointError, match="does not hold the params entry 'layers_2'"):

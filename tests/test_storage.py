@@ -277,7 +277,7 @@ def test_a_destination_that_appears_meanwhile_is_never_replaced(tmp_path):
 
 
 # ---------------------------------------------------------------------------- 4. no temporaries left
-def test_ctrl_c_during_a_background_save_leaves_nothing(tmp_path, monkeypatch):
+def test_ctrl_c_during_a_background_save_leaves_nothing(tmp_path, monkeypatch, small_init_params):
     """A real SIGINT lands while Orbax is still writing an entry in its background thread."""
     real = storage.checksums
     calls = []
@@ -290,7 +290,7 @@ def test_ctrl_c_during_a_background_save_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(storage, "checksums", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(tmp_path / "X", SMALL, kj.init_params(SMALL, jax.random.key(0)))
+        save_checkpoint(tmp_path / "X", SMALL, small_init_params)
     assert os.listdir(tmp_path) == []
 
 

@@ -131,10 +131,10 @@ def test_kernel_plan_on_this_cpu_and_a_faked_h200(small_cfg):
         kj.kernel_plan(params, cfg, kernels={"moe": "xla"})
 
 
-def test_per_call_override_reaches_the_model(small_cfg):
+def test_per_call_override_reaches_the_model(small_cfg, small_init_params):
     """kj.forward(..., kernels=...) decides per call: the pinned kernel runs (interpret mode here) or raises."""
     cfg = small_cfg
-    params = kj.quantize(kj.init_params(cfg, jax.random.key(0)), cfg)
+    params = kj.quantize(small_init_params, cfg)
     tokens = jnp.asarray([[3, 17, 42]], jnp.int32)
     want = kj.forward(params, cfg, tokens, kernels=Kernels(attention="xla", linear="xla", moe="xla"))
     got = kj.forward(params, cfg, tokens, kernels=Kernels(moe="triton", interpret=True))
