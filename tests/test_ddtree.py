@@ -54,6 +54,7 @@ def test_greedy_dflash_equals_autoregressive(tiny):
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_invariant_on_more_random_models_and_the_reference(seed):
     cfg = TINY.replace(num_hidden_layers=3)
@@ -65,6 +66,7 @@ def test_invariant_on_more_random_models_and_the_reference(seed):
         assert list(np.asarray(out.tokens[i])) == ref.greedy_generate(params, cfg, prompt, 10)
 
 
+@pytest.mark.slow
 def test_vocabulary_smaller_than_budget():
     params = random_params(SMALL_VOCAB, seed=4)
     prompts = ragged_prompts(SMALL_VOCAB, 4, (4, 2))
@@ -141,6 +143,7 @@ def _chi_square(samples: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
     return stat, int(keep.sum()) - 1
 
 
+@pytest.mark.slow
 def test_sampling_is_lossless_chi_square():
     cfg = SMALL_VOCAB
     params = random_params(cfg, seed=9)

@@ -52,6 +52,7 @@ def test_int4_logits_match_the_reference_on_dequantized_weights(models):
     assert rel_err(logits, ref.forward(params, cfg, tokens)) > 1e-3
 
 
+@pytest.mark.slow
 def test_int4_greedy_tokens_equal_reference_and_differ_from_float(models):
     cfg, params, qparams = models
     out = kj.generate(cfg, qparams, PROMPTS, max_new_tokens=12, stop_tokens=())
@@ -61,6 +62,7 @@ def test_int4_greedy_tokens_equal_reference_and_differ_from_float(models):
     assert not np.array_equal(np.asarray(out.tokens), np.asarray(dense.tokens))
 
 
+@pytest.mark.slow
 def test_int4_ddtree_equals_int4_autoregressive(models):
     cfg, _, qparams = models
     dcfg = DrafterConfig.for_target(cfg, num_layers=1, block_size=4)

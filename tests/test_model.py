@@ -38,6 +38,7 @@ def test_rms_norm_and_rope_match_reference():
     assert TINY.softmax_scale == pytest.approx(ref.softmax_scale(TINY), rel=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "group_routing", "no_shared_tied"])
 def test_routing_matches_reference(name):
     cfg = VARIANTS[name]
@@ -53,6 +54,7 @@ def test_routing_matches_reference(name):
                    np.take_along_axis(ref_w, ref_order, -1)) < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_forward_matches_reference(name):
     cfg = VARIANTS[name]

@@ -53,6 +53,7 @@ def _paths(tree) -> dict[tuple[str, ...], tuple]:
     return {tuple(k.key for k in path): (tuple(leaf.shape), np.dtype(leaf.dtype)) for path, leaf in flat}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant, dtype", sorted(INIT_GOLDEN))
 def test_init_is_bit_identical_to_the_recorded_golden(variant, dtype):
     params = kj.init_params(VARIANTS[variant], jax.random.key(3), jnp.dtype(dtype))
