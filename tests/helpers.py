@@ -10,6 +10,11 @@ import numpy as np
 
 import kdtree_jax as kj
 
+# The one tiny config every test file starts from (conftest's `tiny_cfg` / `small_cfg` fixtures return these;
+# module constants in parametrize decorators import them from here).
+TINY = kj.ModelConfig.tiny()
+SMALL = TINY.replace(num_hidden_layers=2)  # one dense layer, one MoE layer
+
 
 def rel_err(actual, expected) -> float:
     """||actual - expected|| / ||expected|| in float64."""

@@ -34,14 +34,15 @@ import numpy as np  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 warnings.simplefilter("ignore")  # the CPU W4A16 fallback warning, once per process
 
+from helpers import SMALL, random_params  # noqa: E402
+
 import kdtree_jax as kj  # noqa: E402
-from helpers import random_params  # noqa: E402
 from kdtree_jax import cli, sharding  # noqa: E402
 from kdtree_jax.ddtree import OracleDraft  # noqa: E402
 from kdtree_jax.drafter import DrafterConfig, init_drafter_params  # noqa: E402
 
 # two layers: the dense first layer (tensor-split MLP) and one MoE layer (experts + shared expert)
-TINY = kj.ModelConfig.tiny().replace(num_hidden_layers=2)
+TINY = SMALL
 # wider where the mesh splits, so tensor=4 and 8 divide it (heads, experts, INT4 scale groups)
 MID = TINY.replace(num_attention_heads=8, moe_intermediate_size=256)
 PROMPTS = [[5, 17, 33, 250], [7], [100, 101, 102, 103, 104, 105]]
@@ -79,7 +80,8 @@ def run_cases(cfg, name: str, shapes, full: bool) -> None:
             sequence[b, :len(prompt) + NEW_TOKENS] = list(prompt) + list(baseline[f"ar/{kind}"][b])
         oracle = OracleDraft(jax.numpy.asarray(sequence), 4, cfg.vocab_size)
         cases[f"ddtree/{kind}"] = (p, dict(method="ddtree", drafter=oracle, tree_budget=5))
-        baseline[f"ddtree/{kind}"] = np.asarray(kj.generate(cfg, p, PROMPTS, **common, **cases[f"ddtree/{kind}"][1]).tokens)
+        baseline[f"ddtree/{kind}"] = np.asarray(
+            kj.generate(cfg, p, PROMPTS, **common, **cases[f"ddtree/{kind}"][1]).tokens)
     emit(job=name, check="dividing_shapes", shapes=[list(s) for s in shapes])
     emit(job=name, check="ddtree_equals_ar_on_one_device",
          equal=bool(np.array_equal(baseline["ddtree/dense"], baseline["ar/dense"])
@@ -118,11 +120,11 @@ def checkpoint_job() -> None:
             plain_leaves = jax.tree.leaves(plain)
             want_leaves = jax.tree.leaves(want)
             same_values = all(np.array_equal(np.asarray(a), np.asarray(b)) and a.dtype == b.dtype
-                              for (_, a), b in zip(leaves, plain_leaves))
-            same_shardings = all(a.sharding == s for (_, a), s in zip(leaves, want_leaves))
+                              for (_, a), b in zip(leaves, plain_leaves, strict=True))
+            same_shardings = all(a.sharding == s for (_, a), s in zip(leaves, want_leaves, strict=True))
             # each device holds only its shard: shard extent = full extent / mesh axes of that dim
             shard_ok = all(tuple(a.addressable_shards[0].data.shape) == s.shard_shape(a.shape)
-                           for (_, a), s in zip(leaves, want_leaves))
+                           for (_, a), s in zip(leaves, want_leaves, strict=True))
             emit(job="checkpoint", check="restore", mesh=[e, t], same_values=same_values,
                  same_shardings=same_shardings, shard_shapes=shard_ok, leaves=len(leaves))
         mesh = sharding.make_mesh("expert=2,tensor=2")
@@ -148,7 +150,7 @@ def checkpoint_job() -> None:
         converted = kj.to_mosaic_experts(restored, cfg)
         want = sharding.param_shardings(cfg, converted, mesh)
         experts = [(a, s) for a, s in zip(jax.tree.leaves(converted["layers_1"]["moe"]["experts"]),
-                                          jax.tree.leaves(want["layers_1"]["moe"]["experts"]))]
+                                          jax.tree.leaves(want["layers_1"]["moe"]["experts"]), strict=True)]
         emit(job="checkpoint", check="mosaic_conversion_keeps_the_mesh", leaves=len(experts),
              same_shardings=all(a.sharding == s for a, s in experts))
 

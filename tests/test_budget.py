@@ -31,16 +31,16 @@ def test_costs_are_monotone():
     ts = [1, 2, 5, 9, 17, 33, 65, 129, 257]
     for s in (0, 4096, 32768):
         v = [K26.verify_seconds(t, s) for t in ts]
-        assert all(a < b for a, b in zip(v, v[1:]))
+        assert all(a < b for a, b in zip(v, v[1:], strict=False))
     for t in (1, 33, 129):
         v = [K26.verify_seconds(t, s) for s in (0, 1024, 4096, 32768, 131072)]
-        assert all(a < b for a, b in zip(v, v[1:]))
+        assert all(a < b for a, b in zip(v, v[1:], strict=False))
     touched = [K26.touched_experts(t) for t in ts]
-    assert all(a < b for a, b in zip(touched, touched[1:]))
-    assert all(x <= min(K26.num_experts, t * K26.top_k) + 1e-9 for x, t in zip(touched, ts))
+    assert all(a < b for a, b in zip(touched, touched[1:], strict=False))
+    assert all(x <= min(K26.num_experts, t * K26.top_k) + 1e-9 for x, t in zip(touched, ts, strict=True))
     # Break-even acceptance grows with the budget.
     be = [K26.break_even_acceptance(b, 4096) for b in (1, 4, 16, 64, 128)]
-    assert all(1 < a < b for a, b in zip(be, be[1:]))
+    assert all(1 < a < b for a, b in zip(be, be[1:], strict=False))
 
 
 def test_break_even_is_where_speedup_is_one():
@@ -65,7 +65,7 @@ def test_choice_follows_acceptance_and_context():
     assert b_high >= 32
     # A longer context makes big trees dearer (attention grows with T * S): the choice never grows.
     choices = [choose_tree_budget(s, high, cheap) for s in (1024, 8192, 65536, 262144)]
-    assert all(a >= b for a, b in zip(choices, choices[1:]))
+    assert all(a >= b for a, b in zip(choices, choices[1:], strict=False))
     # Ties go to the smaller budget.
     same = {4: 3.0, 8: 3.0}
     flat = CostModel(draft_seconds=0.0, moe_overhead=0.0, attention_overhead=0.0, rest_overhead=0.0,

@@ -8,16 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import SMALL
 
 import kdtree_jax as kj
-from helpers import random_params
-
-SMALL = kj.ModelConfig.tiny().replace(num_hidden_layers=2)
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    params = random_params(SMALL, seed=0)
+def saved(tmp_path_factory, small_params):
+    params = small_params
     path = tmp_path_factory.mktemp("ckpt") / "model"
     kj.save_checkpoint(path, SMALL, params)
     return path, params
@@ -28,7 +26,7 @@ def test_round_trip_is_bit_exact(saved):
     cfg, loaded = kj.load_checkpoint(path)
     assert cfg == SMALL
     assert jax.tree.structure(loaded) == jax.tree.structure(params)
-    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -39,7 +37,7 @@ def test_bf16_round_trip(tmp_path):
     _, loaded = kj.load_checkpoint(tmp_path / "bf16")
     assert loaded["layers_0"]["attn"]["q_b"].dtype == jnp.bfloat16
     assert loaded["layers_1"]["moe"]["router"].dtype == jnp.float32
-    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
@@ -53,8 +51,8 @@ def test_existing_path_is_not_overwritten_without_consent(saved, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["again"]  # no temporary or old directories left
 
 
-def test_failed_save_leaves_nothing_behind(tmp_path):
-    params = random_params(SMALL, seed=0)
+def test_failed_save_leaves_nothing_behind(tmp_path, small_params):
+    params = small_params
     bad = dict(params)
     bad["final_norm"] = jnp.ones((3,))
     with pytest.raises(kj.CheckpointError, match="final_norm"):
@@ -132,5 +130,5 @@ def test_checkpoint_written_on_another_platform_loads(saved, tmp_path):
     assert rewritten > 0, f"no stored sharding names {here}"
     cfg, loaded = kj.load_checkpoint(copy)
     assert cfg == SMALL
-    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

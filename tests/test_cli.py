@@ -47,7 +47,7 @@ def token_lines(out: str) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models(tmp_path_factory, small_cfg):
     """A random 2-layer tiny target + drafter (block 4), the INT4 fixture converted to float32, and a random
     2-layer tiny target with INT4 experts (float32, bf16 scales)."""
     root = tmp_path_factory.mktemp("cli")
@@ -56,7 +56,7 @@ def models(tmp_path_factory):
                      "--block-size", "4"]) == 0
     assert cli.main(["convert", str(FIXTURES / "hf_k2_int4"), str(root / "int4"), "--dtype", "float32",
                      "--no-progress"]) == 0
-    tiny = kj.ModelConfig.tiny().replace(num_hidden_layers=2)  # expert dims 192 / 64: the Mosaic kernel's too
+    tiny = small_cfg  # expert dims 192 / 64: the Mosaic kernel's too
     kj.save_checkpoint(root / "int4_tiny", tiny, kj.quantize(kj.init_params(tiny, jax.random.key(3)), tiny))
     return root
 
@@ -78,11 +78,11 @@ def test_every_option_of_every_command_is_explained(capsys):
 
 
 # ---------------------------------------------------------------------------------------- commands
-def test_init_and_info_count_parameters_and_bytes(models, capsys):
+def test_init_and_info_count_parameters_and_bytes(models, small_init_params, capsys):
     rc, out, _ = run(["info", models / "target", "--json"], capsys)
     assert rc == 0
     info = json.loads(out)
-    params = kj.init_params(kj.ModelConfig.tiny().replace(num_hidden_layers=2), jax.random.key(0))
+    params = small_init_params
     leaves = jax.tree.leaves(params)
     assert info["kind"] == "target" and info["config"]["num_hidden_layers"] == 2
     assert info["parameters"] == sum(x.size for x in leaves)
@@ -166,7 +166,7 @@ def test_generate_prints_one_kernel_plan_line_and_takes_pinned_kernels(models, c
         assert rc == 2 and "moe impl='triton' cannot run: no GPU, this is cpu" in err
 
 
-def test_kernel_plan_on_a_faked_hopper_gpu(models, tmp_path, capsys, monkeypatch):
+def test_kernel_plan_on_a_faked_hopper_gpu(models, small_cfg, tmp_path, capsys, monkeypatch):
     """On an H200 (faked: the dispatcher's default device) `info` says where the routed experts run and what a
     user can do about it; a pinned flag gets a hint when auto would run something else."""
     from pallas_kernels import dispatch
@@ -179,7 +179,7 @@ def test_kernel_plan_on_a_faked_hopper_gpu(models, tmp_path, capsys, monkeypatch
             "not used: needs bf16 activations, the model runs in float32; GPU); hint: a bfloat16 model runs the "
             "routed experts on the Mosaic GPU kernel (--dtype bfloat16, or 'convert --dtype bfloat16') "
             "(on this machine)") in out
-    tiny = kj.ModelConfig.tiny().replace(num_hidden_layers=2)
+    tiny = small_cfg
     bf16 = kj.quantize(kj.init_params(tiny, jax.random.key(3), jnp.bfloat16), tiny)
     kj.save_checkpoint(tmp_path / "bf16", tiny, bf16)
     rc, out, _ = run(["info", tmp_path / "bf16", "--json"], capsys)
@@ -305,7 +305,7 @@ def test_convert_command_writes_a_loadable_checkpoint(models):
     cfg, params = kj.load_checkpoint(models / "int4")
     want_cfg, want = load_hf(FIXTURES / "hf_k2_int4", jnp.float32, progress=False)
     assert cfg == want_cfg
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -363,7 +363,8 @@ BAD = [
     (["generate", "--checkpoint", "{target}", "--moe-kernel", "mosaic_gpu"],
      "moe impl='mosaic_gpu' needs INT4 routed experts; this model has dense experts"),
     (["generate", "--checkpoint", "{int4}", "--moe-kernel", "mosaic_gpu"], "moe impl='mosaic_gpu' cannot run: needs"),
-    (["generate", "--preset", "tiny", "--layers", "1", "--max-new-tokens", "300"], "exceeds the model's max_position_embeddings"),
+    (["generate", "--preset", "tiny", "--layers", "1", "--max-new-tokens", "300"],
+     "exceeds the model's max_position_embeddings"),
     (["generate", "--preset", "tiny", "--tokenizer", "{tmp}/tok.json"], "tokenizer file"),
     (["convert", "{tmp}/nope", "{tmp}/out"], "Hugging Face directory"),
     (["convert", "{hfbad}", "{tmp}/out"], "no config.json"),

@@ -4,11 +4,10 @@ import json
 import re
 
 import pytest
+from helpers import TINY
 
 import kdtree_jax as kj
 from kdtree_jax.config import ConfigError, YarnScaling
-
-TINY = kj.ModelConfig.tiny()
 
 DSV3 = {
     "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,

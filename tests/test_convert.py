@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from helpers import SMALL
 
 import kdtree_jax as kj
 from kdtree_jax import checkpoint as ckpt
@@ -27,13 +28,12 @@ from pallas_kernels.int4 import Int4Weight
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 ALL = ["hf_k2_dense", "hf_k25_dense", "hf_k2_int4", "hf_dsv3_f32"]
-SMALL = kj.ModelConfig.tiny().replace(num_hidden_layers=2)
 
 
 def assert_same_params(got, want):
     assert jax.tree.structure(got) == jax.tree.structure(want)
     flat_got = jax.tree_util.tree_flatten_with_path(got)[0]
-    for (path, a), b in zip(flat_got, jax.tree.leaves(want)):
+    for (path, a), b in zip(flat_got, jax.tree.leaves(want), strict=True):
         name = jax.tree_util.keystr(path)
         assert a.dtype == b.dtype and a.shape == b.shape, name
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
@@ -154,8 +154,8 @@ def test_bad_hf_directory_fails_before_anything_is_written(tmp_path):
 
 
 # --------------------------------------------------------------------------- the writer and format
-def test_writer_refuses_incomplete_duplicate_unknown_and_misshaped_entries(tmp_path):
-    params = kj.init_params(SMALL, jax.random.key(0))
+def test_writer_refuses_incomplete_duplicate_unknown_and_misshaped_entries(tmp_path, small_init_params):
+    params = small_init_params
     with pytest.raises(CheckpointError, match=r"incomplete: entries \[.*'layers_1'.*never written"):
         with CheckpointWriter(tmp_path / "a", SMALL, param_dtype="float32") as w:
             for entry in ("embed_tokens", "layers_0"):
@@ -174,8 +174,8 @@ def test_writer_refuses_incomplete_duplicate_unknown_and_misshaped_entries(tmp_p
     assert os.listdir(tmp_path) == []
 
 
-def test_unexpected_entry_on_disk_is_refused(tmp_path):
-    params = kj.init_params(SMALL, jax.random.key(0))
+def test_unexpected_entry_on_disk_is_refused(tmp_path, small_init_params):
+    params = small_init_params
     path = save_checkpoint(tmp_path / "c", SMALL, params)
     shutil.copytree(path / "params" / "layers_1", path / "params" / "layers_2")
     with pytest.raises(CheckpointError, match="does not hold the params entry 'layers_2'"):

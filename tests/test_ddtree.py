@@ -7,15 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY, random_params
 
 import kdtree_jax as kj
-from helpers import random_params
 from kdtree_jax.ddtree import OracleDraft, accept_path
 from kdtree_jax.drafter import DrafterConfig, init_drafter_params
 from kdtree_jax.tree import build_tree
 from reference import model as ref
 
-TINY = kj.ModelConfig.tiny()
 SMALL_VOCAB = TINY.replace(vocab_size=24, mask_token_id=23, num_hidden_layers=2)
 
 
@@ -30,8 +29,8 @@ def ragged_prompts(cfg, seed, lengths):
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    params = random_params(TINY, seed=0)
+def tiny(tiny_params):
+    params = tiny_params
     prompts = ragged_prompts(TINY, 0, (5, 1, 9))
     ar = kj.generate(TINY, params, prompts, max_new_tokens=14, stop_tokens=())
     return params, prompts, ar
@@ -55,6 +54,7 @@ def test_greedy_dflash_equals_autoregressive(tiny):
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_invariant_on_more_random_models_and_the_reference(seed):
     cfg = TINY.replace(num_hidden_layers=3)
@@ -66,6 +66,7 @@ def test_invariant_on_more_random_models_and_the_reference(seed):
         assert list(np.asarray(out.tokens[i])) == ref.greedy_generate(params, cfg, prompt, 10)
 
 
+@pytest.mark.slow
 def test_vocabulary_smaller_than_budget():
     params = random_params(SMALL_VOCAB, seed=4)
     prompts = ragged_prompts(SMALL_VOCAB, 4, (4, 2))
@@ -142,6 +143,7 @@ def _chi_square(samples: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
     return stat, int(keep.sum()) - 1
 
 
+@pytest.mark.slow
 def test_sampling_is_lossless_chi_square():
     cfg = SMALL_VOCAB
     params = random_params(cfg, seed=9)

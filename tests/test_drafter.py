@@ -12,9 +12,18 @@ import numpy as np
 import pytest
 
 from kdtree_jax.config import ConfigError, ModelConfig
-from kdtree_jax.drafter import (MAX_BLOCK_SIZE, Drafter, DrafterCache, DrafterConfig, default_target_layer_ids,
-                                drafter_extend_context, drafter_forward, drafter_param_names,
-                                init_drafter_cache, init_drafter_params)
+from kdtree_jax.drafter import (
+    MAX_BLOCK_SIZE,
+    Drafter,
+    DrafterCache,
+    DrafterConfig,
+    default_target_layer_ids,
+    drafter_extend_context,
+    drafter_forward,
+    drafter_param_names,
+    init_drafter_cache,
+    init_drafter_params,
+)
 from reference import drafter as ref
 
 VOCAB = 50
@@ -251,14 +260,14 @@ def test_block_size_limit_is_inclusive():
         DrafterConfig.from_dict({**small_config().to_dict(), "block_size": 65})
 
 
-def test_config_round_trip_and_for_target():
+def test_config_round_trip_and_for_target(tiny_cfg):
     dcfg = small_config()
     assert DrafterConfig.from_dict(json.loads(json.dumps(dcfg.to_dict()))) == dcfg
     hash(dcfg)
     with pytest.raises(ConfigError, match="unknown DrafterConfig fields"):
         DrafterConfig.from_dict({**dcfg.to_dict(), "bogus": 1})
 
-    tiny = ModelConfig.tiny()
+    tiny = tiny_cfg
     d = DrafterConfig.for_target(tiny)
     assert (d.hidden_size, d.mask_token_id, d.target_layer_ids, d.num_hidden_layers) == (192, 399, (3,), 1)
     assert d.num_attention_heads % d.num_key_value_heads == 0
@@ -283,8 +292,8 @@ def test_config_round_trip_and_for_target():
     (dict(mask_token_id=400), "outside the target vocabulary"),
     (dict(mask_token_id=398), "differs from the target config"),
 ])
-def test_check_target_errors(changes, match):
-    tiny = ModelConfig.tiny()
+def test_check_target_errors(changes, match, tiny_cfg):
+    tiny = tiny_cfg
     dcfg = DrafterConfig.for_target(tiny)
     with pytest.raises(ConfigError, match=match):
         dataclasses.replace(dcfg, **changes).check_target(tiny)

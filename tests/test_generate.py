@@ -4,12 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY, random_params
 
 import kdtree_jax as kj
-from helpers import random_params
 from reference import model as ref
-
-TINY = kj.ModelConfig.tiny()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import random_params, rel_err
+from helpers import TINY, random_params, rel_err
 from safetensors.numpy import load_file, save_file
 
 import kdtree_jax as kj
@@ -41,7 +41,6 @@ from kdtree_jax.hf_drafter import (
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 ALL = ["dflash_b16_gqa", "dflash_b8_yarn"]
-TINY = kj.ModelConfig.tiny()
 RTOL = 1e-5
 
 

@@ -169,7 +169,8 @@ def test_no_weights_file(tmp_path):
 def test_missing_tensor(tmp_path):
     path = copy_fixture("hf_dsv3_f32", tmp_path)
     rewrite_single_file(path, lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight"))
-    with pytest.raises(HFCheckpointError, match=r"missing 1 tensor.*model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight"):
+    with pytest.raises(HFCheckpointError,
+                       match=r"missing 1 tensor.*model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight"):
         load_hf(path, progress=False)
 
 
@@ -191,7 +192,8 @@ def test_extra_tensor(tmp_path):
 
 def test_wrong_shape(tmp_path):
     path = copy_fixture("hf_dsv3_f32", tmp_path)
-    rewrite_single_file(path, lambda t: t.update({"model.layers.0.self_attn.kv_b_proj.weight": np.zeros((128, 16), np.float32)}))
+    rewrite_single_file(path, lambda t: t.update(
+        {"model.layers.0.self_attn.kv_b_proj.weight": np.zeros((128, 16), np.float32)}))
     with pytest.raises(HFCheckpointError, match=r"kv_b_proj\.weight.*shape \[128, 16\], expected \[128, 32\]"):
         load_hf(path, progress=False)
 
@@ -247,7 +249,8 @@ def test_int4_weight_shape_mismatch(tmp_path):
     tensors = load_file_flax(shard)
     tensors[name] = np.array([64, 64], np.int32)
     save_file_flax(tensors, shard)
-    with pytest.raises(HFCheckpointError, match=r"experts\.4\.down_proj\.weight_shape.*\[64, 64\], expected \[64, 32\]"):
+    with pytest.raises(HFCheckpointError,
+                       match=r"experts\.4\.down_proj\.weight_shape.*\[64, 64\], expected \[64, 32\]"):
         load_hf(path, progress=False)
 
 

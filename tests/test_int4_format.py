@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kdtree_jax.linear import linear
-from pallas_kernels.dispatch import Kernels
 from pallas_kernels import int4 as quant
+from pallas_kernels.dispatch import Kernels
 from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
 from reference import int4 as ref
 

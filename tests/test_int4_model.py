@@ -4,14 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY, random_params, rel_err
 
 import kdtree_jax as kj
-from helpers import random_params, rel_err
 from kdtree_jax.drafter import DrafterConfig, init_drafter_params
 from pallas_kernels.int4 import Int4Weight
 from reference import model as ref
 
-TINY = kj.ModelConfig.tiny()
 OTHER = TINY.replace(hidden_size=256, moe_intermediate_size=96, intermediate_size=320, q_lora_rank=None,
                      num_hidden_layers=3, n_routed_experts=6, num_experts_per_tok=2)
 PROMPTS = [[5, 17, 33, 2 + 1, 250], [7], [100, 101, 102, 103, 104, 105, 106, 107]]
@@ -31,12 +30,12 @@ def models(request):
 
 
 def test_policy_quantizes_exactly_the_routed_experts(models):
-    cfg, _, qparams = models
+    cfg, params, qparams = models
     paths = _int4_paths(qparams)
     moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     assert paths == sorted(f"['layers_{i}']['moe']['experts']['{w}']" for i in moe_layers
                            for w in ("gate", "up", "down"))
-    everything = _int4_paths(kj.quantize(random_params(cfg, 0), cfg, policy="all_mlp"))
+    everything = _int4_paths(kj.quantize(params, cfg, policy="all_mlp"))  # which paths: the values do not matter
     assert any("['shared']" in p for p in everything) and any("['mlp']" in p for p in everything)
     assert not any("attn" in p or "router" in p or "embed" in p or "lm_head" in p for p in everything)
 
@@ -53,6 +52,7 @@ def test_int4_logits_match_the_reference_on_dequantized_weights(models):
     assert rel_err(logits, ref.forward(params, cfg, tokens)) > 1e-3
 
 
+@pytest.mark.slow
 def test_int4_greedy_tokens_equal_reference_and_differ_from_float(models):
     cfg, params, qparams = models
     out = kj.generate(cfg, qparams, PROMPTS, max_new_tokens=12, stop_tokens=())
@@ -62,6 +62,7 @@ def test_int4_greedy_tokens_equal_reference_and_differ_from_float(models):
     assert not np.array_equal(np.asarray(out.tokens), np.asarray(dense.tokens))
 
 
+@pytest.mark.slow
 def test_int4_ddtree_equals_int4_autoregressive(models):
     cfg, _, qparams = models
     dcfg = DrafterConfig.for_target(cfg, num_layers=1, block_size=4)
@@ -77,13 +78,13 @@ def test_int4_checkpoint_round_trip(models, tmp_path):
     kj.save_checkpoint(tmp_path / "q", cfg, qparams)
     cfg2, loaded = kj.load_checkpoint(tmp_path / "q")
     assert cfg2 == cfg and _int4_paths(loaded) == _int4_paths(qparams)
-    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(qparams)):
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(qparams), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_bad_policy_and_double_quantization_are_refused():
-    params = random_params(TINY, 0)
+def test_bad_policy_and_double_quantization_are_refused(tiny_params):
+    params = tiny_params
     with pytest.raises(ValueError, match="policy"):
         kj.quantize(params, TINY, policy="attention")
     q = kj.quantize(params, TINY)

@@ -4,13 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY, random_params, rel_err
 
 import kdtree_jax as kj
-from helpers import random_params, rel_err
 from kdtree_jax import layers, model
 from reference import model as ref
 
-TINY = kj.ModelConfig.tiny()
 VARIANTS = {
     "tiny": TINY,
     "no_q_lora_no_yarn": TINY.replace(q_lora_rank=None, rope_scaling=None, num_hidden_layers=3),
@@ -22,11 +21,6 @@ VARIANTS = {
                                                              mscale=1.0, mscale_all_dim=1.0),
                                  num_hidden_layers=2),
 }
-
-
-@pytest.fixture(scope="module")
-def tiny_params():
-    return random_params(TINY, seed=0)
 
 
 def test_rms_norm_and_rope_match_reference():
@@ -44,6 +38,7 @@ def test_rms_norm_and_rope_match_reference():
     assert TINY.softmax_scale == pytest.approx(ref.softmax_scale(TINY), rel=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "group_routing", "no_shared_tied"])
 def test_routing_matches_reference(name):
     cfg = VARIANTS[name]
@@ -59,6 +54,7 @@ def test_routing_matches_reference(name):
                    np.take_along_axis(ref_w, ref_order, -1)) < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_forward_matches_reference(name):
     cfg = VARIANTS[name]

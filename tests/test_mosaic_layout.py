@@ -7,20 +7,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY, random_params, rel_err
 from jax.sharding import PartitionSpec as P
 
 import kdtree_jax as kj
-from helpers import random_params, rel_err
 from kdtree_jax import sharding
 from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight, is_quantized
 from pallas_kernels.moe_w4a16 import grouped_moe_w4a16
 
-CFG = kj.ModelConfig.tiny().replace(num_hidden_layers=3)  # layer 0 dense, layers 1-2 MoE
+CFG = TINY.replace(num_hidden_layers=3)  # layer 0 dense, layers 1-2 MoE
 
 
 @pytest.fixture(scope="module")
-def int4_params():
-    return kj.quantize(random_params(CFG, seed=1, dtype=jnp.bfloat16), CFG)
+def f32_params():
+    return random_params(CFG, seed=1)
+
+
+@pytest.fixture(scope="module")
+def bf16_params():
+    return random_params(CFG, seed=1, dtype=jnp.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def int4_params(bf16_params):
+    return kj.quantize(bf16_params, CFG)
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +66,11 @@ def test_conversion_is_exact_and_only_touches_routed_experts(int4_params, mosaic
         assert not is_quantized(shared)  # policy "experts": the shared expert stays dense
 
 
-def test_bad_conversions_raise(int4_params, mosaic_params):
+def test_bad_conversions_raise(int4_params, mosaic_params, f32_params):
     with pytest.raises(ValueError, match="already in the Mosaic layout"):
         kj.to_mosaic_experts(mosaic_params, CFG)
     with pytest.raises(ValueError, match="is not INT4"):
-        kj.to_mosaic_experts(random_params(CFG, seed=1), CFG)
+        kj.to_mosaic_experts(f32_params, CFG)
     dense_only = CFG.replace(num_hidden_layers=1)
     with pytest.raises(ValueError, match="no MoE layers"):
         kj.to_mosaic_experts({"layers_0": int4_params["layers_0"]}, dense_only)
@@ -71,7 +81,7 @@ class _FakeDevice:
         self.platform, self.compute_capability, self.device_kind = platform, compute_capability, device_kind
 
 
-def test_mosaic_moe_unsupported_says_why(int4_params, mosaic_params):
+def test_mosaic_moe_unsupported_says_why(int4_params, mosaic_params, f32_params, bf16_params):
     """What `generate --moe-kernel auto` asks: None exactly for a Hopper GPU + bf16 + canonical INT4 experts
     with bf16 scales and dims that are multiples of 64; otherwise the reason."""
     why = kj.mosaic_moe_unsupported
@@ -81,10 +91,10 @@ def test_mosaic_moe_unsupported_says_why(int4_params, mosaic_params):
     assert "needs a Hopper GPU" in why(int4_params, CFG, _FakeDevice(platform="cpu", compute_capability=None))
     if jax.default_backend() == "cpu":
         assert "needs a Hopper GPU" in why(int4_params, CFG)  # the default device: this CPU
-    assert "needs bf16 activations" in why(kj.quantize(random_params(CFG, seed=1), CFG), CFG, hopper)
-    f32_scales = kj.quantize(random_params(CFG, seed=1, dtype=jnp.bfloat16), CFG, scale_dtype=jnp.float32)
+    assert "needs bf16 activations" in why(kj.quantize(f32_params, CFG), CFG, hopper)
+    f32_scales = kj.quantize(bf16_params, CFG, scale_dtype=jnp.float32)
     assert "scales are float32" in why(f32_scales, CFG, hopper)
-    assert "not canonical INT4" in why(random_params(CFG, seed=1, dtype=jnp.bfloat16), CFG, hopper)
+    assert "not canonical INT4" in why(bf16_params, CFG, hopper)
     assert "not canonical INT4" in why(mosaic_params, CFG, hopper)  # already converted
     odd = CFG.replace(moe_intermediate_size=96)
     odd_params = kj.quantize(random_params(odd, seed=1, dtype=jnp.bfloat16), odd)
@@ -146,7 +156,7 @@ def test_model_routed_experts_kernel_interpret_matches_reference():
     """grouped_moe_w4a16 on MosaicInt4Weight experts: the Mosaic kernel in interpret mode (simulated) == the
     XLA path == float64."""
     rng = np.random.default_rng(0)
-    E, D, I, T, k = 4, 128, 64, 3, 2
+    E, D, I, T, k = 4, 128, 64, 3, 2  # noqa: E741 (I: intermediate size)
     experts = {n: Int4Weight.from_dense(jnp.asarray(rng.standard_normal((E,) + shape) / np.sqrt(shape[0]),
                                                     jnp.float32))
                for n, shape in (("gate", (D, I)), ("up", (D, I)), ("down", (I, D)))}

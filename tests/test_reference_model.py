@@ -11,11 +11,10 @@ import math
 
 import numpy as np
 import pytest
+from helpers import SMALL, TINY
 
 from kdtree_jax.config import ModelConfig, YarnScaling
 from reference import model as ref
-
-TINY = ModelConfig.tiny()
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -25,7 +24,7 @@ def make_params(cfg: ModelConfig, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     D, H = cfg.hidden_size, cfg.num_attention_heads
     n, r, v, c = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    E, I, V = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.vocab_size
+    E, I, V = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.vocab_size  # noqa: E741 (I: intermediate size)
 
     def w(*shape):  # [.., in, out], scaled so activations stay O(1)
         return rng.standard_normal(shape) / math.sqrt(shape[-2])
@@ -34,7 +33,7 @@ def make_params(cfg: ModelConfig, seed: int = 0) -> dict:
         return 1.0 + 0.2 * rng.standard_normal(dim)
 
     params = {"embed_tokens": rng.standard_normal((V, D)), "final_norm": norm(D)}
-    for l in range(cfg.num_hidden_layers):
+    for l in range(cfg.num_hidden_layers):  # noqa: E741 (l: the layer index)
         attn = {"kv_a": w(D, c + r), "kv_a_norm": norm(c), "kv_b": w(c, H * (n + v)), "o": w(H * v, D)}
         if cfg.q_lora_rank is None:
             attn["q"] = w(D, H * (n + r))
@@ -61,7 +60,6 @@ def make_params(cfg: ModelConfig, seed: int = 0) -> dict:
 
 
 # A 2-layer tiny model keeps the forward-based tests fast; it still has one dense and one MoE layer.
-SMALL = TINY.replace(num_hidden_layers=2)
 
 
 @pytest.fixture(scope="module")
@@ -324,7 +322,7 @@ def test_moe_combines_routed_and_shared_experts():
     expected = silu_mlp(x, sh["gate"], sh["up"], sh["down"])
     ex = p["experts"]
     for t in range(3):
-        for e, wt in zip(idx[t], w[t]):
+        for e, wt in zip(idx[t], w[t], strict=True):
             expected[t] += wt * silu_mlp(x[t], ex["gate"][e], ex["up"][e], ex["down"][e])
     np.testing.assert_allclose(ref.moe(p, cfg, x), expected, rtol=1e-12)
     # and the routing itself agrees with a vectorised top-k of sigmoid(x W) + bias (one group)

@@ -18,16 +18,16 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import TINY
 from jax.sharding import PartitionSpec as P
 
 import kdtree_jax as kj
 from kdtree_jax import sharding
-from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
 from kdtree_jax.sharding import MeshError
+from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
 
 ROOT = Path(__file__).resolve().parents[1]
 
-TINY = kj.ModelConfig.tiny()
 WORKER_TIMEOUT_S = 900
 
 
@@ -230,12 +230,12 @@ def test_cli_mesh(sharded_results):
     assert bad["status"] == 2 and "n_routed_experts=8 is not divisible by expert=3" in bad["error"]
 
 
-def test_bench_sharded_builds_mosaic_layout_params_on_a_mesh():
+def test_bench_sharded_builds_mosaic_layout_params_on_a_mesh(small_cfg):
     """bench_sharded.random_params_on_mesh(moe_layout="mosaic"): the routed experts made straight in the Mosaic
     kernel's layout, sharded by its rules; the model runs on them (bf16: the kernel on a GPU, its loud XLA
     fallback here)."""
     bench = _load_bench_sharded()
-    cfg = kj.ModelConfig.tiny().replace(num_hidden_layers=2)
+    cfg = small_cfg
     mesh = sharding.make_mesh({"expert": 1, "tensor": 1})
     params = bench.random_params_on_mesh(cfg, mesh, jnp.bfloat16, moe_layout="mosaic")
     gate = params["layers_1"]["moe"]["experts"]["gate"]

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY
 
 import kdtree_jax as kj
 from kdtree_jax.drafter import drafter_extend_context, drafter_forward, init_drafter_cache
@@ -32,7 +33,7 @@ ACCEPTANCE_FLOOR = 4.5
 
 # --------------------------------------------------------------------- training forward == inference
 def _tiny_drafter(seed=0):
-    cfg = kj.ModelConfig.tiny()
+    cfg = TINY
     dcfg = kj.DrafterConfig.for_target(cfg, num_layers=2, num_target_layers=2, block_size=5)
     dparams = kj.init_drafter_params(dcfg, jax.random.key(seed))
     rng = np.random.default_rng(seed)
@@ -165,7 +166,8 @@ def test_acceptance_floor(greedy_runs):
     """A drafter regression (untrained, swapped, mis-wired features) shows up here first."""
     assert ACCEPTANCE_FLOOR is not None, "set ACCEPTANCE_FLOOR after measuring the shipped pair"
     got = _mean_acceptance(greedy_runs["ddtree64"], 0)
-    assert got >= ACCEPTANCE_FLOOR, f"DDTree acceptance {got:.2f} < floor {ACCEPTANCE_FLOOR} (was {ACCEPTANCE_MEASURED})"
+    assert got >= ACCEPTANCE_FLOOR, (f"DDTree acceptance {got:.2f} < floor {ACCEPTANCE_FLOOR} "
+                                     f"(was {ACCEPTANCE_MEASURED})")
     # the tree beats the single path, which beats plain decoding's 1 token per forward
     assert got >= _mean_acceptance(greedy_runs["dflash"], 0) > 1.0
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import error_lines
+from helpers import SMALL, error_lines
 
 import kdtree_jax as kj
 from kdtree_jax import cli, storage
@@ -42,7 +42,6 @@ from kdtree_jax.storage import CheckpointRecoveryWarning, UnverifiedCheckpointWa
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = REPO / "kdtree_jax" / "assets"
-SMALL = kj.ModelConfig.tiny().replace(num_hidden_layers=2)
 DRAFTER = kj.DrafterConfig.for_target(SMALL, block_size=4)
 
 
@@ -55,7 +54,7 @@ def drafter_params(seed: int) -> dict:
 
 def assert_same(got, want) -> None:
     assert jax.tree.structure(got) == jax.tree.structure(want)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -281,7 +280,7 @@ def test_a_destination_that_appears_meanwhile_is_never_replaced(tmp_path):
 
 
 # ---------------------------------------------------------------------------- 4. no temporaries left
-def test_ctrl_c_during_a_background_save_leaves_nothing(tmp_path, monkeypatch):
+def test_ctrl_c_during_a_background_save_leaves_nothing(tmp_path, monkeypatch, small_init_params):
     """A real SIGINT lands while Orbax is still writing an entry in its background thread."""
     real = storage.checksums
     calls = []
@@ -294,7 +293,7 @@ def test_ctrl_c_during_a_background_save_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(storage, "checksums", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(tmp_path / "X", SMALL, kj.init_params(SMALL, jax.random.key(0)))
+        save_checkpoint(tmp_path / "X", SMALL, small_init_params)
     assert os.listdir(tmp_path) == []
 
 

@@ -117,7 +117,7 @@ def test_build_tree_from_logits_matches_float64_heap(shape, seed, scale):
         ref = heap_tree_from_logits(logits[b], budget, roots[b])
         np.testing.assert_allclose(np.asarray(tree.scores[b]), ref.scores, rtol=1e-5, atol=1e-5)
         if _min_gap(heap_tree_from_logits(logits[b], budget + 1, roots[b]).scores) > 1e-4:
-            _assert_equal_to_reference(jax.tree.map(lambda x: x[b : b + 1], tree), [ref], scores_exact=False)
+            _assert_equal_to_reference(jax.tree.map(lambda x, b=b: x[b : b + 1], tree), [ref], scores_exact=False)
     _assert_well_formed(tree, tree_size_counts(budget, vocab, depth_count)[1])
 
 
@@ -130,7 +130,7 @@ def test_larger_vocab_and_budget_against_float64_heap():
     for b in range(2):
         ref = heap_tree_from_logits(logits[b], 64)
         assert _min_gap(heap_tree_from_logits(logits[b], 65).scores) > 1e-4  # fixed seed, no near-ties
-        _assert_equal_to_reference(jax.tree.map(lambda x: x[b : b + 1], tree), [ref], scores_exact=False)
+        _assert_equal_to_reference(jax.tree.map(lambda x, b=b: x[b : b + 1], tree), [ref], scores_exact=False)
     assert np.asarray(tree.depths).max() >= 4
 
 
@@ -169,7 +169,7 @@ def test_traces_inside_jit_scan_and_while_loop():
     roots = np.array([1, 2])
     for r in range(3):
         refs = [heap_tree_from_logits(rounds[r, b], 8, roots[b]) for b in range(2)]
-        _assert_equal_to_reference(jax.tree.map(lambda x: x[r], trees), refs, scores_exact=False)
+        _assert_equal_to_reference(jax.tree.map(lambda x, r=r: x[r], trees), refs, scores_exact=False)
         roots = np.array([ref.tokens[1] for ref in refs])
 
     def cond(state):

@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY
 
 import kdtree_jax as kj
 from kdtree_jax import checkpoint, hf, sharding, weights
 from kdtree_jax.drafter import DrafterConfig, declare_drafter, init_drafter_params
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = kj.ModelConfig.tiny()
 VARIANTS = {
     "tiny": TINY,
     "no_q_lora_no_shared_tied": TINY.replace(q_lora_rank=None, n_shared_experts=0, tie_word_embeddings=True,
@@ -53,6 +53,7 @@ def _paths(tree) -> dict[tuple[str, ...], tuple]:
     return {tuple(k.key for k in path): (tuple(leaf.shape), np.dtype(leaf.dtype)) for path, leaf in flat}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant, dtype", sorted(INIT_GOLDEN))
 def test_init_is_bit_identical_to_the_recorded_golden(variant, dtype):
     # the goldens were recorded on the CPU; a GPU's normal sampler rounds differently, so init runs there

@@ -10,7 +10,7 @@ import pytest
 
 import kdtree_jax as kj
 from pallas_kernels import dispatch
-from pallas_kernels.dispatch import Choice, KernelUnavailableError, Kernels
+from pallas_kernels.dispatch import Choice, Kernels, KernelUnavailableError
 from pallas_kernels.int4 import Int4Weight
 
 CPU = types.SimpleNamespace(platform="cpu", device_kind="cpu")
@@ -105,9 +105,9 @@ def test_moe_layout_rule():
         layout(device=CPU, impl="mosaic_gpu")
 
 
-def test_kernel_plan_on_this_cpu_and_a_faked_h200():
+def test_kernel_plan_on_this_cpu_and_a_faked_h200(small_cfg):
     """The plan of a tiny INT4 model (all MLPs quantized: dense INT4 linears too) on the CPU and on an H200."""
-    cfg = kj.ModelConfig.tiny().replace(num_hidden_layers=2)
+    cfg = small_cfg
     params = jax.eval_shape(lambda: kj.quantize(kj.init_params(cfg, jax.random.key(0), jnp.bfloat16), cfg,
                                                 "all_mlp"))
     on_cpu = kj.kernel_plan(params, cfg, device=CPU)
@@ -131,10 +131,10 @@ def test_kernel_plan_on_this_cpu_and_a_faked_h200():
         kj.kernel_plan(params, cfg, kernels={"moe": "xla"})
 
 
-def test_per_call_override_reaches_the_model():
+def test_per_call_override_reaches_the_model(small_cfg, small_init_params):
     """kj.forward(..., kernels=...) decides per call: the pinned kernel runs (interpret mode here) or raises."""
-    cfg = kj.ModelConfig.tiny().replace(num_hidden_layers=2)
-    params = kj.quantize(kj.init_params(cfg, jax.random.key(0)), cfg)
+    cfg = small_cfg
+    params = kj.quantize(small_init_params, cfg)
     tokens = jnp.asarray([[3, 17, 42]], jnp.int32)
     want = kj.forward(params, cfg, tokens, kernels=Kernels(attention="xla", linear="xla", moe="xla"))
     got = kj.forward(params, cfg, tokens, kernels=Kernels(moe="triton", interpret=True))

@@ -78,7 +78,7 @@ CASES = [
 
 @pytest.mark.parametrize("T,E,k,D,I,crowd", CASES)
 @pytest.mark.parametrize("act_dtype", [jnp.float32, jnp.bfloat16])
-def test_kernel_interpret_matches_numpy_and_reference(T, E, k, D, I, crowd, act_dtype):
+def test_kernel_interpret_matches_numpy_and_reference(T, E, k, D, I, crowd, act_dtype):  # noqa: E741
     rng = np.random.default_rng(T * 100 + E + k + D)
     experts, dense = _experts(rng, E, D, I)
     ids, weights = _routing(rng, T, k, E, crowd=crowd)
@@ -117,7 +117,7 @@ def test_grouping_reads_each_touched_expert_once():
     ids = ids.at[2, 1].set(ids[0, 0] if ids[0, 0] not in np.asarray(ids[2]) else ids[2, 1])
     weights = weights.at[4, 3].set(0.0)  # dropped: its expert counts only if another choice hits it
     grp = group_assignments(ids, weights, E, bm)
-    kept = {int(e) for e, w in zip(np.asarray(ids).ravel(), np.asarray(weights).ravel()) if w != 0}
+    kept = {int(e) for e, w in zip(np.asarray(ids).ravel(), np.asarray(weights).ravel(), strict=True) if w != 0}
     tiles = [int(e) for e in np.asarray(grp.tile_expert) if e >= 0]
     assert sorted(tiles) == sorted(kept) and int(grp.touched) == len(kept)
     pos, keep = np.asarray(grp.position), np.asarray(grp.keep)
@@ -154,7 +154,7 @@ def test_model_routed_experts_uses_the_grouped_kernel_and_matches_numpy():
     from kdtree_jax import model
 
     rng = np.random.default_rng(5)
-    E, D, I, T, k = 8, 64, 32, 6, 2
+    E, D, I, T, k = 8, 64, 32, 6, 2  # noqa: E741 (I: intermediate size)
     experts, dense = _experts(rng, E, D, I)
     ids, weights = _routing(rng, T, k, E, crowd=True)
     for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)):
@@ -229,12 +229,12 @@ def test_kernel_lowers_for_cuda_at_k26_shapes():
 
     mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
                                                                num_cores=132))
-    E, D, I = 384, 7168, 2048
+    E, D, I = 384, 7168, 2048  # noqa: E741 (I: intermediate size)
     S = jax.ShapeDtypeStruct
     leaf = lambda n, k: Int4Weight(S((E, n, k // 4), jnp.int16), S((E, n, k // 32), jnp.bfloat16))  # noqa: E731
     experts = {"gate": leaf(I, D), "up": leaf(I, D), "down": leaf(D, I)}
     for T in (1, 33, 129):
-        fn = lambda x, e, i, w: grouped_moe_w4a16_pallas(x, e, i, w, cfg=default_config(T, D, I))  # noqa: E731
+        fn = lambda x, e, i, w, T=T: grouped_moe_w4a16_pallas(x, e, i, w, cfg=default_config(T, D, I))  # noqa: E731
         with jax.sharding.use_abstract_mesh(mesh):
             text = jax.jit(fn).trace(S((T, D), jnp.bfloat16), experts, S((T, 8), jnp.int32),
                                      S((T, 8), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
@@ -244,7 +244,7 @@ def test_kernel_lowers_for_cuda_at_k26_shapes():
 def _k26_native_problem(T):
     """Random INT4 experts at K2.6 expert shapes (E reduced to 64 to keep the float32 reference small), routing,
     x, and the float32 XLA path's result."""
-    E, D, I, k = 64, 7168, 2048, 8
+    E, D, I, k = 64, 7168, 2048, 8  # noqa: E741 (I: intermediate size)
     keys = jax.random.split(jax.random.key(T), 8)
     leaf = lambda key, n, kk: Int4Weight(  # noqa: E731
         qweight=jax.random.randint(key, (E, n, kk // 4), -32768, 32768, jnp.int32).astype(jnp.int16),
@@ -298,7 +298,7 @@ def test_mgpu_grouped_moe_interpret_matches_numpy(T, E, k, crowd, zero):
     from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_moe_w4a16_mgpu
     from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig
 
-    D, I = 128, 64
+    D, I = 128, 64  # noqa: E741 (I: intermediate size)
     rng = np.random.default_rng(T + E + k)
     experts, dense = _experts(rng, E, D, I)
     ids, weights = _routing(rng, T, k, E, crowd=crowd)
@@ -343,7 +343,7 @@ def test_mgpu_grouped_kernel_skips_unused_tiles_and_reuses_experts(block_k):
         if e < 0:
             continue
         want = w4a16_matmul_reference(x_rows[t * 8:(t + 1) * 8].astype(jnp.float32),
-                                      jax.tree.map(lambda a: a[e], leaf))  # [8, 64]
+                                      jax.tree.map(lambda a, e=e: a[e], leaf))  # [8, 64]
         assert _rel(y_t[t].T, np.asarray(want, np.float64)) < 1e-2
 
 
@@ -359,7 +359,7 @@ def test_mgpu_grouped_moe_lowers_for_cuda_at_k26_shapes():
 
     mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
                                                                num_cores=132))
-    E, D, I = 384, 7168, 2048
+    E, D, I = 384, 7168, 2048  # noqa: E741 (I: intermediate size)
     S = jax.ShapeDtypeStruct
     layout = lambda n, kk: MosaicInt4Weight(S((E, n, kk), jnp.int4), S((E, kk // 32, n), jnp.bfloat16))  # noqa: E731
     experts = {"gate": layout(I, D), "up": layout(I, D), "down": layout(D, I)}

@@ -82,7 +82,7 @@ def test_lowers_for_cuda_at_k2_shapes():
                 Int4Weight(jax.ShapeDtypeStruct((n, k // 4), jnp.int16),
                            jax.ShapeDtypeStruct((n, k // 32), jnp.bfloat16)))
         with jax.sharding.use_abstract_mesh(mesh):
-            text = jax.jit(lambda x, leaf: w4a16_matmul_mgpu(x, leaf, config=cfg)).trace(*args).lower(
+            text = jax.jit(lambda x, leaf, cfg=cfg: w4a16_matmul_mgpu(x, leaf, config=cfg)).trace(*args).lower(
                 lowering_platforms=("cuda",)).as_text()
         assert set(re.findall(r"custom_call @(\w+)", text)) == {"mosaic_gpu_v2"}
 

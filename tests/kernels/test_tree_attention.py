@@ -3,11 +3,10 @@ reference, both checked against an independent float64 NumPy implementation."""
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from pallas_kernels import dispatch
 from pallas_kernels.tree_attention import (
@@ -138,10 +137,14 @@ def test_kernel_lowers_for_cuda_at_k2_shapes():
     mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
                                                                num_cores=132))
     for T, S_max, splits, tau in [(1, 32768, 64, 0.0), (33, 4096, 2, 8.0), (129, 4096, 1, 0.0)]:
-        args = (jax.ShapeDtypeStruct((1, T, 64, 576), jnp.bfloat16), jax.ShapeDtypeStruct((1, S_max, 576), jnp.bfloat16),
+        args = (jax.ShapeDtypeStruct((1, T, 64, 576), jnp.bfloat16),
+                jax.ShapeDtypeStruct((1, S_max, 576), jnp.bfloat16),
                 jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, T, T), jnp.bool_))
-        fn = lambda q, c, s, m: tree_attention_pallas(q, c, s, m, scale=0.04, value_dim=512,
-                                                      config=BlockConfig(num_splits=splits, rescale_threshold=tau))
+        config = BlockConfig(num_splits=splits, rescale_threshold=tau)
+
+        def fn(q, c, s, m, config=config):
+            return tree_attention_pallas(q, c, s, m, scale=0.04, value_dim=512, config=config)
+
         with jax.sharding.use_abstract_mesh(mesh):
             text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "xla.gpu.triton" in text
