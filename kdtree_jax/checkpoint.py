@@ -15,7 +15,7 @@ is still read.
 HF INT4 import) when not given.
 
 The files hold each INT4 weight as the dict {"qweight", "scale"} (`Int4Weight.to_dict`); in memory it is
-an `Int4Weight`. This module converts at the boundary (`_stored` on the way out, `_typed` on the way in),
+an `Int4Weight`. This module converts at the boundary (`to_stored` on the way out, `typed_from_stored` on the way in),
 so every checkpoint written before the typed weights loads unchanged.
 """
 
@@ -138,7 +138,7 @@ def _abstract(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
-def _stored(tree):
+def to_stored(tree):
     """The tree as the files hold it: every Int4Weight as its dict {"qweight", "scale"}."""
     return jax.tree.map(lambda x: x.to_dict() if isinstance(x, Int4Weight) else x, tree,
                         is_leaf=lambda x: isinstance(x, Int4Weight))
@@ -203,7 +203,7 @@ class CheckpointWriter:
         if entry in self.written:
             raise CheckpointError(f"params entry {entry!r} was already written")
         _check_tree({entry: self.expected[entry]}, {entry: _abstract(subtree)}, f"params to save at {self.path}")
-        stored = _stored({entry: subtree})
+        stored = to_stored({entry: subtree})
         self._checkpointer.save(self._tmp / "params" / entry, stored)
         self.checksums.update(storage.checksums(storage.flat_tensors(stored)))  # while Orbax writes
         self._checkpointer.wait_until_finished()
@@ -387,7 +387,7 @@ def load_checkpoint(path: str | os.PathLike, *, expect_kind: str | None = None, 
     params: dict[str, Any] = {}
     for restored in _restore(path, meta, expected, checksums):
         params.update(restored)
-    return cfg, _typed(params)
+    return cfg, typed_from_stored(params)
 
 
 def verify_checkpoint(path: str | os.PathLike) -> dict[str, int]:
@@ -430,7 +430,7 @@ def _restore(path: Path, meta: dict, expected, checksums: dict[str, str] | None)
     """Restore the Orbax items of a checkpoint one at a time (against `expected`, with shardings) and
     check each against `checksums` (None: unchecked)."""
     checkpointer = ocp.StandardCheckpointer()
-    expected = _stored(expected)
+    expected = to_stored(expected)
     items = ([(path / "params", expected)] if meta["format"] == 1 else
              [(path / "params" / entry, {entry: expected[entry]}) for entry in expected])
     for directory, target in items:
@@ -458,10 +458,10 @@ def _with_shardings(cfg, kind: str, abstract, mesh):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
-def _typed(tree: Any) -> Any:
+def typed_from_stored(tree: Any) -> Any:
     """Plain dicts from Orbax's restored tree, every stored INT4 dict {"qweight", "scale"} an Int4Weight."""
     if hasattr(tree, "items"):
-        plain = {k: _typed(v) for k, v in tree.items()}
+        plain = {k: typed_from_stored(v) for k, v in tree.items()}
         return Int4Weight.from_dict(plain) if Int4Weight.is_dict(plain) else plain
     return tree
 
@@ -473,7 +473,7 @@ def _flatten(tree) -> dict[str, Any]:
 
 def _check_tree(expected, actual, what: str) -> None:
     """Raise CheckpointError listing missing, unexpected and mis-shaped/mis-typed tensors."""
-    exp, act = _flatten(_stored(expected)), _flatten(_stored(actual))
+    exp, act = _flatten(to_stored(expected)), _flatten(to_stored(actual))
     problems = []
     missing = sorted(set(exp) - set(act))
     extra = sorted(set(act) - set(exp))

@@ -651,9 +651,11 @@ def _info_kernels(kind: str, cfg, index) -> dict[str, Any]:
         return {}
     import jax  # noqa: PLC0415
 
+    from kdtree_jax.checkpoint import typed_from_stored  # noqa: PLC0415
     from kdtree_jax.kernels import kernel_plan  # noqa: PLC0415
 
-    abstract = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), index)
+    # the index is in the files' form: an INT4 weight is the dict {"qweight", "scale"}; the plan asks its type
+    abstract = typed_from_stored(jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), index))
     plan = kernel_plan(abstract, cfg)
     return {"kernels": {op: {"kernel": kernel, "reason": reason} for op, (kernel, reason) in plan.items()},
             "kernels_line": kernel_plan_line(abstract, cfg)}
@@ -713,35 +715,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     show_traceback = "--traceback" in argv  # accepted anywhere on the line, not only before COMMAND
     argv = [a for a in argv if a != "--traceback"]
-    previous_showwarning = warnings.showwarning
-    warnings.showwarning = _show_warning  # one line per warning, no source excerpt
-    try:
-        args = parser.parse_args(argv)
-        if args.command is None:
-            raise CLIError("no command given: choose one of generate, convert, init, info, verify "
-                           f"(see '{PROG} --help')")
-        args.func(args)
-        return 0
-    except KeyboardInterrupt:
-        STATUS.close()
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # noqa: BLE001 (the CLI's contract: one line, no traceback)
-        if show_traceback:
-            raise
-        from kdtree_jax.checkpoint import CheckpointError  # noqa: PLC0415
-        from kdtree_jax.config import ConfigError  # noqa: PLC0415
-        from kdtree_jax.hf import HFCheckpointError  # noqa: PLC0415
+    with warnings.catch_warnings():  # restores the filters and showwarning on the way out
+        warnings.showwarning = _show_warning  # one line per warning, no source excerpt
+        # JAX's notice that its Pallas Triton backend is deprecated is for kernel authors (docs/kernels.md),
+        # not something a CLI user can act on
+        warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated",
+                                category=DeprecationWarning)
+        try:
+            args = parser.parse_args(argv)
+            if args.command is None:
+                raise CLIError("no command given: choose one of generate, convert, init, info, verify "
+                               f"(see '{PROG} --help')")
+            args.func(args)
+            return 0
+        except KeyboardInterrupt:
+            STATUS.close()
+            print(f"{PROG}: interrupted", file=sys.stderr)
+            return 130
+        except Exception as e:  # noqa: BLE001 (the CLI's contract: one line, no traceback)
+            if show_traceback:
+                raise
+            from kdtree_jax.checkpoint import CheckpointError  # noqa: PLC0415
+            from kdtree_jax.config import ConfigError  # noqa: PLC0415
+            from kdtree_jax.hf import HFCheckpointError  # noqa: PLC0415
 
-        expected = (CLIError, CheckpointError, HFCheckpointError, ConfigError, ValueError, OSError)
-        # an unexpected exception is a bug: name its type so the report can be found
-        prefix = "" if isinstance(e, expected) else f"internal error ({type(e).__name__}; rerun with --traceback): "
-        STATUS.close()
-        print(f"{PROG}: error: {prefix}{_one_line(e)}", file=sys.stderr)
-        return 2
-    finally:
-        warnings.showwarning = previous_showwarning
+            expected = (CLIError, CheckpointError, HFCheckpointError, ConfigError, ValueError, OSError)
+            # an unexpected exception is a bug: name its type so the report can be found
+            prefix = "" if isinstance(e, expected) else f"internal error ({type(e).__name__}; rerun with --traceback): "
+            STATUS.close()
+            print(f"{PROG}: error: {prefix}{_one_line(e)}", file=sys.stderr)
+            return 2
+
+
+def run() -> None:
+    """The `kdtree-jax` program: main(), then exit with its status. Once main() has returned, the work is
+    done (or cleanly refused): a Ctrl-C that lands while Python shuts down (joining Orbax's threads, say)
+    must not turn a finished run into a death by signal, so SIGINT is ignored from there on."""
+    import signal  # noqa: PLC0415
+
+    status = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(status)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

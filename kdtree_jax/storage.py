@@ -423,7 +423,7 @@ def read_error_message(error: BaseException, directory: Path) -> str:
         found = re.search(r'Error reading "([^"/]+)[^"]*"(?: in [^"]*"[^"]*")?: (.*)', text)
         if found:
             tensor = found.group(1).replace(".", "/")
-            cause = found.group(2)[:300]
+            cause = found.group(2).split(" [source locations=")[0][:300]  # TensorStore's C++ trail: noise
             corrupt = re.search(r"corrupt|checksum|decompress", cause, re.IGNORECASE)
             kind = "data corruption in" if corrupt else "cannot read"
             return f"{kind} tensor {tensor} of {directory}: {cause}"

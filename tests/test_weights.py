@@ -152,7 +152,7 @@ def test_checkpoint_expected_tree_is_the_declared_one():
     gate = expected["layers_1"]["moe"]["experts"]["gate"]
     assert isinstance(gate, kj.Int4Weight) and gate.dense_shape == weights.declare(TINY)[
         ("layers_1", "moe", "experts", "gate")].shape
-    dense = dict(_paths(checkpoint._stored(expected)))
+    dense = dict(_paths(checkpoint.to_stored(expected)))
     assert dense[("layers_1", "moe", "experts", "gate", "qweight")] == (
         (TINY.n_routed_experts, TINY.moe_intermediate_size, TINY.hidden_size // 4), np.dtype(np.int16))
 
