@@ -64,18 +64,23 @@ class HFCheckpointError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------- config
-def read_hf_config(path: str | Path) -> tuple[ModelConfig, dict]:
-    """(ModelConfig, raw config.json dict) of a checkpoint directory."""
+def read_config_json(path: str | Path, what: str, error: type[Exception] = HFCheckpointError) -> tuple[Path, Any]:
+    """(config.json's path, its parsed JSON) of a Hugging Face directory; `error` names what is wrong."""
     path = Path(path)
     if not path.is_dir():
-        raise HFCheckpointError(f"checkpoint path {str(path)!r} is not a directory")
+        raise error(f"{what} path {str(path)!r} is not a directory")
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise HFCheckpointError(f"no config.json in {str(path)!r}: not a Hugging Face checkpoint directory")
+        raise error(f"no config.json in {str(path)!r}: not a Hugging Face {what} directory")
     try:
-        raw = json.loads(config_file.read_text())
+        return config_file, json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
-        raise HFCheckpointError(f"{config_file} is not valid JSON: {e}") from None
+        raise error(f"{config_file} is not valid JSON: {e}") from None
+
+
+def read_hf_config(path: str | Path) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, raw config.json dict) of a checkpoint directory."""
+    config_file, raw = read_config_json(path, "checkpoint")
     try:
         cfg = ModelConfig.from_hf_config(raw)
     except ConfigError as e:

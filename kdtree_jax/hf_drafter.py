@@ -40,7 +40,15 @@ import numpy as np
 from kdtree_jax import storage
 from kdtree_jax.config import ConfigError, ModelConfig, YarnScaling
 from kdtree_jax.drafter import DrafterConfig, drafter_param_names
-from kdtree_jax.hf import _FLOAT_DTYPES, SINGLE_FILE, HFCheckpointError, _list_tensors, _ShardReader, _TensorInfo
+from kdtree_jax.hf import (
+    _FLOAT_DTYPES,
+    SINGLE_FILE,
+    HFCheckpointError,
+    _list_tensors,
+    _ShardReader,
+    _TensorInfo,
+    read_config_json,
+)
 
 # Qwen3Config's defaults (transformers models/qwen3/configuration_qwen3.py), used for absent fields.
 QWEN3_DEFAULTS: dict[str, Any] = {
@@ -211,16 +219,7 @@ def drafter_config_from_hf(raw: Mapping[str, Any]) -> DrafterConfig:
 
 def read_hf_drafter_config(path: str | Path) -> tuple[DrafterConfig, dict]:
     """(DrafterConfig, raw config.json dict) of a DFlash drafter directory."""
-    path = Path(path)
-    if not path.is_dir():
-        raise DrafterFormatError(f"drafter path {str(path)!r} is not a directory")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise DrafterFormatError(f"no config.json in {str(path)!r}: not a Hugging Face DFlash drafter directory")
-    try:
-        raw = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise DrafterFormatError(f"{config_file} is not valid JSON: {e}") from None
+    config_file, raw = read_config_json(path, "DFlash drafter", DrafterFormatError)
     try:
         return drafter_config_from_hf(raw), raw
     except DrafterFormatError as e:
