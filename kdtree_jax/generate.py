@@ -33,7 +33,7 @@ from kdtree_jax.decoding import (
     sample,
 )
 from kdtree_jax.model import KVCache, Params, forward_with_cache, init_cache
-from pallas_kernels.dispatch import Kernels
+from pallas_kernels.dispatch import Kernels, as_kernels
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -119,10 +119,7 @@ def generate(cfg: ModelConfig, params: Params, prompts, max_new_tokens: int = 64
     check_key(key)
     tokens, lengths = prepare_prompts(cfg, prompts)
     stops = resolve_stop_tokens(cfg, stop_tokens)
-    if kernels is None:
-        kernels = Kernels()
-    if not isinstance(kernels, Kernels):
-        raise ValueError(f"kernels must be a kdtree_jax.Kernels, got {type(kernels).__name__}")
+    kernels = as_kernels(kernels)
     if mesh is not None:
         mesh = sharding.make_mesh(mesh)
         params = sharding.shard_params(cfg, params, mesh)  # checks the mesh divides the model

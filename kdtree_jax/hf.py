@@ -158,6 +158,16 @@ def _check_inside(path: Path, index_file: Path, name: str, file: str) -> None:
                             "outside the model directory")
 
 
+def check_tensor_info(name: str, got: _TensorInfo, shape: tuple[int, ...], dtypes: tuple[str, ...]) -> None:
+    """HFCheckpointError unless the header of tensor `name` says `shape` and one of `dtypes`."""
+    if got.shape != shape:
+        raise HFCheckpointError(f"tensor {name!r} (in {got.file}) has shape {list(got.shape)}, "
+                                f"expected {list(shape)} from config.json")
+    if got.dtype not in dtypes:
+        raise HFCheckpointError(f"tensor {name!r} (in {got.file}) has dtype {got.dtype}, "
+                                f"expected one of {list(dtypes)}")
+
+
 def _list_tensors(path: Path) -> dict[str, _TensorInfo]:
     """Every tensor name -> (shard, dtype, shape), read from the shard headers only."""
     index_file = path / INDEX_FILE
@@ -298,13 +308,7 @@ def _check(cfg: ModelConfig, quant: dict | None, infos: dict[str, _TensorInfo],
 
     def expect(short: str, shape: tuple[int, ...], dtypes: tuple[str, ...]) -> str:
         file_name = canonical[short]
-        got = infos[file_name]
-        if got.shape != shape:
-            raise HFCheckpointError(f"tensor {file_name!r} (in {got.file}) has shape {list(got.shape)}, "
-                                    f"expected {list(shape)} from config.json")
-        if got.dtype not in dtypes:
-            raise HFCheckpointError(f"tensor {file_name!r} (in {got.file}) has dtype {got.dtype}, "
-                                    f"expected one of {list(dtypes)}")
+        check_tensor_info(file_name, infos[file_name], shape, dtypes)
         used.add(short)
         return file_name
 

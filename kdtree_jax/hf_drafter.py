@@ -47,6 +47,7 @@ from kdtree_jax.hf import (
     _list_tensors,
     _ShardReader,
     _TensorInfo,
+    check_tensor_info,
     read_config_json,
 )
 
@@ -279,13 +280,7 @@ def _check_tensors(plan: dict, infos: dict[str, _TensorInfo]) -> None:
         raise HFCheckpointError(f"DFlash drafter has {len(extra)} unexpected tensor(s) for its config: "
                                 f"{extra[:5]}{more}")
     for name, (_, shape, _) in plan.items():
-        got = infos[name]
-        if got.shape != shape:
-            raise HFCheckpointError(f"tensor {name!r} (in {got.file}) has shape {list(got.shape)}, expected "
-                                    f"{list(shape)} from config.json")
-        if got.dtype not in _FLOAT_DTYPES:
-            raise HFCheckpointError(f"tensor {name!r} (in {got.file}) has dtype {got.dtype}, expected one of "
-                                    f"{list(_FLOAT_DTYPES)}")
+        check_tensor_info(name, infos[name], shape, _FLOAT_DTYPES)
 
 
 def _to_ours(hf: np.ndarray, how: str, dcfg: DrafterConfig) -> np.ndarray:

@@ -40,14 +40,6 @@ def _moe_experts(params: dict, cfg: ModelConfig) -> dict | None:
     return None
 
 
-def _check_kernels(kernels: Kernels | None) -> Kernels:
-    if kernels is None:
-        return Kernels()
-    if not isinstance(kernels, Kernels):
-        raise ValueError(f"kernels must be a kdtree_jax.Kernels, got {type(kernels).__name__}")
-    return kernels
-
-
 def _moe_layout(experts: dict, act_dtype, cfg: ModelConfig, kernels: Kernels, device) -> dispatch.Choice | None:
     """The layout choice for canonical INT4 experts, or None when they are not canonical INT4."""
     if not isinstance(experts["gate"], Int4Weight):
@@ -63,7 +55,7 @@ def kernel_plan(params: dict, cfg: ModelConfig, device=None, kernels: Kernels | 
 
     params may be concrete or abstract (shapes and dtypes only, e.g. a checkpoint's tensor index).
     Raises KernelUnavailableError when `kernels` asks for a kernel that cannot run there."""
-    kernels = _check_kernels(kernels)
+    kernels = dispatch.as_kernels(kernels)
     device = device or dispatch.default_device()
     act_dtype = params["embed_tokens"].dtype
     plan: Plan = {}
@@ -114,7 +106,7 @@ def prepare_params(params: dict, cfg: ModelConfig, kernels: Kernels | None = Non
     layout where pallas_kernels.dispatch.choose_moe_layout picks it (kernels.moe "auto" on a Hopper GPU
     with bf16 params, or "mosaic_gpu", which raises KernelUnavailableError where it cannot run); otherwise
     `params` unchanged. Call once after loading; save the params you loaded, not these."""
-    kernels = _check_kernels(kernels)
+    kernels = dispatch.as_kernels(kernels)
     device = device or dispatch.default_device()
     experts = _moe_experts(params, cfg)
     if experts is None or not isinstance(experts["gate"], Int4Weight):

@@ -27,7 +27,7 @@ from kdtree_jax.config import ModelConfig
 from kdtree_jax.layers import apply_rope, rms_norm, swiglu, yarn_inv_freq
 from kdtree_jax.linear import linear as _linear
 from kdtree_jax.weights import declare
-from pallas_kernels.dispatch import Kernels
+from pallas_kernels.dispatch import Kernels, as_kernels
 from pallas_kernels.int4 import is_quantized
 from pallas_kernels.moe_w4a16 import grouped_moe_w4a16
 
@@ -377,14 +377,6 @@ def _forward(params, cfg, tokens, kernels):
     return logits
 
 
-def _kernels(kernels: Kernels | None) -> Kernels:
-    if kernels is None:
-        return Kernels()
-    if not isinstance(kernels, Kernels):
-        raise ValueError(f"kernels must be a kdtree_jax.Kernels, got {type(kernels).__name__}")
-    return kernels
-
-
 def forward(params: Params, cfg: ModelConfig, tokens, kernels: Kernels | None = None) -> jax.Array:
     """Plain causal forward (naive MLA, no cache): tokens [B, S] int32 -> logits [B, S, V] float32.
     kernels: which kernel each op runs (default Kernels(): pallas_kernels.dispatch decides)."""
@@ -399,7 +391,7 @@ def forward(params: Params, cfg: ModelConfig, tokens, kernels: Kernels | None = 
                          f"{cfg.max_position_embeddings}")
     if not isinstance(tokens, Tracer):
         check_tokens(cfg, tokens)
-    return _forward(params, cfg, tokens.astype(jnp.int32), _kernels(kernels))
+    return _forward(params, cfg, tokens.astype(jnp.int32), as_kernels(kernels))
 
 
 def forward_with_cache(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
@@ -409,7 +401,7 @@ def forward_with_cache(params: Params, cfg: ModelConfig, tokens: jax.Array, posi
     are written at cache slots lengths[b] + t; new token t sees every committed row and the new rows u
     with visibility[b, t, u] (default causal). Returns (logits [B, T, V] f32, hidden [B, T, n, D],
     cache with the rows written; `lengths` unchanged - the caller commits). kernels: as in `forward`."""
-    out = Transformer(cfg, _param_dtype(params), _kernels(kernels)).apply(
+    out = Transformer(cfg, _param_dtype(params), as_kernels(kernels)).apply(
         {"params": params}, tokens, positions, cache.latent, cache.lengths, visibility,
         hidden_layers=tuple(hidden_layers))
     # flax types apply's result as Any | (out, state); without mutable= it is the module's 3-tuple

@@ -61,6 +61,15 @@ class Kernels:
             raise ValueError(f"Kernels.interpret must be a bool, got {self.interpret!r}")
 
 
+def as_kernels(kernels: Kernels | None) -> Kernels:
+    """`kernels` checked (None: every op on "auto"); the one check behind every public `kernels=` argument."""
+    if kernels is None:
+        return Kernels()
+    if not isinstance(kernels, Kernels):
+        raise ValueError(f"kernels must be a kdtree_jax.Kernels, got {type(kernels).__name__}")
+    return kernels
+
+
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """What an op runs: impl (one of IMPLS[op]) and why, in a few words."""
