@@ -38,7 +38,8 @@ DEFAULT_BUDGET = 32
 # jax.random.key keeps the low 32 bits of a seed (64-bit ints are off): 2**32 would give seed 0's numbers.
 MAX_SEED = 2**32 - 1
 # The implementations `--moe-kernel` etc. accept: pallas_kernels.dispatch.IMPLS (not imported here: start-up time).
-KERNEL_CHOICES = {"attention": ("triton", "xla"), "linear": ("triton", "xla"), "moe": ("triton", "mosaic_gpu", "xla")}
+KERNEL_CHOICES = {"attention": ("triton", "xla"), "linear": ("triton", "xla"), "moe": ("triton", "mosaic_gpu", "xla"),
+                  "tree": ("triton", "xla")}
 # The trained pair shipped in the package (training/, docs/training.md): target, drafter, tokenizer.
 SHIPPED = Path(__file__).resolve().parent / "assets"
 
@@ -169,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--linear-kernel", choices=("auto", *KERNEL_CHOICES["linear"]), default="auto",
                    help="kernel for INT4 dense linears: triton (a GPU) or xla; auto (default): triton on a GPU, "
                    "else xla")
+    g.add_argument("--tree-kernel", choices=("auto", *KERNEL_CHOICES["tree"]), default="auto",
+                   help="DDTree tree build: triton (one kernel launch per round, a GPU) or xla (the jnp builder, "
+                   "about five XLA kernels per draft depth); both build the same tree. auto (default): triton on a "
+                   "GPU, else xla")
     g.add_argument("--matmul-precision", choices=("highest", "default"), default="highest",
                    help="float32 matmul precision (default: %(default)s). On NVIDIA GPUs 'default' is TF32, "
                    "whose rounding differs between the AR step and the tree-shaped verify, so greedy DDTree "
@@ -373,10 +378,12 @@ def _load_model(args):
 def _kernels(args):
     from kdtree_jax.kernels import Kernels  # noqa: PLC0415
 
-    return Kernels(attention=args.attention_kernel, linear=args.linear_kernel, moe=args.moe_kernel)
+    return Kernels(attention=args.attention_kernel, linear=args.linear_kernel, moe=args.moe_kernel,
+                   tree=args.tree_kernel)
 
 
-_FLAGS = {"attention": "--attention-kernel", "linear": "--linear-kernel", "moe": "--moe-kernel"}
+_FLAGS = {"attention": "--attention-kernel", "linear": "--linear-kernel", "moe": "--moe-kernel",
+          "tree": "--tree-kernel"}
 
 
 def kernel_plan_line(params, cfg, kernels=None) -> str:

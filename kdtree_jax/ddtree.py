@@ -194,7 +194,7 @@ def _generate(params, draft_model, prompt_tokens, prompt_lengths, key, *, cfg, m
         if method == "dflash":
             tree = build_chain(draft_logits, root_tokens=s.bonus)
         else:
-            tree = build_tree(draft_logits, budget, root_tokens=s.bonus)
+            tree = build_tree(draft_logits, budget, root_tokens=s.bonus, kernels=kernels)
         positions = start[:, None] + tree.depths  # [B, T]
         logits, hidden, cache = forward_with_cache(params, cfg, tree.tokens, positions, s.cache,
                                                    visibility=tree.visible, hidden_layers=hidden_layers,

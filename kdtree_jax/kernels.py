@@ -22,7 +22,7 @@ from pallas_kernels import dispatch
 from pallas_kernels.dispatch import Kernels
 from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight, is_quantized
 
-OPS = ("attention", "linear", "moe")
+OPS = ("attention", "linear", "moe", "tree")
 Plan = dict[str, tuple[str, str]]
 
 
@@ -93,6 +93,10 @@ def kernel_plan(params: dict, cfg: ModelConfig, device=None, kernels: Kernels | 
         choice = dispatch.choose_moe(experts, act_dtype=act_dtype, impl=kernels.moe, device=device,
                                      interpret=kernels.interpret)
         plan["moe"] = (choice.impl, note + choice.reason)
+
+    # the DDTree tree build (every budget the engine accepts fits the kernel)
+    tree = dispatch.choose_tree(budget=1, depth_count=1, impl=kernels.tree, device=device, interpret=kernels.interpret)
+    plan["tree"] = (tree.impl, tree.reason)
     return plan
 
 

@@ -19,6 +19,10 @@ How it runs without a heap (all sizes static, L + 1 `lax.top_k` calls on at most
 The one theoretical gap: step 2's pruning argument uses "better parent => better rank-0 child", which
 float32 rounding can break only when two parents are within an ulp of each other AND the budget-th
 boundary depends on it; scores are the heap's own float32 sums, so this never shows up in practice.
+
+On a GPU the per-depth steps above (about 5 XLA kernels per depth) give way to one kernel launch,
+`pallas_kernels.tree_build`, which runs the heap itself (chosen by `pallas_kernels.dispatch.choose_tree`;
+`kernels=Kernels(tree="xla")` keeps this jnp builder). Both start from the same `lax.top_k`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from pallas_kernels import dispatch, tree_build
 
 
 class Tree(NamedTuple):
@@ -152,8 +158,20 @@ def _visibility(parents: jax.Array, depth_count: int) -> jax.Array:
     return visible
 
 
-def _tree_from_top(top_lp: jax.Array, top_tok: jax.Array, budget: int, root_tokens: jax.Array) -> Tree:
+def _tree_from_top(top_lp: jax.Array, top_tok: jax.Array, budget: int, root_tokens: jax.Array,
+                   kernels: dispatch.Kernels | None, vocab: int) -> Tree:
     """top_lp [B, L, K] float32 descending per depth, top_tok [B, L, K] from `lax.top_k` over the vocab."""
+    kernels = dispatch.as_kernels(kernels)
+    depth_count = top_lp.shape[1]
+    choice = dispatch.choose_tree(budget=budget, depth_count=depth_count, impl=kernels.tree,
+                                  interpret=kernels.interpret)
+    if choice.impl == "triton":
+        _, n_drafts = tree_size_counts(budget, vocab, depth_count)
+        tokens, parents, depths, scores, visible = tree_build.build_tree_from_top(
+            top_lp, top_tok.astype(jnp.int32), root_tokens, budget=budget, n_drafts=n_drafts,
+            interpret=kernels.interpret)
+        valid = jnp.broadcast_to(jnp.arange(1 + budget) <= n_drafts, tokens.shape)
+        return Tree(tokens, parents, depths, valid, visible, scores)
     # XLA merges the per-depth slices below into the slice that ends its sort-based top_k, then no longer
     # recognises the TopK pattern and sorts the whole vocabulary (0.8 s instead of 8 ms at V = 163840 on
     # CPU). The barrier keeps the top_k a top_k.
@@ -161,7 +179,8 @@ def _tree_from_top(top_lp: jax.Array, top_tok: jax.Array, budget: int, root_toke
     return jax.vmap(_one_tree, in_axes=(0, 0, 0, None))(top_lp, top_tok.astype(jnp.int32), root_tokens, budget)
 
 
-def build_tree_from_log_probs(log_probs: jax.Array, budget: int, root_tokens=None) -> Tree:
+def build_tree_from_log_probs(log_probs: jax.Array, budget: int, root_tokens=None, *,
+                              kernels: dispatch.Kernels | None = None) -> Tree:
     """Tree over per-depth log-probs `log_probs` [B, L, V] (float, every value <= 0, finite or -inf).
 
     The values need not be normalised (the tree only adds and compares them); float32 arithmetic.
@@ -169,16 +188,17 @@ def build_tree_from_log_probs(log_probs: jax.Array, budget: int, root_tokens=Non
     root_tokens = _check_args(log_probs, budget, root_tokens, "log_probs")
     k = min(budget, log_probs.shape[-1])
     top_lp, top_tok = lax.top_k(log_probs.astype(jnp.float32), k)  # [B, L, K]
-    return _tree_from_top(top_lp, top_tok, budget, root_tokens)
+    return _tree_from_top(top_lp, top_tok, budget, root_tokens, kernels, log_probs.shape[-1])
 
 
-def build_tree(draft_logits: jax.Array, budget: int, root_tokens=None) -> Tree:
+def build_tree(draft_logits: jax.Array, budget: int, root_tokens=None, *,
+               kernels: dispatch.Kernels | None = None) -> Tree:
     """Best-first DDTree tree of `budget` drafts from drafter logits [B, L, V] (depths 1..L).
 
     `budget` is a static Python int; T = 1 + budget. `root_tokens` [B] int (the bonus tokens, default 0)
     fill node 0. Scores are float32 sums of `log_softmax(draft_logits)`. If fewer than `budget` nodes
     exist (sum_d min(budget, V)^d < budget), the tail slots are unused (valid False). DFlash's single
-    path is `build_chain`, not a budget choice here.
+    path is `build_chain`, not a budget choice here. `kernels.tree` picks the builder (module docstring).
     """
     root_tokens = _check_args(draft_logits, budget, root_tokens, "draft_logits")
     logits = draft_logits.astype(jnp.float32)  # [B, L, V]
@@ -187,7 +207,7 @@ def build_tree(draft_logits: jax.Array, budget: int, root_tokens=None) -> Tree:
     # and no [B, L, V] log-prob array.
     top_logits, top_tok = lax.top_k(logits, k)  # [B, L, K]
     top_lp = top_logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [B, L, K]
-    return _tree_from_top(top_lp, top_tok, budget, root_tokens)
+    return _tree_from_top(top_lp, top_tok, budget, root_tokens, kernels, logits.shape[-1])
 
 
 def build_chain(draft_logits: jax.Array, root_tokens=None) -> Tree:

@@ -4,7 +4,8 @@ Ops and their implementations:
   attention (tree-masked absorbed MLA):     "triton" | "xla"
   linear    (dense W4A16 GEMM, Int4Weight): "triton" | "xla"
   moe       (routed INT4 experts):           "triton" (Int4Weight) | "mosaic_gpu" (MosaicInt4Weight) | "xla"
-"xla" is the op's plain-jnp reference run by XLA: correct everywhere, not fast.
+  tree      (DDTree best-first tree build):  "triton" (one launch) | "xla" (kdtree_jax/tree.py's jnp builder)
+"xla" is the op's plain-jnp path run by XLA: correct everywhere, not fast.
 
 Rules for impl="auto" (from backend, dtype, shape and weight type):
   - a Pallas kernel needs a GPU, or `interpret=True` (the CPU simulation the tests use); elsewhere "xla";
@@ -25,12 +26,14 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
+from pallas_kernels.tree_build import kernel_shape_unsupported as tree_shape_unsupported
 
 AUTO = "auto"
 IMPLS = {
     "attention": ("triton", "xla"),
     "linear": ("triton", "xla"),
     "moe": ("triton", "mosaic_gpu", "xla"),
+    "tree": ("triton", "xla"),
 }
 MOSAIC_DIM_MULTIPLE = 64  # Mosaic MoE: hidden and intermediate are N of one launch (wgmma M) and K of another
 
@@ -45,11 +48,13 @@ class Kernels:
 
     attention: "auto" | "triton" | "xla"; linear: "auto" | "triton" | "xla";
     moe: "auto" | "triton" | "mosaic_gpu" | "xla" (also which layout prepare_params gives the routed experts);
+    tree: "auto" | "triton" | "xla" (the DDTree tree build);
     interpret: run the Pallas kernels in interpret mode (CPU simulation; tests only, slow)."""
 
     attention: str = AUTO
     linear: str = AUTO
     moe: str = AUTO
+    tree: str = AUTO
     interpret: bool = False
 
     def __post_init__(self):
@@ -131,6 +136,24 @@ def choose_attention(*, latent_dim: int, rope_dim: int, impl: str = AUTO, device
     if impl == "triton":
         if why:
             raise _unavailable("attention", impl, why, "use the XLA reference (impl 'xla') or interpret mode")
+        return Choice("triton", "asked for")
+    if why:
+        return Choice("xla", why)
+    return Choice("triton", "interpret mode" if interpret and not is_gpu(device) else "GPU")
+
+
+# ------------------------------------------------------------------------------------------- tree build
+def choose_tree(*, budget: int, depth_count: int, impl: str = AUTO, device=None, interpret: bool = False) -> Choice:
+    """The DDTree tree build of `budget` drafts over `depth_count` draft positions: the one-launch Triton
+    kernel (pallas_kernels.tree_build) on a GPU, the jnp builder (kdtree_jax.tree) elsewhere."""
+    _check_impl("tree", impl)
+    device = device or default_device()
+    if impl == "xla":
+        return Choice("xla", "asked for")
+    why = _pallas_runs(device, interpret) or tree_shape_unsupported(budget, depth_count)
+    if impl == "triton":
+        if why:
+            raise _unavailable("tree", impl, why, "use the jnp builder (impl 'xla') or interpret mode")
         return Choice("triton", "asked for")
     if why:
         return Choice("xla", why)
