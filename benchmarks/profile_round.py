@@ -2,6 +2,10 @@
 
   python benchmarks/profile_round.py --out DIR [--budgets 8 32 128]
 
+On a GPU the build stage is the one-launch tree kernel (pallas_kernels.tree_build) and a "(jnp builder)" row
+times the XLA builder it replaced. The last rows time the round as it runs inside the one-jit loop: one
+`kj.generate` call divided by its rounds (wall, and on a GPU summed kernel time and kernel count per round).
+
 Each stage of a round (kdtree_jax/ddtree.py `_generate`'s loop body) is jitted alone on a real state
 (a held-out prompt prefilled) and measured two ways: wall clock per call (median, dispatch included) and,
 on one GPU, CUPTI (summed kernel time and the number of kernels launched). The AR step (one cached forward
@@ -60,6 +64,7 @@ def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, i
     from kdtree_jax.ddtree import accept_path, compact_cache
     from kdtree_jax.model import KVCache, forward_with_cache
     from kdtree_jax.tree import build_chain, build_tree
+    from pallas_kernels.dispatch import Kernels
 
     timer = Timer(iters, device=kernels)
     depth = draft_model.block_size - 1
@@ -98,10 +103,49 @@ def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, i
     for name, build in [("dflash chain", lambda lg, b: build_chain(lg, root_tokens=b))] + [
             (f"ddtree budget {b}", lambda lg, bn, b=b: build_tree(lg, b, root_tokens=bn)) for b in budgets]:
         tree = measure(f"{name}: build", jax.jit(build), logits, bonus)
+        if name.startswith("ddtree"):  # the jnp builder, for comparison (what the kernel replaced on a GPU)
+            b = tree.tokens.shape[1] - 1
+            measure(f"{name}: build (jnp builder)",
+                    jax.jit(lambda lg, bn, b=b: build_tree(lg, b, root_tokens=bn, kernels=Kernels(tree="xla"))),
+                    logits, bonus)
         vlogits, hidden, vcache = measure(f"{name}: verify (T={tree.tokens.shape[1]})", jax.jit(verify_fn),
                                           params, tree, cache)
         measure(f"{name}: accept + compact + drafter context", jax.jit(finish_fn), draft_model, dstate, tree,
                 vlogits, hidden, vcache)
+    return rows
+
+
+def profile_in_loop(cfg, params, drafter, prompt, budgets, *, max_new_tokens: int, iters: int,
+                    kernels: bool) -> list[dict]:
+    """The round as it runs: one `kj.generate` call (the one-jit loop) per method, its wall time (median of
+    `iters` calls after a warm-up) and, on one GPU, its summed kernel time and kernel count, divided by the
+    number of rounds (target forwards after the prefill; an AR step is a round of one token)."""
+    import kdtree_jax as kj
+    from benchmarks.common import Timer
+
+    timer = Timer(iters, device=kernels)
+    rows = []
+    methods = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in budgets]
+    for method, budget in methods:
+        extra = {} if method == "ar" else {"drafter": drafter, "method": method}
+        if budget is not None:
+            extra["tree_budget"] = budget
+
+        def run(p, extra=extra):
+            return kj.generate(cfg, p, [prompt], max_new_tokens=max_new_tokens, stop_tokens=(), **extra)
+
+        timing = timer(run, params)
+        rounds = int(timing.out.rounds) if method != "ar" else int(timing.out.num_target_forwards) - 1
+        name = "AR step" if method == "ar" else f"{method}{'' if budget is None else f' budget {budget}'} round"
+        row = {"stage": f"in the loop: {name}", "method": method, "budget": budget, "rounds": rounds,
+               "tokens": max_new_tokens, "wall_us": timing.wall_s * 1e6 / rounds}
+        if timing.device_s is not None:
+            row.update(kernel_us=timing.device_s * 1e6 / rounds, kernels=len(timing.kernels) / rounds)
+        print(row, flush=True)
+        rows.append(row)
+    ar_wall = rows[0]["wall_us"]
+    for row in rows:
+        row["ar_steps"] = row["wall_us"] / ar_wall
     return rows
 
 
@@ -112,6 +156,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path, default=ASSETS / "tokenizer.json", help="tokenizer file")
     ap.add_argument("--budgets", type=int, nargs="+", default=[8, 32, 128], help="DDTree budgets to profile")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per stage (median reported)")
+    ap.add_argument("--loop-tokens", type=int, default=128, help="tokens generated per call for the in-loop rows")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
     args = ap.parse_args()
 
@@ -146,18 +191,26 @@ def main() -> None:
         return cache, state, jnp.argmax(logits, -1).astype(jnp.int32)
 
     cache, dstate, bonus = setup(params, draft_model, tokens, lengths)
+    on_gpu = jax.default_backend() == "gpu"
     rows = profile_stages(cfg, params, draft_model, cache, dstate, bonus, args.budgets, iters=args.iters,
-                          kernels=jax.default_backend() == "gpu")
+                          kernels=on_gpu)
+    rows += profile_in_loop(cfg, params, (dcfg, dparams), prompt, args.budgets,
+                            max_new_tokens=args.loop_tokens, iters=max(3, args.iters // 4), kernels=on_gpu)
 
     meta = metadata(target=str(args.target), drafter=str(args.drafter), prompt_tokens=len(prompt),
                     timing="wall: median per jitted call incl. dispatch; kernel: CUPTI summed kernel time of the "
-                           "median call")
+                           "median call; in-the-loop rows: one generate call divided by its rounds")
     lines = [f"# One DDTree round, stage by stage ({meta['device']})", "", f"{meta['date']}, JAX {meta['jax']}; "
              f"{meta['timing']}; each stage jitted alone, so each pays one dispatch that the one-jit loop does "
-             "not.", "", "| stage | wall us | kernel us | kernels |", "|---|---|---|---|"]
+             "not. The last rows are the round as run: one generate call of "
+             f"{args.loop_tokens} tokens / its rounds (AR steps = wall per round / wall per AR step).", "",
+             "| stage | wall us | kernel us | kernels | AR steps |", "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['stage']} | {r['wall_us']:.1f} | {r.get('kernel_us', float('nan')):.1f} | "
-                     f"{r.get('kernels', '-')} |")
+        kernels = r.get("kernels", "-")
+        kernels = f"{kernels:.1f}" if isinstance(kernels, float) else kernels
+        steps = f"{r['ar_steps']:.2f}" if "ar_steps" in r else ""
+        lines.append(f"| {r['stage']} | {r['wall_us']:.1f} | {r.get('kernel_us', float('nan')):.1f} | {kernels} | "
+                     f"{steps} |")
     write_results(args.out / "round_profile", meta, {"rows": rows}, "\n".join(lines))
     print("\n".join(lines))
 

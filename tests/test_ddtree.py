@@ -126,6 +126,44 @@ def test_accept_path_walks_the_matching_children():
     assert int(length[0]) == 1 and int(bonus[0]) == 2
 
 
+def _walk(tokens, parents, valid, posterior, max_depth):
+    """The acceptance walk, literally: from the root, step to the child carrying posterior[current]."""
+    path = [0]
+    while len(path) <= max_depth:
+        children = [i for i in range(len(tokens)) if valid[i] and parents[i] == path[-1]
+                    and tokens[i] == posterior[path[-1]]]
+        if not children:
+            break
+        path.append(children[0])
+    return path + [path[-1]] * (max_depth + 1 - len(path)), len(path), posterior[path[-1]]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_accept_path_equals_the_literal_walk_on_random_trees(seed):
+    """The walk-free accept_path against a literal walk: random trees (unused slots included), posteriors that
+    follow the tree for a random number of steps and then leave it."""
+    rng = np.random.default_rng(seed)
+    batch, depth, vocab, budget = 6, 4, 5, 30 if seed % 2 else 12
+    tree = build_tree(jnp.asarray(rng.normal(size=(batch, depth, vocab)) * 2, jnp.float32), budget,
+                      root_tokens=jnp.arange(batch, dtype=jnp.int32))
+    tokens, parents, valid = (np.asarray(x) for x in (tree.tokens, tree.parents, tree.valid))
+    posterior = rng.integers(0, vocab, size=tokens.shape).astype(np.int32)
+    for b in range(batch):  # steer row b's posterior along a random branch of its tree
+        node = 0
+        for _ in range(rng.integers(0, depth + 1)):
+            kids = [i for i in range(tokens.shape[1]) if valid[b, i] and parents[b, i] == node]
+            if not kids:
+                break
+            node_next = kids[rng.integers(len(kids))]
+            posterior[b, node] = tokens[b, node_next]
+            node = node_next
+    path, length, bonus = accept_path(tree, jnp.asarray(posterior), depth)
+    for b in range(batch):
+        want_path, want_len, want_bonus = _walk(tokens[b], parents[b], valid[b], posterior[b], depth)
+        assert np.asarray(path[b]).tolist() == want_path and int(length[b]) == want_len
+        assert int(bonus[b]) == int(want_bonus)
+
+
 def _chi_square_critical(dof: int, z: float = 3.09) -> float:
     """Upper 0.1% point of chi-square (Wilson-Hilferty)."""
     return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3

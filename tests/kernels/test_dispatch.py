@@ -113,9 +113,9 @@ def test_kernel_plan_on_this_cpu_and_a_faked_h200(small_cfg):
     on_cpu = kj.kernel_plan(params, cfg, device=CPU)
     assert on_cpu == {"attention": ("xla", "no GPU, this is cpu"),
                       "linear": ("xla", "no GPU, this is cpu; 6 INT4 weights"),  # layer 0 MLP + layer 1 shared
-                      "moe": ("xla", "no GPU, this is cpu")}
+                      "moe": ("xla", "no GPU, this is cpu"), "tree": ("xla", "no GPU, this is cpu")}
     assert kj.plan_summary(on_cpu) == ("attention xla (no GPU, this is cpu), linear xla (no GPU, this is cpu; "
-                                       "6 INT4 weights), moe xla (no GPU, this is cpu)")
+                                       "6 INT4 weights), moe xla (no GPU, this is cpu), tree xla (no GPU, this is cpu)")
     on_h200 = kj.kernel_plan(params, cfg, device=H200)
     assert on_h200["attention"] == ("triton", "GPU") and on_h200["linear"][0] == "triton"
     assert on_h200["moe"] == ("mosaic_gpu", "experts converted to the Mosaic layout once at load; GPU")
@@ -126,7 +126,7 @@ def test_kernel_plan_on_this_cpu_and_a_faked_h200(small_cfg):
         "triton", "Mosaic GPU kernel not used: needs bf16 activations, the model runs in float32; GPU")
     assert kj.kernel_plan(jax.eval_shape(lambda: kj.init_params(cfg, jax.random.key(0))), cfg, device=H200) == {
         "attention": ("triton", "GPU"), "linear": ("none", "no INT4 dense weights"),
-        "moe": ("xla", "dense experts (not INT4)")}
+        "moe": ("xla", "dense experts (not INT4)"), "tree": ("triton", "GPU")}
     with pytest.raises(ValueError, match="kernels must be a kdtree_jax.Kernels, got dict"):
         kj.kernel_plan(params, cfg, kernels={"moe": "xla"})
 
