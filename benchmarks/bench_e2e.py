@@ -189,8 +189,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              f"{meta['date']}, JAX {meta['jax']}, host {meta['host']}; {meta['num_prompts']} held-out prompts of "
              f"{meta['prompt_tokens']} tokens, {meta['max_new_tokens']} new tokens each, block size "
              f"{meta['block_size']}, median of {meta['repeats']} timed call(s) after a warm-up, one dispatch per "
-             f"generate call; float32 matmul precision {meta['matmul_precision']}, attention "
-             f"{meta['attention']}." + (f" Joined from {len(meta['dates'])} runs ({', '.join(meta['dates'])})."
+             f"generate call; float32 matmul precision {meta['matmul_precision']}; kernels: "
+             f"{meta.get('kernels') or 'attention ' + meta.get('attention', '?')}." + (f" Joined from {len(meta['dates'])} runs ({', '.join(meta['dates'])})."
                                         if meta.get("dates") else ""), "",
              "| batch | temp | method | budget | mean accept | target fwd / token | tokens/s | speedup vs AR | "
              "greedy == AR |", "|---|---|---|---|---|---|---|---|---|"]

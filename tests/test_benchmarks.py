@@ -65,3 +65,16 @@ def test_decode_quick_smoke_run_records_the_kernel_plan(tmp_path):
     assert stored["meta"]["kernels_tiny"].startswith("attention xla (no GPU")  # "auto" on a CPU
     assert {r["method"] for r in stored["rows"]} >= {"ar", "dflash", "ddtree"}
     assert all(r["matches_ar"] for r in stored["rows"] if r["model"] == "tiny")
+
+
+def test_e2e_tables_render_from_a_new_run_and_the_committed_one():
+    """bench_e2e's markdown from the metadata a run records now (its kernel plan) and from the committed file
+    (older metadata named only the attention kernel): a renamed key must not cost a device run its results."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.bench_e2e import markdown  # noqa: PLC0415 (benchmarks/ is not a package on the path)
+
+    committed = json.loads((ROOT / "benchmarks" / "results" / "e2e_h200.json").read_text())
+    assert "| 1 | 0 | ddtree | 32 |" in markdown(committed["meta"], committed["rows"])
+    meta = {k: v for k, v in committed["meta"].items() if k not in ("attention", "dates")}
+    meta["kernels"] = "attention triton (GPU), tree triton (GPU)"
+    assert "kernels: attention triton (GPU), tree triton (GPU)." in markdown(meta, committed["rows"][:2])
