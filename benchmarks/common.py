@@ -31,8 +31,12 @@ RECORD_FIELDS = ("device", "platform", "devices", "jax", "jaxlib", "date", "comm
 
 # ------------------------------------------------------------------------------------------- metadata
 def git_commit(root: Path = ROOT) -> tuple[str, bool | None, str]:
-    """(commit, dirty, source) of the tree this file lives in: git's HEAD and whether tracked files differ
-    from it, or BENCH_GIT_COMMIT (dirty unknown) where git cannot say."""
+    """(commit, dirty, source) of the tree this file lives in: BENCH_GIT_COMMIT when set (dirty unknown; what
+    whoever copied the tree to a device says it is: a device's copy may carry a stale .git), else git's HEAD
+    and whether tracked files differ from it."""
+    from_env = os.environ.get(COMMIT_ENV, "").strip()
+    if from_env:
+        return from_env, None, COMMIT_ENV
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=30)
         if head.returncode == 0:
@@ -42,9 +46,6 @@ def git_commit(root: Path = ROOT) -> tuple[str, bool | None, str]:
         why = head.stderr.strip().splitlines()[-1] if head.stderr.strip() else f"exit {head.returncode}"
     except FileNotFoundError:
         why = "git is not installed"
-    from_env = os.environ.get(COMMIT_ENV, "").strip()
-    if from_env:
-        return from_env, None, COMMIT_ENV
     raise SystemExit(f"benchmarks: no git commit for {root} ({why}); set {COMMIT_ENV}=<the commit this copy "
                      "was made from> so that the results say which code they measured")
 

@@ -24,6 +24,7 @@ def _head() -> str:
 def test_metadata_records_the_commit_and_the_exact_command(monkeypatch):
     head = _head()  # before metadata(): outside a git checkout (a copy on a GPU host) this skips, saying why
     monkeypatch.setattr(sys, "orig_argv", ["python", "benchmarks/bench_x.py", "--out", "a dir", "--tiny"])
+    monkeypatch.delenv(common.COMMIT_ENV, raising=False)
     meta = common.metadata(layers=2)
     assert meta["commit"] == head and isinstance(meta["dirty"], bool)
     assert meta["command"] == "python benchmarks/bench_x.py --out 'a dir' --tiny"
@@ -44,6 +45,13 @@ def test_commit_outside_git_comes_from_the_environment_or_the_run_stops(tmp_path
     monkeypatch.delenv(common.COMMIT_ENV)
     with pytest.raises(SystemExit, match=common.COMMIT_ENV):
         common.git_commit(tmp_path)
+
+
+def test_the_environment_commit_wins_over_a_stale_git(monkeypatch):
+    """A device's copy of the tree may carry an old .git: the commit its sender names is the one recorded."""
+    _head()
+    monkeypatch.setenv(common.COMMIT_ENV, "feedbeef")
+    assert common.git_commit() == ("feedbeef", None, common.COMMIT_ENV)
 
 
 def test_record_line_names_what_an_older_run_did_not_record():
