@@ -29,9 +29,10 @@ def kernel_shape_unsupported(budget: int, depth_count: int) -> str | None:
 
 def pick_num_warps(n_drafts: int) -> int:
     """Warps per program: the pop loop is a chain of reductions over next_pow2(n_drafts) lanes; more warps
-    only pay once a warp would hold many lanes (benchmarks/bench_tree_build.py)."""
+    only pay once a warp would hold many lanes (H200, benchmarks/results/tree_build.md: 1 warp is best or
+    within 2 us up to budget 128, 2 warps at 256, 4 at 512)."""
     lanes = next_pow2(n_drafts)
-    return 1 if lanes <= 64 else 2 if lanes <= 256 else 4
+    return 1 if lanes <= 128 else 2 if lanes <= 256 else 4
 
 
 def build_tree_from_top(top_lp: jax.Array, top_tok: jax.Array, root_tokens: jax.Array, *, budget: int,
