@@ -51,7 +51,7 @@ def run_config(cfg, params, drafter, prompts, batch, method, budget, temperature
         kwargs["drafter"] = drafter
     if method == "ddtree":
         kwargs["tree_budget"] = budget
-    seconds, tokens, forwards, accept, outputs = 0.0, 0, 0, [], []
+    seconds, tokens, forwards, accept, outputs, chosen = 0.0, 0, 0, [], [], {}
     timer = Timer(repeats, device=False)  # wall clock around one dispatch (compile + warm-up call first)
     for g, group in enumerate(groups):
         key = jax.random.key(1000 + g)
@@ -65,10 +65,15 @@ def run_config(cfg, params, drafter, prompts, batch, method, budget, temperature
         accept.extend(acc[acc > 0].tolist())
         toks = np.asarray(out.tokens)
         outputs.extend(toks[b, :lengths[b]].tolist() for b in range(len(group)))
+        if budget == "auto":  # which budget each round verified
+            for b in np.asarray(out.tree_budgets)[: int(out.rounds)].tolist():
+                chosen[b] = chosen.get(b, 0) + 1
     row = dict(method=method, budget=budget, batch=batch, temperature=temperature,
                mean_acceptance=float(np.mean(accept)) if accept else 0.0,
                forwards_per_token=forwards / tokens, tokens_per_s=tokens / seconds, seconds=seconds,
                new_tokens=tokens)
+    if chosen:
+        row["auto_budgets"] = {str(b): n for b, n in sorted(chosen.items())}  # budget -> rounds
     return row, outputs
 
 
@@ -81,6 +86,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--budgets", type=int, nargs="+", default=list(DEFAULT_BUDGETS))
+    parser.add_argument("--auto", action="store_true", help="also run tree_budget='auto' (the budget chosen "
+                        "per round; its rows record how many rounds used each budget)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--repeats", type=int, default=1)
@@ -123,6 +130,8 @@ def main() -> None:
     for batch in args.batches:
         for temperature in args.temperatures:
             configs = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in args.budgets]
+            if args.auto:
+                configs.append(("ddtree", "auto"))
             ar_speed, ar_out = None, None
             for method, budget in configs:
                 if args.deadline_s is not None and time.perf_counter() - start > args.deadline_s:
@@ -178,7 +187,7 @@ def merge(paths: list[Path], stem: Path) -> None:
                for q in run["meta"].get("skipped_past_deadline", [])}
     meta["skipped_past_deadline"] = [q for point, q in skipped.items() if point not in done]
     failures = [f for run in runs for f in run["invariant_failures"]]
-    budgets = sorted({r["budget"] for r in rows if r["budget"]})
+    budgets = sorted({r["budget"] for r in rows if isinstance(r["budget"], int)})
     write_results(stem, meta, {"rows": rows, "invariant_failures": failures}, markdown(meta, rows),
                   plot=lambda path: plot(path, meta, rows, budgets))
     print(f"merged {len(paths)} runs, {len(rows)} points")
@@ -190,7 +199,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              f"{meta['prompt_tokens']} tokens, {meta['max_new_tokens']} new tokens each, block size "
              f"{meta['block_size']}, median of {meta['repeats']} timed call(s) after a warm-up, one dispatch per "
              f"generate call; float32 matmul precision {meta['matmul_precision']}; kernels: "
-             f"{meta.get('kernels') or 'attention ' + meta.get('attention', '?')}." + (f" Joined from {len(meta['dates'])} runs ({', '.join(meta['dates'])})."
+             f"{meta.get('kernels') or 'attention ' + meta.get('attention', '?')}."
+             + (f" Joined from {len(meta['dates'])} runs ({', '.join(meta['dates'])})."
                                         if meta.get("dates") else ""), "",
              "| batch | temp | method | budget | mean accept | target fwd / token | tokens/s | speedup vs AR | "
              "greedy == AR |", "|---|---|---|---|---|---|---|---|---|"]
@@ -199,6 +209,11 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         lines.append(f"| {r['batch']} | {r['temperature']:g} | {r['method']} | {r['budget'] or '-'} | "
                      f"{r['mean_acceptance']:.2f} | {r['forwards_per_token']:.3f} | {r['tokens_per_s']:.1f} | "
                      f"{r['speedup']:.2f}x | {same} |")
+    autos = [r for r in rows if r.get("auto_budgets")]
+    if autos:
+        picks = [f"batch {r['batch']} T={r['temperature']:g}: "
+                 + ", ".join(f"{b} x{n}" for b, n in r["auto_budgets"].items()) for r in autos]
+        lines += ["", "Budgets `auto` verified (budget x rounds): " + "; ".join(picks)]
     if meta["skipped_past_deadline"]:
         lines += ["", f"INCOMPLETE: {len(meta['skipped_past_deadline'])} points not run (past the deadline): "
                   + ", ".join(f"batch {p['batch']} T={p['temperature']:g} {p['method']} {p['budget'] or ''}".strip()
@@ -214,14 +229,17 @@ def plot(path: Path, meta: dict, rows: list[dict], budgets) -> None:
     settings = sorted({(r["batch"], r["temperature"]) for r in rows})
     for i, (batch, temp) in enumerate(settings):
         sel = [r for r in rows if r["batch"] == batch and r["temperature"] == temp]
-        tree = sorted((r for r in sel if r["method"] == "ddtree"), key=lambda r: r["budget"])
+        tree = sorted((r for r in sel if r["method"] == "ddtree" and r["budget"] != "auto"), key=lambda r: r["budget"])
         dflash = next((r for r in sel if r["method"] == "dflash"), None)
+        auto = next((r for r in sel if r["budget"] == "auto"), None)
         color = f"C{i}"
         label = f"batch {batch}, T={temp:g}"
         for ax, key in ((axes[0], "mean_acceptance"), (axes[1], "speedup")):
             ax.plot([r["budget"] for r in tree], [r[key] for r in tree], "o-", color=color, label=f"DDTree, {label}")
             if dflash is not None:
                 ax.axhline(dflash[key], color=color, ls="--", lw=1, label=f"DFlash, {label}")
+            if auto is not None:
+                ax.axhline(auto[key], color=color, ls=":", lw=1.5, label=f"DDTree auto, {label}")
     axes[0].set_ylabel("mean acceptance length (tokens / round)")
     axes[1].set_ylabel("speedup over AR (tokens/s)")
     axes[1].axhline(1.0, color="k", lw=0.8)

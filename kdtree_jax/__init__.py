@@ -5,7 +5,8 @@ Public API (see README.md):
     params = kj.init_params(cfg, jax.random.key(0))
     logits = kj.forward(params, cfg, tokens)          # [B, S] -> [B, S, V]
     out = kj.generate(cfg, params, prompts, max_new_tokens=64, method="ddtree",
-                      drafter=(dcfg, dparams), tree_budget=32)
+                      drafter=(dcfg, dparams), tree_budget=32)   # or tree_budget="auto"
+    costs = kj.calibrate_budget_costs(cfg, params, prompts, drafter=(dcfg, dparams))  # for "auto", measured here
     kj.save_checkpoint(path, cfg, params); cfg, params = kj.load_checkpoint(path)
     cfg, params = kj.load_hf(hf_dir)
     dcfg, dparams = kj.load_hf_drafter(dflash_dir, target=cfg)   # a published z-lab DFlash drafter
@@ -14,6 +15,7 @@ Public API (see README.md):
     out = kj.generate(..., kernels=kj.Kernels(attention="xla"))  # override the choice per call
 """
 
+from kdtree_jax.budget import BudgetCosts
 from kdtree_jax.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from kdtree_jax.config import ConfigError, ModelConfig, YarnScaling
 from kdtree_jax.ddtree import DFlashDraft, OracleDraft
@@ -26,7 +28,7 @@ from kdtree_jax.drafter import (
                                 init_drafter_cache,
                                 init_drafter_params,
 )
-from kdtree_jax.generate import generate
+from kdtree_jax.generate import calibrate_budget_costs, generate
 from kdtree_jax.hf import HFCheckpointError, load_hf
 from kdtree_jax.hf_drafter import DrafterFormatError, export_hf_drafter, load_hf_drafter
 from kdtree_jax.kernels import kernel_plan, plan_summary, prepare_params
@@ -37,6 +39,7 @@ from pallas_kernels.dispatch import Kernels, KernelUnavailableError
 from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
 
 __all__ = [
+    "BudgetCosts", "calibrate_budget_costs",
     "CheckpointError", "ConfigError", "DFlashDraft", "DrafterCache", "DrafterConfig", "DrafterFormatError",
     "GenerateOutput", "HFCheckpointError", "Int4Weight", "KVCache", "KernelUnavailableError", "Kernels",
     "ModelConfig", "MosaicInt4Weight", "OracleDraft", "Tree", "YarnScaling", "build_chain", "export_hf_drafter",

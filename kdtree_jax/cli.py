@@ -34,7 +34,7 @@ PROG = "kdtree-jax"
 PRESETS = ("tiny",)  # models small enough to build from random weights on any machine
 DTYPES = ("bfloat16", "float32", "float16")
 METHODS = ("ar", "dflash", "ddtree", "all")
-DEFAULT_BUDGET = 32
+DEFAULT_BUDGET = "auto"
 # jax.random.key keeps the low 32 bits of a seed (64-bit ints are off): 2**32 would give seed 0's numbers.
 MAX_SEED = 2**32 - 1
 # The implementations `--moe-kernel` etc. accept: pallas_kernels.dispatch.IMPLS (not imported here: start-up time).
@@ -136,8 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "prompts are text and the output is decoded")
     g.add_argument("--method", choices=METHODS, default="ar", help="ar: autoregressive; dflash: single-path "
                    "speculative; ddtree: tree speculative; all: run each and compare (default: %(default)s)")
-    g.add_argument("--budget", type=int, metavar="N", help="DDTree tree budget: draft nodes verified per "
-                   f"round, 1 to {MAX_TREE_BUDGET} (default: {DEFAULT_BUDGET})")
+    g.add_argument("--budget", type=_budget, metavar="N|auto", help="DDTree tree budget: draft nodes verified "
+                   f"per round, 1 to {MAX_TREE_BUDGET}, or auto: each round verifies the budget with the most expected "
+                   "tokens per unit of round cost, from the drafter's scores and round costs measured for this "
+                   f"device kind (docs/ddtree.md, 'Auto budget'; default: {DEFAULT_BUDGET})")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     g.add_argument("--top-k", type=int, metavar="K", help="sample only from the K most likely tokens")
     g.add_argument("--top-p", type=float, metavar="P", help="sample only from the smallest set of tokens "
@@ -453,6 +455,16 @@ def _mean_acceptance(out) -> float:
     return float(acc.mean()) if acc.size else 0.0
 
 
+def _budget(text: str):
+    """--budget: 'auto' or an integer (its range is checked in cmd_generate, with the other flags)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
 def _run(cfg, params, prompts, method, drafter, args):
     """(output, seconds of the timed call). Compiles first with an untimed call unless --no-warmup."""
     import jax  # noqa: PLC0415
@@ -475,6 +487,16 @@ def _run(cfg, params, prompts, method, drafter, args):
     return out, timing["seconds"]
 
 
+def _budget_note(budget, out) -> str:
+    """'32', or for auto which budgets the rounds verified: 'auto (8 x3, 32 x5)'."""
+    if budget != "auto":
+        return str(budget)
+    import collections  # noqa: PLC0415
+
+    used = collections.Counter(int(b) for b in list(out.tree_budgets)[: int(out.rounds)])
+    return "auto (" + ", ".join(f"{b} x{n}" for b, n in sorted(used.items())) + " rounds)"
+
+
 def _rows(out) -> list[list[int]]:
     import numpy as np  # noqa: PLC0415
 
@@ -489,7 +511,7 @@ def cmd_generate(args) -> None:
     args.budget = DEFAULT_BUDGET if args.budget is None else args.budget
     if args.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not 1 <= args.budget <= MAX_TREE_BUDGET:  # before loading anything: kj.generate would say it too
+    if args.budget != "auto" and not 1 <= args.budget <= MAX_TREE_BUDGET:  # before loading: kj.generate says it too
         raise CLIError(f"--budget must be in [1, {MAX_TREE_BUDGET}], got {args.budget}")
     _check_prompt_text(args.prompt)
     if args.shipped and not args.tokenizer:
@@ -527,7 +549,7 @@ def cmd_generate(args) -> None:
     for method, out, seconds in results:
         rows = _rows(out)
         new = sum(len(r) for r in rows)
-        print(f"\n[{method}] {sampling}" + (f", budget {args.budget}" if method == "ddtree" else ""))
+        print(f"\n[{method}] {sampling}" + (f", budget {_budget_note(args.budget, out)}" if method == "ddtree" else ""))
         for b, (prompt, row) in enumerate(zip(prompts, rows, strict=True)):
             print(f"prompt {b}: {' '.join(map(str, prompt))}")
             if tokenizer is not None:

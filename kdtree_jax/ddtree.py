@@ -22,7 +22,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from kdtree_jax import budget as budget_lib
 from kdtree_jax import sharding
+from kdtree_jax.budget import BudgetCosts
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.decoding import GenerateOutput, SamplingParams, cache_length, emit, on_mesh, prefill, sample
 from kdtree_jax.drafter import (
@@ -39,8 +41,9 @@ from pallas_kernels.int4 import Int4Weight
 
 # The verify forward takes 1 + budget tokens with a [T, T] tree mask, and the tree build sorts budget * K
 # candidates per depth: 1024 compiles in about a minute on the tiny model (CPU), far past where a larger
-# tree still pays for its verify cost (kdtree_jax/budget.py).
+# tree still pays for its verify cost (docs/k26_verify_cost.md).
 MAX_TREE_BUDGET = 1024
+AUTO = "auto"
 
 
 # ------------------------------------------------------------------------------------- draft models
@@ -153,6 +156,14 @@ def compact_cache(latent: jax.Array, start: jax.Array, path: jax.Array) -> jax.A
     return jax.vmap(one_layer)(latent)
 
 
+def slice_tree(tree: Tree, budget: int) -> Tree:
+    """The first `budget` drafts of a best-first tree: exactly the budget-`budget` tree (the heap's first pops;
+    parents always come before their children)."""
+    t = 1 + budget
+    return Tree(tree.tokens[:, :t], tree.parents[:, :t], tree.depths[:, :t], tree.valid[:, :t],
+                tree.visible[:, :t, :t], tree.scores[:, :t])
+
+
 class _State(NamedTuple):
     out: jax.Array  # [B, N]
     count: jax.Array  # [B]
@@ -163,6 +174,7 @@ class _State(NamedTuple):
     key: jax.Array
     rounds: jax.Array  # []
     accepted: jax.Array  # [B, N] tokens committed per round
+    budgets: jax.Array  # [N] the tree budget each round verified (tree_budget="auto" chooses it per round)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "budget", "max_new_tokens", "max_len",
@@ -186,26 +198,45 @@ def _generate(params, draft_model, prompt_tokens, prompt_lengths, key, *, cfg, m
     out, count, done, _ = emit(out, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool),
                                bonus[:, None], jnp.ones((batch,), jnp.int32), stop_tokens)
     state = _State(out, count, done, bonus, cache, draft_state, key, jnp.int32(0),
-                   jnp.zeros((batch, max_new_tokens), jnp.int32))
+                   jnp.zeros((batch, max_new_tokens), jnp.int32), jnp.zeros((max_new_tokens,), jnp.int32))
+
+    def verify(tree: Tree, cache: KVCache, start, key):
+        """One target forward over the tree, the posterior, the accepted path and what it carries."""
+        positions = start[:, None] + tree.depths  # [B, T]
+        logits, hidden, cache = forward_with_cache(params, cfg, tree.tokens, positions, cache,
+                                                   visibility=tree.visible, hidden_layers=hidden_layers,
+                                                   kernels=kernels)
+        posterior = sample(logits, key, sampling)  # [B, T]: independent per node when sampling
+        path, length, next_bonus = accept_path(tree, posterior, depth)
+        # emitted this round: the accepted drafts then the new bonus = posterior along the path
+        new_tokens = jnp.take_along_axis(posterior, path, axis=1)  # [B, L + 1]
+        path_hidden = jnp.take_along_axis(hidden, path[:, :, None, None], axis=1)  # [B, L+1, n, D]
+        return path, length, next_bonus, new_tokens, cache, path_hidden
+
+    def verify_at(tree_budget: int):
+        """`verify` of the first tree_budget drafts: one compiled branch per candidate budget."""
+        return lambda tree, cache, start, key: verify(slice_tree(tree, tree_budget), cache, start, key)
 
     def body(s: _State) -> _State:
         start = s.cache.lengths  # [B]
         draft_logits = draft_model.draft(s.draft_state, cfg, params, s.bonus, start)  # [B, L, V]
         # the tree builder and acceptance are tiny: they run replicated on every device
         draft_logits = sharding.constrain(draft_logits, None, None, None)
+        key, sub = jax.random.split(s.key)
         if method == "dflash":
             tree = build_chain(draft_logits, root_tokens=s.bonus)
+            used = jnp.int32(depth)
+            result = verify(tree, s.cache, start, sub)
+        elif isinstance(budget, BudgetCosts):  # "auto": one build at the largest budget, the verify it pays for
+            tree = build_tree(draft_logits, budget.max_budget, root_tokens=s.bonus, kernels=kernels)
+            choice = budget_lib.choose(tree.scores, ~s.done, budget)
+            used = jnp.asarray(budget.budgets, jnp.int32)[choice]
+            result = jax.lax.switch(choice, [verify_at(b) for b in budget.budgets], tree, s.cache, start, sub)
         else:
             tree = build_tree(draft_logits, budget, root_tokens=s.bonus, kernels=kernels)
-        positions = start[:, None] + tree.depths  # [B, T]
-        logits, hidden, cache = forward_with_cache(params, cfg, tree.tokens, positions, s.cache,
-                                                   visibility=tree.visible, hidden_layers=hidden_layers,
-                                                   kernels=kernels)
-        key, sub = jax.random.split(s.key)
-        posterior = sample(logits, sub, sampling)  # [B, T]: independent per node when sampling
-        path, length, next_bonus = accept_path(tree, posterior, depth)
-        # emitted this round: the accepted drafts then the new bonus = posterior along the path
-        new_tokens = jnp.take_along_axis(posterior, path, axis=1)  # [B, L + 1]
+            used = jnp.int32(budget)
+            result = verify(tree, s.cache, start, sub)
+        path, length, next_bonus, new_tokens, cache, path_hidden = result
         out, count, done, took = emit(s.out, s.count, s.done, new_tokens, length, stop_tokens)
         # commit what was emitted: the m accepted nodes, fewer when a stop token or max_new_tokens
         # cut the round, none once a row is done. So lengths = prompt + emitted - 1 <= P + N - 1,
@@ -213,21 +244,21 @@ def _generate(params, draft_model, prompt_tokens, prompt_lengths, key, *, cfg, m
         advance = took
         latent = compact_cache(cache.latent, start, path)
         cache = KVCache(latent=latent, lengths=start + advance)
-        path_hidden = jnp.take_along_axis(hidden, path[:, :, None, None], axis=1)  # [B, L+1, n, D]
         path_positions = start[:, None] + jnp.arange(depth + 1, dtype=jnp.int32)[None, :]
         draft_state = draft_model.extend(s.draft_state, path_hidden, path_positions, advance)
         accepted = s.accepted.at[:, s.rounds].set(took)
-        return _State(out, count, done, next_bonus, cache, draft_state, key, s.rounds + 1, accepted)
+        budgets = s.budgets.at[s.rounds].set(used)
+        return _State(out, count, done, next_bonus, cache, draft_state, key, s.rounds + 1, accepted, budgets)
 
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     return GenerateOutput(tokens=state.out, lengths=state.count, num_target_forwards=state.rounds + 1,
-                          rounds=state.rounds, acceptance_lengths=state.accepted)
+                          rounds=state.rounds, acceptance_lengths=state.accepted, tree_budgets=state.budgets)
 
 
 def generate_speculative(cfg: ModelConfig, params: Params, tokens, lengths, key, *, drafter, method: str,
-                         tree_budget: int | None, max_new_tokens: int, sampling: SamplingParams,
+                         tree_budget: int | str | None, max_new_tokens: int, sampling: SamplingParams,
                          stop_tokens: tuple[int, ...], max_len: int | None, mesh=None,
-                         kernels=None) -> GenerateOutput:
+                         kernels=None, budget_costs: BudgetCosts | None = None) -> GenerateOutput:
     """DDTree / DFlash generation (called by `kdtree_jax.generate`, which checks the prompts and
     places params on `mesh`, a jax Mesh or None)."""
     if drafter is None:
@@ -235,16 +266,27 @@ def generate_speculative(cfg: ModelConfig, params: Params, tokens, lengths, key,
     draft_model = as_draft_model(cfg, drafter)
     depth = draft_model.block_size - 1
     if method == "dflash":
-        if tree_budget is not None:
+        if tree_budget is not None or budget_costs is not None:
             raise ValueError("method='dflash' drafts a single chain of block_size - 1 tokens; "
-                             "tree_budget applies to method='ddtree' only")
+                             "tree_budget and budget_costs apply to method='ddtree' only")
         tree_slots = 1 + depth
+        budget = None
+    elif tree_budget == AUTO:
+        budget = budget_lib.default_costs(tokens.shape[0]) if budget_costs is None else budget_costs
+        if not isinstance(budget, BudgetCosts):
+            raise ValueError(f"budget_costs must be a kdtree_jax.BudgetCosts, got {type(budget).__name__}")
+        if budget.max_budget > MAX_TREE_BUDGET:
+            raise ValueError(f"budget_costs' budgets must be <= {MAX_TREE_BUDGET}, got {budget.budgets}")
+        tree_slots = 1 + budget.max_budget
     else:
         if (not isinstance(tree_budget, int) or isinstance(tree_budget, bool)
                 or not 1 <= tree_budget <= MAX_TREE_BUDGET):
-            raise ValueError(f"method='ddtree' needs tree_budget, an integer in [1, {MAX_TREE_BUDGET}], "
-                             f"got {tree_budget!r}")
+            raise ValueError(f"method='ddtree' needs tree_budget, an integer in [1, {MAX_TREE_BUDGET}] or "
+                             f"'auto', got {tree_budget!r}")
+        if budget_costs is not None:
+            raise ValueError("budget_costs applies to tree_budget='auto' only")
         tree_slots = 1 + tree_budget
+        budget = tree_budget
     if not cfg.tie_word_embeddings and isinstance(params.get("lm_head"), Int4Weight):
         raise ValueError("the drafter shares the target's lm_head, which must be dense (never INT4)")
     # verify writes T rows past the committed length; compaction rewrites depth + 1 rows there
@@ -253,5 +295,5 @@ def generate_speculative(cfg: ModelConfig, params: Params, tokens, lengths, key,
         draft_model = sharding.replicate(draft_model, mesh)
     with on_mesh(mesh):
         return _generate(params, draft_model, jnp.asarray(tokens), jnp.asarray(lengths), key, cfg=cfg,
-                         method=method, budget=tree_budget, max_new_tokens=max_new_tokens, max_len=cache_rows,
+                         method=method, budget=budget, max_new_tokens=max_new_tokens, max_len=cache_rows,
                          sampling=sampling, stop_tokens=stop_tokens, kernels=kernels)

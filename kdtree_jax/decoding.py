@@ -25,6 +25,7 @@ class GenerateOutput(NamedTuple):
     num_target_forwards: jax.Array  # [] int32, the prefill included
     rounds: jax.Array  # [] int32 decode rounds after the prefill (AR: one token per round)
     acceptance_lengths: jax.Array  # [B, max_rounds] int32 tokens committed per round, 0 once done
+    tree_budgets: jax.Array | None = None  # [max_rounds] int32 drafts verified per round, 0 past the last (DFlash: L)
 
 
 # Temperatures above this sample as this one: uniform over the unmasked tokens for any logit spread < 1e20.

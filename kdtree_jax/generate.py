@@ -8,6 +8,8 @@ dispatch. The pieces every method shares (sampling, prefill, ...) live in kdtree
 from __future__ import annotations
 
 import functools
+import statistics
+import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -16,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax import sharding
+from kdtree_jax.budget import BudgetCosts
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.ddtree import generate_speculative
 from kdtree_jax.decoding import (
@@ -88,20 +91,22 @@ def _generate_ar(params, prompt_tokens, prompt_lengths, key, *, cfg, max_new_tok
 def generate(cfg: ModelConfig, params: Params, prompts, max_new_tokens: int = 64, method: str = "ar",
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              key: jax.Array | None = None, stop_tokens: Sequence[int] | None = None, drafter=None,
-             tree_budget: int | None = None, max_len: int | None = None, mesh=None,
-             kernels: Kernels | None = None) -> GenerateOutput:
+             tree_budget: int | str | None = None, max_len: int | None = None, mesh=None,
+             kernels: Kernels | None = None, budget_costs: BudgetCosts | None = None) -> GenerateOutput:
     """Generate up to `max_new_tokens` per prompt with one device dispatch.
 
     prompts: a list of token-id lists (ragged) or an int array [B, P]. method: "ar" (autoregressive),
     "dflash" (single-path speculative) or "ddtree" (tree speculative; needs `drafter=(dcfg, dparams)`
-    and `tree_budget`). temperature 0 is greedy; any finite temperature > 0 samples (a tiny one gives the
-    argmax: decoding.sampling_logits) with optional top_k / top_p and an explicit PRNG `key`
-    (jax.random.key(seed), required). stop_tokens default to cfg.eos_token_id. max_len: cache rows
-    (default: exactly what the call needs). mesh: a jax Mesh or a spec like "expert=2,tensor=1"
-    (kdtree_jax.sharding): the target runs sharded over it (params not yet there are placed on it,
-    drafter and tree replicated); MeshError when the mesh does not divide the model. kernels: which kernel
-    each op runs, e.g. kj.Kernels(attention="xla") (default: pallas_kernels.dispatch decides; routed experts
-    run the Mosaic GPU kernel only once converted: kj.prepare_params)."""
+    and `tree_budget`: an int, or "auto" to choose each round's budget on device from the drafter's scores
+    and `budget_costs`, a kj.BudgetCosts, default the measured kdtree_jax.budget.default_costs). temperature
+    0 is greedy; any finite temperature > 0 samples (a tiny one gives the argmax: decoding.sampling_logits)
+    with optional top_k / top_p and an explicit PRNG `key` (jax.random.key(seed), required). stop_tokens
+    default to cfg.eos_token_id. max_len: cache rows (default: exactly what the call needs). mesh: a jax
+    Mesh or a spec like "expert=2,tensor=1" (kdtree_jax.sharding): the target runs sharded over it (params
+    not yet there are placed on it, drafter and tree replicated); MeshError when the mesh does not divide
+    the model. kernels: which kernel each op runs, e.g. kj.Kernels(attention="xla") (default:
+    pallas_kernels.dispatch decides; routed experts run the Mosaic GPU kernel only once converted:
+    kj.prepare_params)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if not is_int(max_new_tokens) or max_new_tokens < 1:
@@ -124,8 +129,8 @@ def generate(cfg: ModelConfig, params: Params, prompts, max_new_tokens: int = 64
         mesh = sharding.make_mesh(mesh)
         params = sharding.shard_params(cfg, params, mesh)  # checks the mesh divides the model
     if method == "ar":
-        if drafter is not None or tree_budget is not None:
-            raise ValueError("method='ar' takes no drafter or tree_budget")
+        if drafter is not None or tree_budget is not None or budget_costs is not None:
+            raise ValueError("method='ar' takes no drafter, tree_budget or budget_costs")
         cache_rows = cache_length(cfg, tokens.shape[1], max_new_tokens, 0, max_len)
         with on_mesh(mesh):
             return _generate_ar(params, jnp.asarray(tokens), jnp.asarray(lengths), key, cfg=cfg,
@@ -134,4 +139,36 @@ def generate(cfg: ModelConfig, params: Params, prompts, max_new_tokens: int = 64
     return generate_speculative(cfg, params, tokens, lengths, key, drafter=drafter, method=method,
                                 tree_budget=tree_budget, max_new_tokens=max_new_tokens,
                                 sampling=sampling, stop_tokens=stops, max_len=max_len, mesh=mesh,
-                                kernels=kernels)
+                                kernels=kernels, budget_costs=budget_costs)
+
+
+def calibrate_budget_costs(cfg: ModelConfig, params: Params, prompts, *, drafter,
+                           budgets: Sequence[int] = (4, 8, 16, 32, 64), max_new_tokens: int = 64, repeats: int = 3,
+                           kernels: Kernels | None = None) -> BudgetCosts:
+    """Measure what one DDTree round costs at each budget on this device, in AR steps, for `tree_budget="auto"`.
+
+    Times whole greedy `generate` calls (a warm-up call compiles; then the median of `repeats`) of AR and of
+    DDTree at every budget on `prompts` (their batch size is the one the costs are for), and divides each
+    call's wall time by its rounds. Pass the result as `generate(..., tree_budget="auto", budget_costs=...)`."""
+    if not budgets or any(not is_int(b) or not 1 <= b for b in budgets):
+        raise ValueError(f"budgets must be positive integers, got {budgets!r}")
+    if not is_int(repeats) or repeats < 1:
+        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+
+    def per_round(**kwargs) -> float:
+        run = functools.partial(generate, cfg, params, prompts, max_new_tokens=max_new_tokens, stop_tokens=(),
+                                kernels=kernels, **kwargs)
+        out = jax.block_until_ready(run())
+        walls = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(run())
+            walls.append(time.perf_counter() - start)
+        return statistics.median(walls) / max(1, int(out.rounds))
+
+    step = per_round()
+    budgets = tuple(sorted({int(b) for b in budgets}))
+    costs = tuple(per_round(method="ddtree", drafter=drafter, tree_budget=b) / step for b in budgets)
+    device = jax.devices()[0]
+    return BudgetCosts(budgets, costs, source=f"calibrated on {getattr(device, 'device_kind', device.platform)}, "
+                                              f"batch {len(prompts)}")

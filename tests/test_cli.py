@@ -138,6 +138,11 @@ def test_generate_all_methods_compares_them(models, capsys):
     assert [row.split()[0] for row in table] == ["ar", "dflash", "ddtree"]
     assert all(row.split()[-1] == "yes" for row in table)  # greedy speculative decoding is lossless
     assert "budget 3" in out
+    rc, auto, _ = run(["generate", "--checkpoint", models / "target", "--drafter", models / "drafter", "--method",
+                       "ddtree", "--prompt", "1 2 3", "--prompt", "7 8", "--max-new-tokens", "4", "--no-warmup"],
+                      capsys)  # the default budget: auto, with how many rounds verified each budget
+    assert rc == 0 and re.search(r"budget auto \((\d+ x\d+(, )?)+ rounds\)", auto), auto
+    assert token_lines(auto) == token_lines(out)[:2]
     ar = token_lines(out)[:2]
     params = kj.load_checkpoint(models / "target")
     direct = kj.generate(*params, [[1, 2, 3], [7, 8]], max_new_tokens=4)
@@ -176,8 +181,8 @@ def test_kernel_plan_on_a_faked_hopper_gpu(models, small_cfg, tmp_path, capsys, 
     rc, out, _ = run(["info", models / "int4_tiny"], capsys)  # float32 params: not the Mosaic kernel
     assert rc == 0
     assert ("kernels: attention triton (GPU), linear none (no INT4 dense weights), moe triton (Mosaic GPU kernel "
-            "not used: needs bf16 activations, the model runs in float32; GPU), tree triton (GPU); hint: a bfloat16 model runs the "
-            "routed experts on the Mosaic GPU kernel (--dtype bfloat16, or 'convert --dtype bfloat16') "
+            "not used: needs bf16 activations, the model runs in float32; GPU), tree triton (GPU); hint: a bfloat16 "
+            "model runs the routed experts on the Mosaic GPU kernel (--dtype bfloat16, or 'convert --dtype bfloat16') "
             "(on this machine)") in out
     tiny = small_cfg
     bf16 = kj.quantize(kj.init_params(tiny, jax.random.key(3), jnp.bfloat16), tiny)
@@ -348,6 +353,8 @@ BAD = [
      "--budget must be in [1, 1024], got 0"),
     (["generate", "--checkpoint", "{target}", "--drafter", "{drafter}", "--method", "ddtree", "--budget", "5000"],
      "--budget must be in [1, 1024], got 5000"),
+    (["generate", "--checkpoint", "{target}", "--drafter", "{drafter}", "--method", "ddtree", "--budget", "best"],
+     "argument --budget: expected an integer or 'auto', got 'best'"),
     (["generate", "--preset", "tiny", "--seed", str(2**64)],
      "argument --seed: must be an integer in [0, 4294967295] (JAX keys take 32-bit seeds"),
     (["generate", "--preset", "tiny", "--seed", "-1"], "argument --seed: must be an integer in [0, 4294967295]"),

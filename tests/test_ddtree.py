@@ -1,6 +1,7 @@
 """The central invariant - greedy DDTree == greedy autoregressive, token for token - plus deep
 acceptance with a drafter that knows the answer, and lossless sampling (chi-square)."""
 
+import functools
 import math
 
 import jax
@@ -10,6 +11,7 @@ import pytest
 from helpers import TINY, random_params
 
 import kdtree_jax as kj
+from kdtree_jax import budget as budget_lib
 from kdtree_jax.ddtree import OracleDraft, accept_path
 from kdtree_jax.drafter import DrafterConfig, init_drafter_params
 from kdtree_jax.tree import build_tree
@@ -182,7 +184,8 @@ def _chi_square(samples: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
 
 
 @pytest.mark.slow
-def test_sampling_is_lossless_chi_square():
+@pytest.mark.parametrize("budget", [30, "auto"])
+def test_sampling_is_lossless_chi_square(budget):
     cfg = SMALL_VOCAB
     params = random_params(cfg, seed=9)
     prompt = [5, 9, 2, 7]
@@ -195,15 +198,18 @@ def test_sampling_is_lossless_chi_square():
     dcfg, dparams = make_drafter(cfg, 0, block_size=3)
     dparams = {**dparams, "final_norm": jnp.zeros_like(dparams["final_norm"])}
     n = 3000
-    kwargs = dict(max_new_tokens=2, temperature=1.0, stop_tokens=(), key=jax.random.key(123))
-    out = kj.generate(cfg, params, [prompt] * n, method="ddtree", drafter=(dcfg, dparams),
-                      tree_budget=30, **kwargs)
+    kwargs = dict(max_new_tokens=2, temperature=1.0, stop_tokens=(), key=jax.random.key(123), tree_budget=budget)
+    if budget == "auto":  # costs that pick the 4-draft tree: the 2nd token is a tree node's draw or a bonus draw
+        kwargs["budget_costs"] = kj.BudgetCosts((4, 30), (1.0, 2.0))
+    out = kj.generate(cfg, params, [prompt] * n, method="ddtree", drafter=(dcfg, dparams), **kwargs)
+    if budget == "auto":
+        assert int(out.tree_budgets[0]) == 4
     assert np.all(np.asarray(out.acceptance_lengths)[:, 0] >= 1)
     stat, dof = _chi_square(np.asarray(out.tokens[:, 1]), p2)
     assert stat < _chi_square_critical(dof), (stat, dof)
     # the same test must reject a biased sampler (temperature 0.7 instead of 1)
     biased = kj.generate(cfg, params, [prompt] * n, method="ddtree", drafter=(dcfg, dparams),
-                         tree_budget=30, **{**kwargs, "temperature": 0.7})
+                         **{**kwargs, "temperature": 0.7})
     stat, dof = _chi_square(np.asarray(biased.tokens[:, 1]), p2)
     assert stat > _chi_square_critical(dof), (stat, dof)
 
@@ -218,7 +224,10 @@ def _softmax(logits):
     (dict(method="ddtree", tree_budget=0, drafter="d"), "tree_budget"),
     (dict(method="ddtree", tree_budget=5000, drafter="d"), "tree_budget"),
     (dict(method="ddtree", drafter="d"), "tree_budget"),
-    (dict(method="dflash", tree_budget=3, drafter="d"), "tree_budget applies"),
+    (dict(method="dflash", tree_budget=3, drafter="d"), "tree_budget and budget_costs apply"),
+    (dict(method="ddtree", tree_budget="best", drafter="d"), "tree_budget"),
+    (dict(method="ddtree", tree_budget=8, drafter="d", budget_costs="c"), "budget_costs applies to tree_budget='auto'"),
+    (dict(method="ddtree", tree_budget="auto", drafter="d", budget_costs=(8, 1.0)), "must be a kdtree_jax.BudgetCosts"),
     (dict(method="ddtree", tree_budget=3, drafter=("x", "y")), "drafter must be"),
 ])
 def test_bad_speculative_arguments(tiny, kwargs, match):
@@ -279,3 +288,46 @@ def test_finished_rows_never_write_past_the_cache(tiny, monkeypatch):
     assert int(out.rounds) == 3 and int(out.acceptance_lengths[2, 0]) == 3
     assert seen and all(int(ends.max()) <= rows for ends, rows in seen), seen
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens[:, :4]))
+
+
+def test_auto_budget_keeps_the_greedy_invariant_and_follows_its_costs(tiny):
+    """tree_budget="auto": greedy tokens == AR whatever budgets it picks; costs that make the largest budget
+    always best reproduce that fixed budget's rounds exactly; costs that make it never pay pick the smallest."""
+    params, prompts, ar = tiny
+    drafter = make_drafter(TINY, seed=3)
+    run = functools.partial(kj.generate, TINY, params, prompts, max_new_tokens=14, method="ddtree", drafter=drafter,
+                            stop_tokens=())
+    default = run(tree_budget="auto")  # the CPU's measured costs (budgets 4..64)
+    np.testing.assert_array_equal(np.asarray(default.tokens), np.asarray(ar.tokens))
+    used = np.asarray(default.tree_budgets)[: int(default.rounds)]
+    assert set(used.tolist()) <= {4, 8, 16, 32, 64}
+    assert (np.asarray(default.tree_budgets)[int(default.rounds):] == 0).all()
+    largest = run(tree_budget="auto", budget_costs=kj.BudgetCosts((2, 6, 12), (1.0, 0.9, 0.8)))
+    fixed = run(tree_budget=12)
+    np.testing.assert_array_equal(np.asarray(largest.tokens), np.asarray(ar.tokens))
+    np.testing.assert_array_equal(np.asarray(largest.acceptance_lengths), np.asarray(fixed.acceptance_lengths))
+    assert (np.asarray(largest.tree_budgets)[: int(largest.rounds)] == 12).all()
+    smallest = run(tree_budget="auto", budget_costs=kj.BudgetCosts((2, 6, 12), (1.0, 1e6, 1e9)))
+    np.testing.assert_array_equal(np.asarray(smallest.acceptance_lengths),
+                                  np.asarray(run(tree_budget=2).acceptance_lengths))
+    assert (np.asarray(smallest.tree_budgets)[: int(smallest.rounds)] == 2).all()
+
+
+def test_budget_choice_by_hand():
+    """E(n) = 1 + the sum of the first n nodes' exp(score) per live row; the budget with the best E / cost wins."""
+    scores = jnp.log(jnp.array([[1.0, 0.9, 0.5, 0.1, 0.1], [1.0, 0.2, 0.1, 0.05, 0.0]]))  # root, then 4 nodes
+    live = jnp.array([True, True])
+    np.testing.assert_allclose(np.asarray(budget_lib.expected_tokens(scores, live, (1, 2, 4))),
+                               [1.9 + 1.2, 2.4 + 1.3, 2.6 + 1.35], rtol=1e-6)
+    assert int(budget_lib.choose(scores, live, kj.BudgetCosts((1, 2, 4), (1.0, 1.0, 1.0)))) == 2
+    assert int(budget_lib.choose(scores, live, kj.BudgetCosts((1, 2, 4), (1.0, 1.3, 1.5)))) == 0
+    only_first = budget_lib.expected_tokens(scores, jnp.array([True, False]), (1, 4))
+    np.testing.assert_allclose(np.asarray(only_first), [1.9, 2.6], rtol=1e-6)
+    with pytest.raises(ValueError, match="one cost per budget"):
+        kj.BudgetCosts((1, 2), (1.0,))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        kj.BudgetCosts((4, 2), (1.0, 1.0))
+    with pytest.raises(ValueError, match="finite and > 0"):
+        kj.BudgetCosts((2, 4), (1.0, 0.0))
+    costs = budget_lib.default_costs(batch=3, device=jax.devices()[0])
+    assert costs.budgets == tuple(sorted(costs.budgets)) and "batch 1" in costs.source

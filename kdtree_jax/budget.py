@@ -1,0 +1,97 @@
+"""The tree sizes itself: `tree_budget="auto"` picks, every round and on device, the budget that maximises
+expected committed tokens per unit of round cost (docs/ddtree.md, "Auto budget").
+
+Each round the tree is built once at the largest candidate budget. The best-first builder orders nodes by
+score, the cumulative draft log-prob of the node's path, which is the drafter's own probability that the
+target accepts that whole path; the first n nodes are exactly the budget-n tree. So a budget-n round is
+expected to commit
+
+    E(n) = 1 + sum_{i <= n} exp(score_i)     (the bonus token, plus every node's chance of acceptance)
+
+tokens per live row, and costs `cost(n)`: one round (draft, build, verify of 1 + n tokens, bookkeeping) in
+any unit, e.g. AR steps. The round verifies with the budget maximising sum_rows E(n) / cost(n) among the
+candidates, one compiled verify per candidate (`lax.switch`): a smaller tree then costs less on every
+backend, dense or MoE (an MoE verify reads only the experts its tokens route to).
+
+The costs come from measurement: `DEFAULT_COSTS` are whole-`generate` timings of the shipped pair (rounds
+per second against AR steps per second, benchmarks/results/e2e_h200.json, e2e_cpu.json, round_profile.json);
+`kdtree_jax.calibrate_budget_costs` measures them for any model on the device at hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetCosts:
+    """Candidate budgets (increasing) and the cost of one round at each (any positive unit; AR steps in
+    the defaults). Static: part of the compiled program, like the budget itself."""
+
+    budgets: tuple[int, ...]
+    costs: tuple[float, ...]
+    source: str = "given"
+
+    def __post_init__(self):
+        budgets, costs = tuple(self.budgets), tuple(self.costs)
+        if not budgets or len(budgets) != len(costs):
+            raise ValueError(f"BudgetCosts needs one cost per budget, got {len(budgets)} budgets and "
+                             f"{len(costs)} costs")
+        if any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in budgets):
+            raise ValueError(f"BudgetCosts.budgets must be integers >= 1, got {budgets}")
+        if list(budgets) != sorted(set(budgets)):
+            raise ValueError(f"BudgetCosts.budgets must be strictly increasing, got {budgets}")
+        if any(not (float(c) > 0 and float(c) < float("inf")) for c in costs):
+            raise ValueError(f"BudgetCosts.costs must be finite and > 0, got {costs}")
+        object.__setattr__(self, "budgets", budgets)
+        object.__setattr__(self, "costs", tuple(float(c) for c in costs))
+
+    @property
+    def max_budget(self) -> int:
+        return self.budgets[-1]
+
+
+# Round cost in AR steps of the shipped pair, (device kind, batch) -> {budget: cost}: the wall time of a
+# generate call per round over its wall time per AR step. H200 (2026-12-01, tree-build kernel): budgets
+# 8..64 from e2e_h200.json (batch 1 and 8, greedy, 8 prompts x 128 tokens), 128 from round_profile.json's
+# in-loop rows (batch 1; batch 8 extrapolated from the 64 -> 128 growth at batch 1). CPU: e2e_cpu.json
+# (2-core machine, batch 1 and 8).
+_MEASURED = {
+    ("gpu", 1): {8: 1.58, 16: 1.70, 32: 1.67, 64: 1.72, 128: 2.06},
+    ("gpu", 8): {8: 2.37, 16: 2.67, 32: 2.74, 64: 3.12, 128: 3.74},
+    ("cpu", 1): {4: 3.12, 8: 6.20, 16: 8.79, 32: 10.98, 64: 18.60},
+    ("cpu", 8): {4: 3.82, 8: 5.38, 16: 7.24, 32: 11.48, 64: 20.46},
+}
+_MEASURED_ON = {"gpu": "NVIDIA H200", "cpu": "a 2-core CPU"}
+
+
+def default_costs(batch: int, device=None) -> BudgetCosts:
+    """The measured costs of the shipped pair for this device's platform and the nearest measured batch
+    (1 or 8). A different model or device has different costs: measure them with
+    `kdtree_jax.calibrate_budget_costs` and pass `budget_costs=`."""
+    device = device or jax.devices()[0]
+    platform = "gpu" if getattr(device, "platform", "cpu") == "gpu" else "cpu"
+    measured_batch = min((1, 8), key=lambda b: abs(b - batch))
+    table = _MEASURED[(platform, measured_batch)]
+    budgets = tuple(sorted(table))
+    return BudgetCosts(budgets, tuple(table[b] for b in budgets),
+                       source=f"shipped pair on {_MEASURED_ON[platform]}, batch {measured_batch}")
+
+
+def expected_tokens(scores: jax.Array, live: jax.Array, budgets: tuple[int, ...]) -> jax.Array:
+    """[len(budgets)] expected committed tokens of a round at each budget, summed over live rows.
+
+    scores [B, 1 + max budget]: the best-first tree's node scores (root 0, unused slots -inf), live [B] bool."""
+    p = jnp.exp(scores[:, 1:].astype(jnp.float32))  # [B, max budget]; exp(-inf) = 0 for unused slots
+    cum = jnp.cumsum(p, axis=1)  # [B, max budget]: sum of the first n nodes' acceptance chances
+    per_budget = jnp.stack([cum[:, b - 1] for b in budgets], axis=1) + 1.0  # [B, nb]
+    return jnp.sum(jnp.where(live[:, None], per_budget, 0.0), axis=0)
+
+
+def choose(scores: jax.Array, live: jax.Array, costs: BudgetCosts) -> jax.Array:
+    """Index into costs.budgets of the budget with the most expected tokens per cost (ties: the smaller)."""
+    rate = expected_tokens(scores, live, costs.budgets) / jnp.asarray(costs.costs, jnp.float32)
+    return jnp.argmax(rate).astype(jnp.int32)
