@@ -2,9 +2,9 @@
 
 A BPE tokenizer encodes a prompt that ends mid-"word" with a token the model rarely saw at that boundary:
 "def f(x):\\n" ends in the lone newline token, while in training text a newline almost always arrived merged
-with the next line's indentation ("\\n   "); "def fibon" ends in "on", where training text had
-"fibonacci" as other tokens. Conditioned on such an ending the model continues badly (a byte-level BPE
-has no other way to say "newline, then indentation" than the merged token it never sees here).
+with the next line's indentation ("\\n   "), and after a lone newline the model expects unindented code;
+"def fibon" ends in "on", where training text had "fibonacci" as other tokens. Conditioned on such an
+ending the model continues badly.
 
 Healing backs off the prompt's last token and makes the model regenerate it: the first new token may be
 any token whose bytes START with the removed token's bytes ("\\n" -> "\\n", "\\n   ", "\\n\\n", ...).
@@ -38,7 +38,8 @@ class TokenTable(NamedTuple):
     special: frozenset[int]
 
 
-# built once per tokenizer object (a 128k vocabulary takes ~0.2 s); dropped with the tokenizer
+# built once per tokenizer object (3 ms for the shipped 2048 tokens, in proportion for larger vocabularies);
+# dropped with the tokenizer
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

@@ -11,7 +11,8 @@ leaves it out); `decode` drops the specials.
 tokenizer merges a newline with the next line's indentation ("\n   " is one token) and a prompt ending
 in "\n" ends in a token the model rarely saw there. With --split-lines every "\n" is a pre-token of its
 own and so is the indentation that starts a line: no token holds a newline and anything else, and none
-joins indentation to the code after it (kdtree_jax/healing.py repairs such endings for any tokenizer).
+joins indentation to the code after it (kdtree_jax/healing.py repairs such endings at generation time,
+for any byte-level tokenizer).
 """
 
 from __future__ import annotations
