@@ -133,7 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt: space-separated token ids, "
                    "or text when --tokenizer is given. Repeat for a batch (default: the BOS token)")
     g.add_argument("--tokenizer", metavar="FILE", help="a tokenizer.json (Hugging Face 'tokenizers' format): "
-                   "prompts are text and the output is decoded")
+                   "prompts are text and the output is decoded, prompt included")
+    g.add_argument("--no-heal", action="store_true", help="use text prompts exactly as encoded. By default "
+                   "(token healing) each text prompt's last token is removed and generated again, the first new "
+                   "token restricted to tokens that start with the removed text, so that a prompt may end "
+                   "anywhere (after a newline, inside indentation or a word) and continue as the training text "
+                   "did; needs a byte-level BPE tokenizer (others: a note, and no healing)")
     g.add_argument("--method", choices=METHODS, default="ar", help="ar: autoregressive; dflash: single-path "
                    "speculative; ddtree: tree speculative; all: run each and compare (default: %(default)s)")
     g.add_argument("--budget", type=_budget, metavar="N|auto", help="DDTree tree budget: draft nodes verified "
@@ -346,6 +351,28 @@ def _parse_prompts(prompts: list[str] | None, tokenizer, cfg) -> list[list[int]]
     return out
 
 
+def _heal_prompts(prompts: list[list[int]], tokenizer, cfg):
+    """Token healing of encoded text prompts (kdtree_jax.healing): (prompts without their last token,
+    first-token mask bool [B, V] or None, removed text of each prompt). A tokenizer that is not byte-level
+    gets a note and no healing."""
+    import numpy as np  # noqa: PLC0415
+
+    from kdtree_jax.healing import heal  # noqa: PLC0415
+
+    healed, masks, removed = [], [], []
+    for ids in prompts:
+        try:
+            short, mask, text = heal(tokenizer, ids, vocab_size=cfg.vocab_size)
+        except ValueError as e:
+            STATUS.close()
+            print(f"{PROG}: note: prompts are not healed: {e} (--no-heal turns healing off)", file=sys.stderr)
+            return prompts, None, [""] * len(prompts)
+        healed.append(short)
+        masks.append(mask)
+        removed.append(text)
+    return healed, np.stack(masks), removed
+
+
 def _load_model(args):
     """(cfg, params, description) from exactly one of --checkpoint / --hf / --preset."""
     sources = [name for name in ("checkpoint", "hf", "preset", "shipped") if getattr(args, name)]
@@ -465,7 +492,7 @@ def _budget(text: str):
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
-def _run(cfg, params, prompts, method, drafter, args):
+def _run(cfg, params, prompts, method, drafter, args, first_token_mask=None):
     """(output, seconds of the timed call). Compiles first with an untimed call unless --no-warmup."""
     import jax  # noqa: PLC0415
 
@@ -473,7 +500,7 @@ def _run(cfg, params, prompts, method, drafter, args):
 
     kwargs: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, method=method, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, key=jax.random.key(args.seed), stop_tokens=args.stop,
-                  mesh=args.mesh, kernels=_kernels(args))
+                  mesh=args.mesh, kernels=_kernels(args), first_token_mask=first_token_mask)
     if method != "ar":
         kwargs["drafter"] = drafter
     if method == "ddtree":
@@ -514,6 +541,8 @@ def cmd_generate(args) -> None:
     if args.budget != "auto" and not 1 <= args.budget <= MAX_TREE_BUDGET:  # before loading: kj.generate says it too
         raise CLIError(f"--budget must be in [1, {MAX_TREE_BUDGET}], got {args.budget}")
     _check_prompt_text(args.prompt)
+    if args.no_heal and not (args.tokenizer or args.shipped):
+        raise CLIError("--no-heal applies to text prompts: --tokenizer FILE or --shipped")
     if args.shipped and not args.tokenizer:
         args.tokenizer = str(SHIPPED / "tokenizer.json")
     tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
@@ -534,6 +563,9 @@ def cmd_generate(args) -> None:
         plan_line = kernel_plan_line(params, cfg, kernels)  # before converting: a kernel that cannot run fails here
         params = prepare_params(params, cfg, kernels)  # routed experts to the Mosaic layout where it runs (once)
     prompts = _parse_prompts(args.prompt, tokenizer, cfg)
+    encoded, first_token_mask, removed = prompts, None, [""] * len(prompts)
+    if tokenizer is not None and args.prompt and not args.no_heal:
+        prompts, first_token_mask, removed = _heal_prompts(prompts, tokenizer, cfg)
     needs_drafter = any(m in ("dflash", "ddtree") for m in methods)
     with STATUS.step("loading the drafter") if needs_drafter else contextlib.nullcontext():
         drafter, drafter_desc = _load_drafter(args, cfg, methods, params)
@@ -543,7 +575,7 @@ def cmd_generate(args) -> None:
     sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, seed {args.seed}"
     results = []
     for method in methods:
-        out, seconds = _run(cfg, params, prompts, method, drafter, args)
+        out, seconds = _run(cfg, params, prompts, method, drafter, args, first_token_mask)
         results.append((method, out, seconds))
     reference_rows = _rows(results[0][1])
     for method, out, seconds in results:
@@ -553,10 +585,13 @@ def cmd_generate(args) -> None:
         for b, (prompt, row) in enumerate(zip(prompts, rows, strict=True)):
             print(f"prompt {b}: {' '.join(map(str, prompt))}")
             if tokenizer is not None:
-                print(f"  prompt text: {tokenizer.decode(prompt)!r}")
+                print(f"  prompt text: {tokenizer.decode(encoded[b])!r}")
+                if removed[b]:
+                    print(f"  healed: token {encoded[b][-1]} {removed[b]!r} removed from the prompt; the first "
+                          "new token starts with it")
             print(f"  tokens: {' '.join(map(str, row))}")
             if tokenizer is not None:
-                print(f"  text: {tokenizer.decode(row)!r}")
+                print(f"  text: {tokenizer.decode(prompt + row)!r}")
         step = "one decode step" if method == "ar" else "draft + verify"
         print(f"  {new} new tokens in {int(out.rounds)} rounds ({step} each); {int(out.num_target_forwards)} "
               "target forwards (the rounds + the prompt's prefill)")

@@ -26,7 +26,16 @@ from kdtree_jax import budget as budget_lib
 from kdtree_jax import sharding
 from kdtree_jax.budget import BudgetCosts
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.decoding import GenerateOutput, SamplingParams, cache_length, emit, on_mesh, prefill, sample
+from kdtree_jax.decoding import (
+    GenerateOutput,
+    SamplingParams,
+    cache_length,
+    emit,
+    mask_first_logits,
+    on_mesh,
+    prefill,
+    sample,
+)
 from kdtree_jax.drafter import (
     DrafterCache,
     DrafterConfig,
@@ -179,7 +188,7 @@ class _State(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "budget", "max_new_tokens", "max_len",
                                              "sampling", "stop_tokens", "kernels"))
-def _generate(params, draft_model, prompt_tokens, prompt_lengths, key, *, cfg, method, budget,
+def _generate(params, draft_model, prompt_tokens, prompt_lengths, key, first_token_mask, *, cfg, method, budget,
               max_new_tokens, max_len, sampling, stop_tokens, kernels=None):
     batch = prompt_tokens.shape[0]
     dtype = params["embed_tokens"].dtype
@@ -193,7 +202,7 @@ def _generate(params, draft_model, prompt_tokens, prompt_lengths, key, *, cfg, m
     positions = jnp.broadcast_to(jnp.arange(prompt_tokens.shape[1], dtype=jnp.int32), prompt_tokens.shape)
     draft_state = draft_model.extend(draft_state, hidden, positions, prompt_lengths)
     key, sub = jax.random.split(key)
-    bonus = sample(last_logits, sub, sampling)
+    bonus = sample(mask_first_logits(last_logits, first_token_mask), sub, sampling)
     out = jnp.zeros((batch, max_new_tokens), jnp.int32)
     out, count, done, _ = emit(out, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool),
                                bonus[:, None], jnp.ones((batch,), jnp.int32), stop_tokens)
@@ -258,9 +267,10 @@ def _generate(params, draft_model, prompt_tokens, prompt_lengths, key, *, cfg, m
 def generate_speculative(cfg: ModelConfig, params: Params, tokens, lengths, key, *, drafter, method: str,
                          tree_budget: int | str | None, max_new_tokens: int, sampling: SamplingParams,
                          stop_tokens: tuple[int, ...], max_len: int | None, mesh=None,
-                         kernels=None, budget_costs: BudgetCosts | None = None) -> GenerateOutput:
-    """DDTree / DFlash generation (called by `kdtree_jax.generate`, which checks the prompts and
-    places params on `mesh`, a jax Mesh or None)."""
+                         kernels=None, budget_costs: BudgetCosts | None = None,
+                         first_token_mask=None) -> GenerateOutput:
+    """DDTree / DFlash generation (called by `kdtree_jax.generate`, which checks the prompts and the
+    first-token mask (None or bool [B, V]) and places params on `mesh`, a jax Mesh or None)."""
     if drafter is None:
         raise ValueError(f"method={method!r} needs a drafter: drafter=(DrafterConfig, drafter params)")
     draft_model = as_draft_model(cfg, drafter)
@@ -294,6 +304,6 @@ def generate_speculative(cfg: ModelConfig, params: Params, tokens, lengths, key,
     if mesh is not None:  # the drafter is tiny: a full copy on every device
         draft_model = sharding.replicate(draft_model, mesh)
     with on_mesh(mesh):
-        return _generate(params, draft_model, jnp.asarray(tokens), jnp.asarray(lengths), key, cfg=cfg,
-                         method=method, budget=budget, max_new_tokens=max_new_tokens, max_len=cache_rows,
+        return _generate(params, draft_model, jnp.asarray(tokens), jnp.asarray(lengths), key, first_token_mask,
+                         cfg=cfg, method=method, budget=budget, max_new_tokens=max_new_tokens, max_len=cache_rows,
                          sampling=sampling, stop_tokens=stop_tokens, kernels=kernels)

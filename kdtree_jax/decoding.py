@@ -134,6 +134,40 @@ def prepare_prompts(cfg: ModelConfig, prompts) -> tuple[np.ndarray, np.ndarray]:
     return tokens, lengths
 
 
+def prepare_first_token_mask(cfg: ModelConfig, mask, batch: int) -> np.ndarray | None:
+    """generate's `first_token_mask`: None, or a bool array [V] (every row) or [batch, V] -> bool
+    [batch, V] (numpy) or None. Raises ValueError for another dtype or shape, or a row allowing nothing
+    (its first token would have no candidate)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, (np.ndarray, jax.Array)):
+        raise ValueError(f"first_token_mask must be a bool array [vocab] or [batch, vocab], got "
+                         f"{type(mask).__name__}")
+    mask = np.asarray(mask)
+    if mask.dtype != np.bool_:
+        raise ValueError(f"first_token_mask must have dtype bool, got {mask.dtype}")
+    vocab = cfg.vocab_size
+    if mask.shape == (vocab,):
+        mask = np.broadcast_to(mask, (batch, vocab))
+    elif mask.shape != (batch, vocab):
+        raise ValueError(f"first_token_mask must have shape [{vocab}] or [{batch}, {vocab}] (vocab_size "
+                         f"{vocab}, {batch} prompts), got {list(mask.shape)}")
+    empty = np.flatnonzero(~mask.any(axis=1))
+    if empty.size:
+        raise ValueError(f"first_token_mask allows no token for prompt {int(empty[0])}: every row needs at "
+                         "least one True entry")
+    return np.ascontiguousarray(mask)
+
+
+def mask_first_logits(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """The prefill's last logits [B, V] with the tokens `mask` [B, V] forbids at -inf (mask None: as
+    they are). Every later step of sampling (greedy argmax, temperature, top-k, top-p) then picks among
+    the allowed tokens only; prepare_first_token_mask guarantees each row allows one."""
+    if mask is None:
+        return logits
+    return jnp.where(mask, logits, -jnp.inf)
+
+
 def resolve_stop_tokens(cfg: ModelConfig, stop_tokens) -> tuple[int, ...]:
     stops = tuple(cfg.eos_token_id) if stop_tokens is None else tuple(int(t) for t in stop_tokens)
     for t in stops:

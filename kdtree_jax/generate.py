@@ -29,8 +29,10 @@ from kdtree_jax.decoding import (
     check_sampling,
     emit,
     is_int,
+    mask_first_logits,
     on_mesh,
     prefill,
+    prepare_first_token_mask,
     prepare_prompts,
     resolve_stop_tokens,
     sample,
@@ -57,13 +59,13 @@ class _ARState(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "max_len", "sampling", "stop_tokens",
                                              "kernels"))
-def _generate_ar(params, prompt_tokens, prompt_lengths, key, *, cfg, max_new_tokens, max_len, sampling,
-                 stop_tokens, kernels=None):
+def _generate_ar(params, prompt_tokens, prompt_lengths, key, first_token_mask, *, cfg, max_new_tokens, max_len,
+                 sampling, stop_tokens, kernels=None):
     batch = prompt_tokens.shape[0]
     cache = init_cache(cfg, batch, max_len, params["embed_tokens"].dtype)
     last_logits, _, cache = prefill(params, cfg, prompt_tokens, prompt_lengths, cache, kernels=kernels)
     key, sub = jax.random.split(key)
-    first = sample(last_logits, sub, sampling)
+    first = sample(mask_first_logits(last_logits, first_token_mask), sub, sampling)
     out = jnp.zeros((batch, max_new_tokens), jnp.int32)
     count = jnp.zeros((batch,), jnp.int32)
     done = jnp.zeros((batch,), bool)
@@ -92,7 +94,8 @@ def generate(cfg: ModelConfig, params: Params, prompts, max_new_tokens: int = 64
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              key: jax.Array | None = None, stop_tokens: Sequence[int] | None = None, drafter=None,
              tree_budget: int | str | None = None, max_len: int | None = None, mesh=None,
-             kernels: Kernels | None = None, budget_costs: BudgetCosts | None = None) -> GenerateOutput:
+             kernels: Kernels | None = None, budget_costs: BudgetCosts | None = None,
+             first_token_mask=None) -> GenerateOutput:
     """Generate up to `max_new_tokens` per prompt with one device dispatch.
 
     prompts: a list of token-id lists (ragged) or an int array [B, P]. method: "ar" (autoregressive),
@@ -106,7 +109,9 @@ def generate(cfg: ModelConfig, params: Params, prompts, max_new_tokens: int = 64
     not yet there are placed on it, drafter and tree replicated); MeshError when the mesh does not divide
     the model. kernels: which kernel each op runs, e.g. kj.Kernels(attention="xla") (default:
     pallas_kernels.dispatch decides; routed experts run the Mosaic GPU kernel only once converted:
-    kj.prepare_params)."""
+    kj.prepare_params). first_token_mask: a bool array [V] (every row) or [B, V]: the first new token of each
+    row is drawn only among its True entries (greedy: the best allowed one), for token healing
+    (kdtree_jax.healing); the later tokens are unconstrained."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if not is_int(max_new_tokens) or max_new_tokens < 1:
@@ -123,6 +128,7 @@ def generate(cfg: ModelConfig, params: Params, prompts, max_new_tokens: int = 64
         key = jax.random.key(0)
     check_key(key)
     tokens, lengths = prepare_prompts(cfg, prompts)
+    first_mask = prepare_first_token_mask(cfg, first_token_mask, tokens.shape[0])
     stops = resolve_stop_tokens(cfg, stop_tokens)
     kernels = as_kernels(kernels)
     if mesh is not None:
@@ -133,13 +139,13 @@ def generate(cfg: ModelConfig, params: Params, prompts, max_new_tokens: int = 64
             raise ValueError("method='ar' takes no drafter, tree_budget or budget_costs")
         cache_rows = cache_length(cfg, tokens.shape[1], max_new_tokens, 0, max_len)
         with on_mesh(mesh):
-            return _generate_ar(params, jnp.asarray(tokens), jnp.asarray(lengths), key, cfg=cfg,
+            return _generate_ar(params, jnp.asarray(tokens), jnp.asarray(lengths), key, first_mask, cfg=cfg,
                                 max_new_tokens=max_new_tokens, max_len=cache_rows, sampling=sampling,
                                 stop_tokens=stops, kernels=kernels)
     return generate_speculative(cfg, params, tokens, lengths, key, drafter=drafter, method=method,
                                 tree_budget=tree_budget, max_new_tokens=max_new_tokens,
                                 sampling=sampling, stop_tokens=stops, max_len=max_len, mesh=mesh,
-                                kernels=kernels, budget_costs=budget_costs)
+                                kernels=kernels, budget_costs=budget_costs, first_token_mask=first_mask)
 
 
 def calibrate_budget_costs(cfg: ModelConfig, params: Params, prompts, *, drafter,

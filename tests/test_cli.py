@@ -204,7 +204,8 @@ def test_generate_preset_samples_reproducibly_with_a_seed(capsys):
 
 
 def test_tokenizer_text_prompts(monkeypatch, tmp_path, capsys):
-    """With --tokenizer, prompts are text and outputs are decoded (a stand-in `tokenizers` module)."""
+    """With --tokenizer, prompts are text and outputs are decoded, prompt included (a stand-in `tokenizers`
+    module; not byte-level, so a note says the prompt is not healed: tests/test_healing.py heals)."""
 
     class FakeTokenizer:
         @staticmethod
@@ -228,9 +229,10 @@ def test_tokenizer_text_prompts(monkeypatch, tmp_path, capsys):
     tokens = token_lines(out)[0]
     lines = out.splitlines()
     at = lines.index(f"prompt 0: {prompt_ids.replace(',', ' ')}")
-    assert lines[at + 1: at + 4] == [f"  prompt text: '<{prompt_ids}>'",  # the prompt as text, then the completion
+    assert lines[at + 1: at + 4] == [f"  prompt text: '<{prompt_ids}>'",  # the prompt as text, then prompt + new
                                      f"  tokens: {' '.join(map(str, tokens))}",
-                                     f"  text: '<{','.join(map(str, tokens))}>'"]
+                                     f"  text: '<{','.join(map(str, [*prompt_ids.split(','), *tokens]))}>'"]
+    assert "kdtree-jax: note: prompts are not healed: token healing needs a byte-level BPE tokenizer" in err
 
 
 def test_generate_says_what_it_is_doing_and_what_the_numbers_mean(models, capsys):
