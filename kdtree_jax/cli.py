@@ -795,6 +795,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             STATUS.close()
             print(f"{PROG}: interrupted", file=sys.stderr)
+            # what the interrupted work leaves behind (e.g. an async checkpoint write's never-awaited coroutine,
+            # reported when it is garbage collected) is not something to act on: "interrupted" is the last line
+            warnings.simplefilter("ignore")
             return 130
         except Exception as e:  # noqa: BLE001 (the CLI's contract: one line, no traceback)
             if show_traceback:
@@ -819,6 +822,8 @@ def run() -> None:
 
     status = main()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if status == 130:  # the leftovers of interrupted work, collected at shutdown, stay quiet too
+        warnings.simplefilter("ignore")
     sys.exit(status)
 
 

@@ -8,6 +8,7 @@ called directly (tokens).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -486,3 +487,20 @@ def test_subprocess_generate_smoke(models):
                        "--no-warmup")
     assert done.returncode == 0, done.stderr
     assert len(token_lines(done.stdout)[0]) == 3 and "tokens/s" in done.stdout
+
+
+def test_interrupted_is_the_last_line_even_when_interrupted_work_leaves_warnings(monkeypatch, capsys):
+    """Ctrl-C during async checkpoint work leaves a never-awaited coroutine that Python reports when it is
+    collected, after the interrupt is handled: it must not follow "interrupted" as a note."""
+    async def pending():
+        return None
+
+    def interrupted(args):
+        work = pending()  # noqa: F841 (never awaited: collected once the interrupt has been handled)
+        raise KeyboardInterrupt
+
+    namespace = argparse.Namespace(command="convert", func=interrupted)
+    monkeypatch.setattr(cli, "build_parser", lambda: types.SimpleNamespace(parse_args=lambda argv: namespace))
+    assert cli.main(["convert"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip().endswith("kdtree-jax: interrupted"), err
