@@ -17,6 +17,7 @@ Writes <out>/e2e_<tag>.json, .md (table + the run's metadata: device, JAX, date,
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kdtree_jax as kj  # noqa: E402
 from benchmarks.common import Timer, metadata, write_results  # noqa: E402
+from kdtree_jax.budget import rounds_per_budget  # noqa: E402
 
 ASSETS = Path(kj.__file__).parent / "assets"
 DEFAULT_BUDGETS = (4, 8, 16, 32, 64, 128, 256)
@@ -51,7 +53,7 @@ def run_config(cfg, params, drafter, prompts, batch, method, budget, temperature
         kwargs["drafter"] = drafter
     if method == "ddtree":
         kwargs["tree_budget"] = budget
-    seconds, tokens, forwards, accept, outputs, chosen = 0.0, 0, 0, [], [], {}
+    seconds, tokens, forwards, accept, outputs, chosen = 0.0, 0, 0, [], [], collections.Counter()
     timer = Timer(repeats, device=False)  # wall clock around one dispatch (compile + warm-up call first)
     for g, group in enumerate(groups):
         key = jax.random.key(1000 + g)
@@ -66,8 +68,7 @@ def run_config(cfg, params, drafter, prompts, batch, method, budget, temperature
         toks = np.asarray(out.tokens)
         outputs.extend(toks[b, :lengths[b]].tolist() for b in range(len(group)))
         if budget == "auto":  # which budget each round verified
-            for b in np.asarray(out.tree_budgets)[: int(out.rounds)].tolist():
-                chosen[b] = chosen.get(b, 0) + 1
+            chosen.update(rounds_per_budget(out))
     row = dict(method=method, budget=budget, batch=batch, temperature=temperature,
                mean_acceptance=float(np.mean(accept)) if accept else 0.0,
                forwards_per_token=forwards / tokens, tokens_per_s=tokens / seconds, seconds=seconds,

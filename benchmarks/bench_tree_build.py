@@ -39,7 +39,7 @@ def main() -> None:
     import numpy as np
 
     from benchmarks.common import Timer, metadata, write_results
-    from kdtree_jax.tree import build_tree, tree_size_counts
+    from kdtree_jax.tree import build_tree, top_log_probs, tree_size_counts
     from pallas_kernels.dispatch import Kernels
     from pallas_kernels.tree_build import build_tree_from_top, pick_num_warps
     from reference.tree import heap_tree
@@ -51,10 +51,6 @@ def main() -> None:
     jnp_builder = Kernels(tree="xla")
     timer = Timer(args.iters, device=jax.default_backend() == "gpu")
     rows, checks = [], []
-
-    def front(logits, k):  # what build_tree does before either builder
-        top_logits, top_tok = jax.lax.top_k(logits.astype(jnp.float32), k)
-        return top_logits - jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1, keepdims=True), top_tok
 
     def measure(**row):
         fn, fargs = row.pop("fn"), row.pop("args")
@@ -78,7 +74,7 @@ def main() -> None:
                 n_drafts = tree_size_counts(budget, vocab, args.depth)[1]
                 roots = jnp.arange(batch, dtype=jnp.int32)
                 # 1. correctness (batch row 0 against the heap; all rows against the jnp builder)
-                top_lp, top_tok = jax.jit(front, static_argnums=1)(logits, k)
+                top_lp, top_tok = jax.jit(top_log_probs, static_argnums=1)(logits, k)
                 got = build_tree_from_top(top_lp, top_tok, roots, budget=budget, n_drafts=n_drafts,
                                           interpret=interpret)
                 lp0 = np.full((args.depth, vocab), -np.inf, np.float32)  # the heap over the same K candidates
@@ -101,7 +97,7 @@ def main() -> None:
                         fn=jax.jit(lambda x, r, b=budget: build_tree(x, b, r, kernels=jnp_builder)),
                         args=(logits, roots))
                 measure(stage=f"budget {budget}: top_k + logsumexp", **common,
-                        fn=jax.jit(front, static_argnums=1), args=(logits, k))
+                        fn=jax.jit(top_log_probs, static_argnums=1), args=(logits, k))
                 for warps in args.warps:
                     fn = jax.jit(lambda lp, tok, r, w=warps, b=budget, n=n_drafts: build_tree_from_top(
                         lp, tok, r, budget=b, n_drafts=n, num_warps=w, interpret=interpret))

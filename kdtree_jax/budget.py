@@ -13,7 +13,7 @@ any unit, e.g. AR steps. The round verifies with the budget maximising sum_rows 
 candidates, one compiled verify per candidate (`lax.switch`): a smaller tree then costs less on every
 backend, dense or MoE (an MoE verify reads only the experts its tokens route to).
 
-The costs come from measurement: `DEFAULT_COSTS` are whole-`generate` timings of the shipped pair (rounds
+The costs come from measurement: `default_costs` gives whole-`generate` timings of the shipped pair (rounds
 per second against AR steps per second, benchmarks/results/e2e_h200.json, e2e_cpu.json, round_profile.json);
 `kdtree_jax.calibrate_budget_costs` measures them for any model on the device at hand.
 """
@@ -24,6 +24,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import dispatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +75,7 @@ def default_costs(batch: int, device=None) -> BudgetCosts:
     """The measured costs of the shipped pair for this device's platform and the nearest measured batch
     (1 or 8). A different model or device has different costs: measure them with
     `kdtree_jax.calibrate_budget_costs` and pass `budget_costs=`."""
-    device = device or jax.devices()[0]
-    platform = "gpu" if getattr(device, "platform", "cpu") == "gpu" else "cpu"
+    platform = "gpu" if dispatch.is_gpu(device or dispatch.default_device()) else "cpu"
     measured_batch = min((1, 8), key=lambda b: abs(b - batch))
     table = _MEASURED[(platform, measured_batch)]
     budgets = tuple(sorted(table))
@@ -95,3 +97,11 @@ def choose(scores: jax.Array, live: jax.Array, costs: BudgetCosts) -> jax.Array:
     """Index into costs.budgets of the budget with the most expected tokens per cost (ties: the smaller)."""
     rate = expected_tokens(scores, live, costs.budgets) / jnp.asarray(costs.costs, jnp.float32)
     return jnp.argmax(rate).astype(jnp.int32)
+
+
+def rounds_per_budget(out) -> dict[int, int]:
+    """{budget: rounds} of a speculative `generate` output: how many rounds verified each budget."""
+    used: dict[int, int] = {}
+    for b in np.asarray(out.tree_budgets)[: int(out.rounds)].tolist():
+        used[b] = used.get(b, 0) + 1
+    return dict(sorted(used.items()))

@@ -518,10 +518,9 @@ def _budget_note(budget, out) -> str:
     """'32', or for auto which budgets the rounds verified: 'auto (8 x3, 32 x5)'."""
     if budget != "auto":
         return str(budget)
-    import collections  # noqa: PLC0415
+    from kdtree_jax.budget import rounds_per_budget  # noqa: PLC0415
 
-    used = collections.Counter(int(b) for b in list(out.tree_budgets)[: int(out.rounds)])
-    return "auto (" + ", ".join(f"{b} x{n}" for b, n in sorted(used.items())) + " rounds)"
+    return "auto (" + ", ".join(f"{b} x{n}" for b, n in rounds_per_budget(out).items()) + " rounds)"
 
 
 def _rows(out) -> list[list[int]]:

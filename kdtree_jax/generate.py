@@ -38,6 +38,7 @@ from kdtree_jax.decoding import (
     sample,
 )
 from kdtree_jax.model import KVCache, Params, forward_with_cache, init_cache
+from pallas_kernels import dispatch
 from pallas_kernels.dispatch import Kernels, as_kernels
 
 METHODS = ("ar", "dflash", "ddtree")
@@ -175,6 +176,6 @@ def calibrate_budget_costs(cfg: ModelConfig, params: Params, prompts, *, drafter
     step = per_round()
     budgets = tuple(sorted({int(b) for b in budgets}))
     costs = tuple(per_round(method="ddtree", drafter=drafter, tree_budget=b) / step for b in budgets)
-    device = jax.devices()[0]
+    device = dispatch.default_device()
     return BudgetCosts(budgets, costs, source=f"calibrated on {getattr(device, 'device_kind', device.platform)}, "
                                               f"batch {len(prompts)}")

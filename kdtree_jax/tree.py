@@ -201,13 +201,19 @@ def build_tree(draft_logits: jax.Array, budget: int, root_tokens=None, *,
     path is `build_chain`, not a budget choice here. `kernels.tree` picks the builder (module docstring).
     """
     root_tokens = _check_args(draft_logits, budget, root_tokens, "draft_logits")
+    top_lp, top_tok = top_log_probs(draft_logits, min(budget, draft_logits.shape[-1]))
+    return _tree_from_top(top_lp, top_tok, budget, root_tokens, kernels, draft_logits.shape[-1])
+
+
+def top_log_probs(draft_logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The front end both builders share: per-depth top-k of drafter logits [B, L, V] as float32 log-softmax
+    values [B, L, K] (descending, equal values lower token id first) and their token ids [B, L, K].
+
+    top_k on the logits, then only the K winners are shifted by the logsumexp: the same ranks, log-softmax
+    values, and no [B, L, V] log-prob array."""
     logits = draft_logits.astype(jnp.float32)  # [B, L, V]
-    k = min(budget, logits.shape[-1])
-    # top_k on the logits, then shift only the K winners by the logsumexp: same ranks, log-softmax values,
-    # and no [B, L, V] log-prob array.
     top_logits, top_tok = lax.top_k(logits, k)  # [B, L, K]
-    top_lp = top_logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [B, L, K]
-    return _tree_from_top(top_lp, top_tok, budget, root_tokens, kernels, logits.shape[-1])
+    return top_logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True), top_tok
 
 
 def build_chain(draft_logits: jax.Array, root_tokens=None) -> Tree:

@@ -307,6 +307,7 @@ def test_auto_budget_keeps_the_greedy_invariant_and_follows_its_costs(tiny):
     np.testing.assert_array_equal(np.asarray(largest.tokens), np.asarray(ar.tokens))
     np.testing.assert_array_equal(np.asarray(largest.acceptance_lengths), np.asarray(fixed.acceptance_lengths))
     assert (np.asarray(largest.tree_budgets)[: int(largest.rounds)] == 12).all()
+    assert budget_lib.rounds_per_budget(largest) == {12: int(largest.rounds)}
     smallest = run(tree_budget="auto", budget_costs=kj.BudgetCosts((2, 6, 12), (1.0, 1e6, 1e9)))
     np.testing.assert_array_equal(np.asarray(smallest.acceptance_lengths),
                                   np.asarray(run(tree_budget=2).acceptance_lengths))
@@ -331,3 +332,17 @@ def test_budget_choice_by_hand():
         kj.BudgetCosts((2, 4), (1.0, 0.0))
     costs = budget_lib.default_costs(batch=3, device=jax.devices()[0])
     assert costs.budgets == tuple(sorted(costs.budgets)) and "batch 1" in costs.source
+
+
+def test_calibrated_costs_are_measured_per_budget(tiny):
+    """calibrate_budget_costs times AR and each budget here and returns costs generate accepts."""
+    params, prompts, ar = tiny
+    drafter = make_drafter(TINY, seed=3)
+    costs = kj.calibrate_budget_costs(TINY, params, prompts, drafter=drafter, budgets=(6, 2), max_new_tokens=6,
+                                      repeats=1)
+    assert costs.budgets == (2, 6) and all(c > 0 for c in costs.costs) and costs.source.endswith("batch 3")
+    out = kj.generate(TINY, params, prompts, max_new_tokens=14, method="ddtree", drafter=drafter, stop_tokens=(),
+                      tree_budget="auto", budget_costs=costs)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens))
+    with pytest.raises(ValueError, match="budgets must be positive integers"):
+        kj.calibrate_budget_costs(TINY, params, prompts, drafter=drafter, budgets=(0,))
