@@ -28,22 +28,52 @@ def load_tokenizer(path: Path = TOKENIZER_PATH) -> Tokenizer:
     return tok
 
 
-def target_config(vocab_size: int, hidden: int = 128, layers: int = 4) -> kj.ModelConfig:
-    """A small K2.6-architecture target: MLA with q/kv LoRA, YaRN, routed MoE (8 experts, top-2,
-    sigmoid bias routing, one shared expert), first layer dense. Expert widths are multiples of 32 so
-    the experts quantize to INT4 group-32."""
-    heads = max(2, hidden // 32)
+def target_config(vocab_size: int, hidden: int = 384, layers: int = 8, experts: int = 32, moe_width: int = 96,
+                  top_k: int = 4, heads: int | None = None, max_positions: int = 2048) -> kj.ModelConfig:
+    """The shipped target's K2.6 architecture at small width: MLA with q/kv LoRA and decoupled RoPE,
+    YaRN (factor 4 over max_positions / 4), first layer dense, the rest routed MoE (`experts` of width
+    `moe_width`, top-`top_k`, sigmoid routing with a selection bias, one shared expert of the same width).
+    Defaults: the shipped target (docs/training.md). Widths are multiples of 32 so the experts quantize
+    to INT4 group-32."""
+    heads = max(2, hidden // 64) if heads is None else heads
     return kj.ModelConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=3 * hidden,
-        moe_intermediate_size=hidden, num_hidden_layers=layers, first_k_dense_replace=1,
-        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, num_attention_heads=heads,
-        q_lora_rank=hidden // 2, kv_lora_rank=hidden // 2, qk_nope_head_dim=32, qk_rope_head_dim=16,
-        v_head_dim=32, rope_theta=50000.0,
-        rope_scaling=kj.YarnScaling(factor=4.0, original_max_position_embeddings=128, beta_fast=32.0,
-                                    beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
-        max_position_embeddings=512, rms_norm_eps=1e-5, routed_scaling_factor=2.5,
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=8 * hidden // 3 // 32 * 32,
+        moe_intermediate_size=moe_width, num_hidden_layers=layers, first_k_dense_replace=1,
+        n_routed_experts=experts, n_shared_experts=1, num_experts_per_tok=top_k, num_attention_heads=heads,
+        q_lora_rank=hidden // 2, kv_lora_rank=max(32, hidden // 3 // 32 * 32), qk_nope_head_dim=64, qk_rope_head_dim=32,
+        v_head_dim=64, rope_theta=50000.0,
+        rope_scaling=kj.YarnScaling(factor=4.0, original_max_position_embeddings=max_positions // 4,
+                                    beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        max_position_embeddings=max_positions, rms_norm_eps=1e-5, routed_scaling_factor=2.5,
         bos_token_id=BOS_ID, eos_token_id=(EOS_ID,), pad_token_id=PAD_ID, mask_token_id=MASK_ID,
     ).validate()
+
+
+def cast_floats(tree, dtype, cfg: kj.ModelConfig | None = None):
+    """`tree` with its floating-point arrays in `dtype`: the mixed-precision forward's copy of float32 master
+    weights, or a checkpoint's storage dtype. With a target `cfg`, weights the model keeps in float32 (the
+    router, kdtree_jax/weights.py) stay float32. INT4 weights and integer leaves are untouched."""
+    import jax.numpy as jnp
+
+    from kdtree_jax.weights import declare
+
+    keep = set() if cfg is None else {"/".join(path) for path, spec in declare(cfg).items()
+                                      if spec.dtype(jnp.bfloat16) == jnp.float32}
+
+    def cast(path, x):
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        if name in keep or not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return x.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, tree)
+
+
+def token_byte_lengths(tokenizer) -> np.ndarray:
+    """Bytes of text each token id stands for (0 for special tokens): the denominator of bits per byte."""
+    from kdtree_jax.healing import token_table
+
+    return np.array([0 if b is None else len(b) for b in token_table(tokenizer).token_bytes], np.int64)
 
 
 class JsonLog:

@@ -14,6 +14,11 @@ package rule is in training/corpus.py.
 
 from __future__ import annotations
 
+import argparse
+import hashlib
+import json
+import lzma
+import os
 import sysconfig
 import zlib
 from pathlib import Path
@@ -104,10 +109,12 @@ def random_windows(stream: np.ndarray, batch: int, length: int, rng: np.random.G
     return np.stack([stream[s: s + length] for s in starts]).astype(np.int32)
 
 
-def heldout_prompts(tokenizer, count: int, prompt_tokens: int, seed: int = 0) -> list[list[int]]:
+def heldout_prompts(tokenizer, count: int, prompt_tokens: int, seed: int = 0,
+                    source: str = "stdlib") -> list[list[int]]:
     """`count` fixed held-out prompts: [bos] + the first `prompt_tokens - 1` tokens of a function or
-    class body start, taken from held-out files (deterministic for a seed)."""
-    files = corpus_files("heldout")
+    class body start, taken from held-out files of `source` (deterministic for a seed). The shipped pair's
+    are in kdtree_jax/assets/heldout_prompts.json (`python -m training.prompts` writes them)."""
+    files = corpus_files("heldout", source=source)
     rng = np.random.default_rng(seed)
     bos = tokenizer.token_to_id("<bos>")
     prompts = []
@@ -128,3 +135,75 @@ def heldout_prompts(tokenizer, count: int, prompt_tokens: int, seed: int = 0) ->
         if len(prompts) == count:
             return prompts
     raise ValueError(f"only {len(prompts)} held-out prompts of {prompt_tokens} tokens available, asked {count}")
+
+
+# ------------------------------------------------------------------------------ pre-tokenized corpus
+# The H200 has no network and the working tree that travels to it is limited, so the training streams go
+# there tokenized: one xz-compressed little-endian uint16 file per split (50 M + 5.5 M tokens of the shipped
+# tokenizer: 25 MB) and corpus.json naming the tokenizer (sha256) and the counts.
+TOKEN_DTYPE = np.dtype("<u2")
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def write_token_files(tokenizer_path: Path, out: Path, source: str = "all") -> dict:
+    """Tokenize both splits of `source` with the tokenizer at `tokenizer_path` into `out`/{train,heldout}.u16.xz
+    (each written to a temporary name, then renamed) and `out`/corpus.json; returns the metadata."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    if tok.get_vocab_size() > np.iinfo(TOKEN_DTYPE).max + 1:
+        raise ValueError(f"vocabulary of {tok.get_vocab_size()} tokens does not fit uint16 token files")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"source": source, "tokenizer_sha256": file_sha256(tokenizer_path), "vocab_size": tok.get_vocab_size(),
+            "splits": {}}
+    for split in ("train", "heldout"):
+        files = corpus_files(split, source=source)
+        stream = token_stream(tok, files).astype(TOKEN_DTYPE)
+        path = out / f"{split}.u16.xz"
+        partial = path.with_name(path.name + ".partial")
+        with lzma.open(partial, "wb", preset=6) as f:
+            f.write(stream.tobytes())
+        os.replace(partial, path)
+        meta["splits"][split] = {"files": len(files), "tokens": int(stream.size),
+                                 "bytes": sum(len(text.encode("utf-8")) for _, text in files)}
+        print(f"{split}: {len(files)} files, {stream.size / 1e6:.2f} M tokens -> {path} "
+              f"({path.stat().st_size / 1e6:.1f} MB)", flush=True)
+    (out / "corpus.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def load_token_file(data_dir: Path, split: str, tokenizer_path: Path | None = None) -> np.ndarray:
+    """The token stream of `split` from a `write_token_files` folder: int32 [N]. With `tokenizer_path`,
+    ValueError unless the files were made with that tokenizer (same sha256)."""
+    data_dir = Path(data_dir)
+    meta = json.loads((data_dir / "corpus.json").read_text())
+    if tokenizer_path is not None and meta["tokenizer_sha256"] != file_sha256(tokenizer_path):
+        raise ValueError(f"{data_dir} was tokenized with another tokenizer than {tokenizer_path}: "
+                         f"rebuild it with `python -m training.data --out {data_dir}`")
+    with lzma.open(data_dir / f"{split}.u16.xz", "rb") as f:
+        stream = np.frombuffer(f.read(), TOKEN_DTYPE)
+    want = meta["splits"][split]["tokens"]
+    if stream.size != want:
+        raise ValueError(f"{data_dir}/{split}.u16.xz holds {stream.size} tokens, corpus.json says {want}")
+    return stream.astype(np.int32)
+
+
+def main() -> None:
+    from training.common import TOKENIZER_PATH
+
+    parser = argparse.ArgumentParser(description="Tokenize the training corpus into compressed token files "
+                                     "(what the training scripts read with --data; no network needed there).")
+    parser.add_argument("--tokenizer", type=Path, default=TOKENIZER_PATH,
+                        help="tokenizer.json (default: the shipped one, %(default)s)")
+    parser.add_argument("--source", choices=SOURCES, default="all", help="corpus (default: %(default)s)")
+    parser.add_argument("--out", type=Path, required=True, help="folder for train.u16.xz, heldout.u16.xz, corpus.json")
+    args = parser.parse_args()
+    write_token_files(args.tokenizer, args.out, args.source)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,7 @@
 """Train the byte-level BPE tokenizer shipped as kdtree_jax/assets/tokenizer.json.
 
-    python -m training.tokenizer --vocab-size 2048 --out kdtree_jax/assets/tokenizer.json
-    python -m training.tokenizer --vocab-size 2048 --split-lines --out tokenizer.json   # the next one
+    python -m training.tokenizer --vocab-size 4096 --split-lines --source all --out kdtree_jax/assets/tokenizer.json
+    python -m training.tokenizer --vocab-size 2048 --out tokenizer.json   # the first shipped pair's (stdlib only)
 
 Special tokens take ids 0..3: <pad>=0, <bos>=1, <eos>=2, <mask>=3 (the drafter's mask token).
 `encode(text)` prepends <bos> (every training document starts with it; `add_special_tokens=False`
@@ -24,16 +24,18 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from training.data import corpus_files
+from training.data import SOURCES, corpus_files
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<mask>")
 # --split-lines: each newline, and the spaces / tabs that start a line, are pre-tokens of their own
 LINE_SPLIT = r"\n|(?<=\n)[ \t]+|\A[ \t]+"
 
 
-def train_tokenizer(vocab_size: int, split_lines: bool = False, texts: Iterable[str] | None = None) -> Tokenizer:
-    """Byte-level BPE on the training split only (held-out files never shape the vocabulary), or on
-    `texts`. split_lines: newlines and leading indentation never merge with anything else (above)."""
+def train_tokenizer(vocab_size: int, split_lines: bool = False, texts: Iterable[str] | None = None,
+                    source: str = "stdlib") -> Tokenizer:
+    """Byte-level BPE on the training split of `source` (training/data.py: "stdlib", "packages", "all";
+    held-out files never shape the vocabulary), or on `texts`. split_lines: newlines and leading
+    indentation never merge with anything else (above)."""
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (all bytes + specials), got {vocab_size}")
     tok = Tokenizer(models.BPE())
@@ -47,7 +49,7 @@ def train_tokenizer(vocab_size: int, split_lines: bool = False, texts: Iterable[
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     if texts is None:
-        texts = (text for _, text in corpus_files("train"))
+        texts = (text for _, text in corpus_files("train", source=source))
     tok.train_from_iterator(texts, trainer=trainer)
     add_bos(tok)
     for i, name in enumerate(SPECIAL_TOKENS):
@@ -66,14 +68,16 @@ def add_bos(tok: Tokenizer) -> Tokenizer:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab-size", type=int, default=2048, help="tokens in the vocabulary, specials "
-                        "included (default: %(default)s)")
+                        "included (default: %(default)s; the shipped tokenizer: 4096)")
     parser.add_argument("--split-lines", action="store_true", help="keep each newline and each line's leading "
-                        "indentation out of every merge (above); off by default: the shipped tokenizer was "
-                        "trained without it")
+                        "indentation out of every merge (above); the shipped tokenizer uses it")
+    parser.add_argument("--source", choices=SOURCES, default="stdlib", help="the corpus to train on "
+                        "(training/data.py; 'packages' and 'all' download the pinned wheels of training/corpus.py "
+                        "if missing; default: %(default)s; the shipped tokenizer: all)")
     parser.add_argument("--out", type=Path, default=Path("kdtree_jax/assets/tokenizer.json"),
                         help="where to write tokenizer.json (default: %(default)s)")
     args = parser.parse_args()
-    tok = train_tokenizer(args.vocab_size, split_lines=args.split_lines)
+    tok = train_tokenizer(args.vocab_size, split_lines=args.split_lines, source=args.source)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     partial = args.out.with_name(args.out.name + ".partial")
     tok.save(str(partial))

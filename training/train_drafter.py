@@ -1,7 +1,8 @@
 """Train the shipped DFlash drafter against the frozen (shipped, INT4-expert) target.
 
-    python -m training.train_drafter --target /tmp/kdtree_train/target/int4 --steps 1200 --batch 16 \
-        --out /tmp/kdtree_train/drafter
+    python -m training.train_drafter --target OUT/target/int4 --data DIR --generate-only --data-cache D.npz
+    python -m training.train_drafter --target OUT/target/int4 --data DIR --data-cache D.npz \
+        --time-budget-s 100 --block-size 16 --out OUT/drafter16
 
 1. Data (as DFlash: the target's own outputs): prompts are random windows of the training split;
    the target continues each one (`kj.generate`; greedy, or a `--greedy-fraction` of the calls greedy and
@@ -13,12 +14,16 @@
    position k weighted exp(-(k-1)/gamma) (DFlash's decaying weights), normalised to sum 1.
    The training forward IS `drafter_forward` on a cache holding the context of every anchor
    (`drafter_training_logits`; tests/test_shipped_model.py checks it against incremental inference).
-Writes <out>/drafter (Orbax), <out>/log.jsonl, <out>/loss.png.
+Mixed precision as in training/train_target.py: float32 master weights, the drafter's forward and backward in
+`--compute-dtype`; the frozen target runs in float32 as it does at inference. `--time-budget-s` fixes the step
+count from the measured step time (logged as total_steps; `--steps N` reproduces it).
+Writes <out>/drafter (Orbax, weights in `--save-dtype`), <out>/log.jsonl, <out>/loss.png, <out>/summary.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -30,8 +35,17 @@ import optax
 import kdtree_jax as kj
 from kdtree_jax.drafter import DrafterCache, drafter_extend_context, drafter_forward, init_drafter_cache
 from kdtree_jax.model import Transformer
-from training.common import JsonLog, describe_device, load_tokenizer, param_count, plot_curves
-from training.data import corpus_files, random_windows, token_stream
+from training.common import (
+    TOKENIZER_PATH,
+    JsonLog,
+    cast_floats,
+    describe_device,
+    load_tokenizer,
+    param_count,
+    plot_curves,
+)
+from training.data import corpus_files, load_token_file, random_windows, token_stream
+from training.train_target import CALIBRATION_STEPS, learning_rate, make_optimizer, set_learning_rate
 
 
 def target_hidden(params, cfg: kj.ModelConfig, tokens: jax.Array, layers: tuple[int, ...]) -> jax.Array:
@@ -91,9 +105,10 @@ def drafter_loss(dparams, dcfg, hidden, tokens, valid_len, anchors, embed, lm_he
 def generate_data(cfg, params, stream, num_seqs, prompt_len, new_tokens, batch, seed, log,
                   greedy_fraction: float = 1.0) -> tuple:
     """Target continuations of random windows of `stream`: (tokens [N, prompt_len + new_tokens] int32,
-    valid lengths [N]). A `greedy_fraction` of the generate calls is greedy, the rest temperature 1."""
+    valid lengths [N], temperature of each row [N]). A `greedy_fraction` of the generate calls is greedy, the
+    rest temperature 1 (spread evenly over the calls, so both kinds cover the whole stream)."""
     rng = np.random.default_rng(seed)
-    seqs, lens = [], []
+    seqs, lens, temps = [], [], []
     calls = -(-num_seqs // batch)
     greedy_calls = set(np.linspace(0, calls - 1, round(greedy_fraction * calls)).round().astype(int).tolist())
     for i in range(0, num_seqs, batch):
@@ -105,8 +120,10 @@ def generate_data(cfg, params, stream, num_seqs, prompt_len, new_tokens, batch, 
         out_tokens = np.asarray(out.tokens)
         seqs.append(np.concatenate([prompts, out_tokens], axis=1))
         lens.append(prompt_len + np.asarray(out.lengths))
+        temps.append(np.full(batch, temperature, np.float32))
         log(event="generate", seqs=i + batch, temperature=temperature, seconds=round(time.perf_counter() - t0, 2))
-    return np.concatenate(seqs)[:num_seqs], np.concatenate(lens)[:num_seqs].astype(np.int32)
+    return (np.concatenate(seqs)[:num_seqs], np.concatenate(lens)[:num_seqs].astype(np.int32),
+            np.concatenate(temps)[:num_seqs])
 
 
 def sample_anchors(rng, valid_len: np.ndarray, prompt_len: int, count: int, block: int) -> np.ndarray:
@@ -115,66 +132,102 @@ def sample_anchors(rng, valid_len: np.ndarray, prompt_len: int, count: int, bloc
     return rng.integers(prompt_len, hi[:, None], size=(valid_len.size, count)).astype(np.int32)
 
 
+def load_or_generate(args, cfg, params, tok, log) -> dict:
+    """The training set (target continuations of training windows, `--greedy-fraction` greedy, the rest at
+    temperature 1) and two held-out check sets (greedy / temperature-1 continuations of held-out windows),
+    from `--data-cache` if it exists, else generated and saved there."""
+    if args.data_cache is not None and args.data_cache.is_file():
+        data = dict(np.load(args.data_cache))
+        log(event="data_cache", path=str(args.data_cache), seqs=len(data["seqs"]))
+        return data
+    if args.data is not None:
+        train = load_token_file(args.data, "train", args.tokenizer)
+        heldout = load_token_file(args.data, "heldout", args.tokenizer)
+    else:
+        train = token_stream(tok, corpus_files("train", source="all"))
+        heldout = token_stream(tok, corpus_files("heldout", source="all"))
+    t0 = time.perf_counter()
+    seqs, valid, temps = generate_data(cfg, params, train, args.num_seqs, args.prompt_len, args.new_tokens,
+                                       args.gen_batch, args.seed, log, args.greedy_fraction)
+    data = {"seqs": seqs, "valid": valid, "temperature": temps}
+    for name, fraction, seed in (("greedy", 1.0, args.seed + 7), ("sampled", 0.0, args.seed + 11)):
+        ev = generate_data(cfg, params, heldout, args.gen_batch, args.prompt_len, args.new_tokens, args.gen_batch,
+                           seed, log, fraction)
+        data[f"ev_{name}_seqs"], data[f"ev_{name}_valid"] = ev[0], ev[1]
+    log(event="generated", seqs=len(seqs), seconds=round(time.perf_counter() - t0, 1))
+    if args.data_cache is not None:
+        args.data_cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = args.data_cache.with_name(args.data_cache.name + ".partial.npz")
+        np.savez_compressed(partial, **data)
+        partial.replace(args.data_cache)
+    return data
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", type=Path, default=Path("/tmp/kdtree_train/target/int4"))
-    parser.add_argument("--steps", type=int, default=1200)
-    parser.add_argument("--batch", type=int, default=16, help="sequences per step")
+    parser.add_argument("--target", type=Path, required=True, help="the (INT4-expert) target checkpoint")
+    parser.add_argument("--data", type=Path, help="tokenized corpus folder (python -m training.data)")
+    parser.add_argument("--tokenizer", type=Path, default=TOKENIZER_PATH, help="default: %(default)s")
+    parser.add_argument("--steps", type=int, help="optimizer steps (or --time-budget-s)")
+    parser.add_argument("--time-budget-s", type=float, help="train for about this long")
+    parser.add_argument("--batch", type=int, default=64, help="sequences per step (default: %(default)s)")
     parser.add_argument("--anchors", type=int, default=8, help="anchors (blocks) per sequence per step")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--layers", type=int, default=2, help="drafter decoder layers")
+    parser.add_argument("--width", type=int, default=768, help="drafter MLP width (default: %(default)s)")
     parser.add_argument("--target-layers", type=int, default=3, help="target layers read by the drafter")
-    parser.add_argument("--gamma", type=float, default=7.0, help="loss weight decay along the block")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup", type=int, default=50)
-    parser.add_argument("--num-seqs", type=int, default=2048, help="target continuations to train on")
+    parser.add_argument("--gamma", type=float, help="loss weight decay along the block (default: DFlash's, 7 for "
+                        "block 16, 5 for 10, 4 for 8; else block / 2.3)")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--save-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--num-seqs", type=int, default=8192, help="target continuations to train on")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=192)
-    parser.add_argument("--gen-batch", type=int, default=128)
-    parser.add_argument("--greedy-fraction", type=float, default=1.0,
+    parser.add_argument("--gen-batch", type=int, default=256)
+    parser.add_argument("--greedy-fraction", type=float, default=0.5,
                         help="share of the generated training data decoded greedily (the rest: temperature 1)")
     parser.add_argument("--data-cache", type=Path, help="an .npz to load the generated data from / save it to")
+    parser.add_argument("--generate-only", action="store_true", help="generate the data into --data-cache, then stop")
+    parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("/tmp/kdtree_train/drafter"))
     args = parser.parse_args()
+    if args.generate_only and args.data_cache is None:
+        parser.error("--generate-only needs --data-cache")
+    if not args.generate_only and (args.steps is None) == (args.time_budget_s is None):
+        parser.error("give exactly one of --steps and --time-budget-s")
+    if args.time_budget_s is not None and args.warmup < CALIBRATION_STEPS:
+        parser.error(f"--time-budget-s measures {CALIBRATION_STEPS} warm-up steps: --warmup must be >= that")
+    gamma = args.gamma or {16: 7.0, 10: 5.0, 8: 4.0}.get(args.block_size, args.block_size / 2.3)
 
-    tok = load_tokenizer()
+    tok = load_tokenizer(args.tokenizer)
     cfg, params = kj.load_checkpoint(args.target, expect_kind="target")
-    dcfg = kj.DrafterConfig.for_target(cfg, num_layers=args.layers, num_target_layers=args.target_layers,
-                                       block_size=args.block_size)
-    dparams = kj.init_drafter_params(dcfg, jax.random.key(args.seed + 1))
+    params = cast_floats(params, jnp.float32, cfg)  # the target runs in float32, as at inference
     log = JsonLog(args.out / "log.jsonl")
+    data = load_or_generate(args, cfg, params, tok, log)
+    if args.generate_only:
+        return
+    seqs, valid = data["seqs"], data["valid"]
+    dcfg = kj.DrafterConfig.for_target(cfg, num_layers=args.layers, num_target_layers=args.target_layers,
+                                       block_size=args.block_size, intermediate_size=args.width)
+    dparams = kj.init_drafter_params(dcfg, jax.random.key(args.seed + 1))
     log(event="start", device=describe_device(), jax=jax.__version__, drafter_params=param_count(dparams),
-        dcfg=str(dcfg), **{k: str(v) for k, v in vars(args).items()})
-
-    train = token_stream(tok, corpus_files("train"))
-    heldout = token_stream(tok, corpus_files("heldout"))
-    if args.data_cache is not None and args.data_cache.is_file():
-        data = np.load(args.data_cache)
-        seqs, valid, ev_seqs, ev_valid = (data[k] for k in ("seqs", "valid", "ev_seqs", "ev_valid"))
-        log(event="data_cache", path=str(args.data_cache), seqs=len(seqs))
-    else:
-        seqs, valid = generate_data(cfg, params, train, args.num_seqs, args.prompt_len, args.new_tokens,
-                                    args.gen_batch, args.seed, log, args.greedy_fraction)
-        # held-out check set: greedy continuations of held-out windows (what greedy acceptance measures)
-        ev_seqs, ev_valid = generate_data(cfg, params, heldout, args.gen_batch, args.prompt_len,
-                                          args.new_tokens, args.gen_batch, args.seed + 7, log, 1.0)
-        if args.data_cache is not None:
-            np.savez_compressed(args.data_cache, seqs=seqs, valid=valid, ev_seqs=ev_seqs, ev_valid=ev_valid)
+        dcfg=str(dcfg), **{k: str(v) for k, v in vars(args).items()}, gamma_used=gamma)
 
     embed = params["embed_tokens"]
     lm_head = embed.T if cfg.tie_word_embeddings else params["lm_head"]
-    weights = jnp.asarray(block_weights(args.block_size, args.gamma))
+    weights = jnp.asarray(block_weights(args.block_size, gamma))
     layers = dcfg.target_layer_ids
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, max(args.steps, args.warmup + 1),
-                                                  args.lr * 0.1)
-    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b1=0.9, b2=0.95,
-                                                                        weight_decay=0.01))
+    compute_dtype = jnp.dtype(args.compute_dtype)
+    optimizer = make_optimizer(weight_decay=0.01)
     opt_state = optimizer.init(dparams)
 
     def loss_fn(dparams, tokens, valid_len, anchors):
-        hidden = target_hidden(params, cfg, tokens, layers)
-        return drafter_loss(dparams, dcfg, hidden, tokens, valid_len, anchors, embed, lm_head, weights)
+        hidden = target_hidden(params, cfg, tokens, layers).astype(compute_dtype)
+        return drafter_loss(cast_floats(dparams, compute_dtype), dcfg, hidden, tokens, valid_len, anchors,
+                            embed.astype(compute_dtype), lm_head.astype(compute_dtype), weights)
 
     @jax.jit
     def train_step(dparams, opt_state, tokens, valid_len, anchors):
@@ -184,28 +237,60 @@ def main() -> None:
 
     eval_fn = jax.jit(loss_fn)
     ev_rng = np.random.default_rng(999)
-    ev_anchors = [sample_anchors(ev_rng, ev_valid[i:i + args.batch], args.prompt_len, args.anchors, args.block_size)
-                  for i in range(0, len(ev_seqs), args.batch)]
+    ev_sets = {}
+    for name in ("greedy", "sampled"):
+        ev_seqs, ev_valid = data[f"ev_{name}_seqs"], data[f"ev_{name}_valid"]
+        batches = [(ev_seqs[i:i + args.batch], ev_valid[i:i + args.batch]) for i in range(0, len(ev_seqs), args.batch)
+                   if i + args.batch <= len(ev_seqs)]
+        ev_sets[name] = [(s, v, sample_anchors(ev_rng, v, args.prompt_len, args.anchors, args.block_size))
+                         for s, v in batches]
+
+    def evaluate(step: int) -> dict:
+        record = {"step": step}
+        for name, batches in ev_sets.items():
+            res = [eval_fn(dparams, s, v, a) for s, v, a in batches]
+            acc = np.mean([np.asarray(r[1]) for r in res], axis=0)
+            record[f"heldout_{name}_loss"] = float(np.mean([float(r[0]) for r in res]))
+            record[f"heldout_{name}_acc_pos1"] = float(acc[0])
+            # expected accepted drafts of one chain if position errors were independent
+            record[f"heldout_{name}_chain_tokens"] = float(np.cumprod(acc).sum())
+        log(**record)
+        return record
+
     rng = np.random.default_rng(args.seed)
-    for step in range(1, args.steps + 1):
+    total = args.steps
+    t_train, step = None, 0
+    while total is None or step < total:
+        step += 1
         idx = rng.integers(0, len(seqs), args.batch)
         anchors = sample_anchors(rng, valid[idx], args.prompt_len, args.anchors, args.block_size)
-        dparams, opt_state, loss, acc = train_step(dparams, opt_state, seqs[idx], valid[idx], anchors)
-        if step % 25 == 0 or step == 1:
+        lr = learning_rate(step, total or 10**9, args.lr, args.warmup)
+        dparams, opt_state, loss, acc = train_step(dparams, set_learning_rate(opt_state, lr), seqs[idx], valid[idx],
+                                                   anchors)
+        if step == 1:
+            float(loss)
+            t_train = time.perf_counter()
+        if total is None and step == CALIBRATION_STEPS:
+            float(loss)
+            step_s = (time.perf_counter() - t_train) / (CALIBRATION_STEPS - 1)
+            total = max(CALIBRATION_STEPS, int(args.time_budget_s / step_s))
+            log(event="calibrated", step_s=round(step_s, 5), total_steps=total)
+        if step % 50 == 0 or step == 1:
             acc = np.asarray(acc)
-            # expected accepted drafts of one chain if position errors were independent: sum_k prod_{j<=k} acc_j
-            log(step=step, train_loss=float(loss), acc_pos1=float(acc[0]),
+            log(step=step, train_loss=float(loss), lr=lr, acc_pos1=float(acc[0]),
                 chain_tokens=float(np.cumprod(acc).sum()))
-        if step % 100 == 0 or step == args.steps:
-            res = [eval_fn(dparams, ev_seqs[i * args.batch:(i + 1) * args.batch],
-                           ev_valid[i * args.batch:(i + 1) * args.batch], a) for i, a in enumerate(ev_anchors)]
-            acc = np.mean([np.asarray(r[1]) for r in res], axis=0)
-            log(step=step, heldout_loss=float(np.mean([float(r[0]) for r in res])), heldout_acc_pos1=float(acc[0]),
-                heldout_chain_tokens=float(np.cumprod(acc).sum()))
-    kj.save_checkpoint(args.out / "drafter", dcfg, dparams, overwrite=True)
+        if step % args.eval_every == 0:
+            evaluate(step)
+    train_s = time.perf_counter() - (t_train or time.perf_counter())
+    final = evaluate(step)
+    log(event="trained", total_steps=step, train_s=round(train_s, 1))
+    kj.save_checkpoint(args.out / "drafter", dcfg, cast_floats(dparams, jnp.dtype(args.save_dtype)), overwrite=True)
+    summary = {"total_steps": step, "train_s": round(train_s, 1), "drafter_params": param_count(dparams),
+               "dcfg": str(dcfg), "gamma": gamma, **final}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot_curves(args.out / "log.jsonl", args.out / "loss.png", "DFlash drafter (weighted block CE)",
-                ("train_loss", "heldout_loss"))
-    print(f"saved {args.out}/drafter, {args.out}/loss.png")
+                ("train_loss", "heldout_greedy_loss", "heldout_sampled_loss"))
+    print(f"saved {args.out}/drafter, {args.out}/summary.json, {args.out}/loss.png", flush=True)
 
 
 if __name__ == "__main__":
