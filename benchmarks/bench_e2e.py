@@ -38,22 +38,30 @@ ASSETS = Path(kj.__file__).parent / "assets"
 DEFAULT_BUDGETS = (4, 8, 16, 32, 64, 128, 256)
 
 
-def load_prompts(tokenizer, count: int, prompt_tokens: int) -> list[list[int]]:
-    """Held-out prompts: the training split rule's held-out files (training/data.py)."""
-    from training.data import heldout_prompts  # noqa: PLC0415
+def load_prompts(count: int, prompt_tokens: int) -> list[list[int]]:
+    """The shipped held-out prompts (kdtree_jax/assets/heldout_prompts.json: the same on every machine)."""
+    from training.prompts import load_prompts as shipped_prompts  # noqa: PLC0415
 
-    return heldout_prompts(tokenizer, count, prompt_tokens, seed=0)
+    return shipped_prompts(count, prompt_tokens)
 
 
-def run_config(cfg, params, drafter, prompts, batch, method, budget, temperature, new_tokens, repeats):
-    """Time one (method, budget, batch, temperature) over all prompts. Returns (row dict, outputs per prompt)."""
-    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+def generate_kwargs(method, budget, temperature, new_tokens, drafter, costs=None) -> dict:
     kwargs = dict(max_new_tokens=new_tokens, method=method, temperature=temperature, stop_tokens=())
     if method != "ar":
         kwargs["drafter"] = drafter
     if method == "ddtree":
         kwargs["tree_budget"] = budget
-    seconds, tokens, forwards, accept, outputs, chosen = 0.0, 0, 0, [], [], collections.Counter()
+    if budget == "auto":
+        kwargs["budget_costs"] = costs
+    return kwargs
+
+
+def run_config(cfg, params, drafter, prompts, batch, method, budget, temperature, new_tokens, repeats, costs=None):
+    """Time one (method, budget, batch, temperature) over all prompts. Returns (row dict, outputs per prompt)."""
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    kwargs = generate_kwargs(method, budget, temperature, new_tokens, drafter, costs)
+    seconds, tokens, forwards, rounds, accept, outputs = 0.0, 0, 0, 0, [], []
+    chosen = collections.Counter()
     timer = Timer(repeats, device=False)  # wall clock around one dispatch (compile + warm-up call first)
     for g, group in enumerate(groups):
         key = jax.random.key(1000 + g)
@@ -63,6 +71,7 @@ def run_config(cfg, params, drafter, prompts, batch, method, budget, temperature
         lengths = np.asarray(out.lengths)
         tokens += int(lengths.sum())
         forwards += int(out.num_target_forwards) * len(group)  # a forward serves the whole batch
+        rounds += int(out.rounds)
         acc = np.asarray(out.acceptance_lengths)
         accept.extend(acc[acc > 0].tolist())
         toks = np.asarray(out.tokens)
@@ -72,26 +81,61 @@ def run_config(cfg, params, drafter, prompts, batch, method, budget, temperature
     row = dict(method=method, budget=budget, batch=batch, temperature=temperature,
                mean_acceptance=float(np.mean(accept)) if accept else 0.0,
                forwards_per_token=forwards / tokens, tokens_per_s=tokens / seconds, seconds=seconds,
-               new_tokens=tokens)
+               new_tokens=tokens, rounds=rounds)
     if chosen:
         row["auto_budgets"] = {str(b): n for b, n in sorted(chosen.items())}  # budget -> rounds
     return row, outputs
+
+
+def precompile(cfg, params, drafter, prompts, points, new_tokens, threads: int) -> float:
+    """Compile every point's `generate` (one call each, on its first batch of prompts) from `threads` threads at
+    once: XLA compiles in parallel on the host's cores, which the serial timing loop cannot use. The calls'
+    results are discarded; the timing loop then finds every program compiled. Returns the seconds it took."""
+    import concurrent.futures  # noqa: PLC0415
+
+    def warm(point):
+        batch, temperature, method, budget, costs = point
+        kwargs = generate_kwargs(method, budget, temperature, new_tokens, drafter, costs)
+        jax.block_until_ready(kj.generate(cfg, params, prompts[:batch], key=jax.random.key(0), **kwargs))
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
+        list(pool.map(warm, points))
+    return time.perf_counter() - start
+
+
+def costs_from_rows(rows: list[dict], batch: int) -> kj.BudgetCosts:
+    """tree_budget="auto"'s round costs measured in this run: wall per round of each fixed budget's greedy row at
+    `batch` over wall per step of AR's (what kj.calibrate_budget_costs measures, without compiling again)."""
+    sel = {(r["method"], r["budget"]): r for r in rows if r["batch"] == batch and r["temperature"] == 0.0}
+    ar = sel.get(("ar", None))
+    budgets = sorted(b for (m, b) in sel if m == "ddtree" and isinstance(b, int))
+    if ar is None or not budgets:
+        raise ValueError(f"auto at batch {batch} needs the greedy AR and fixed-budget rows of this run")
+    step = ar["seconds"] / ar["rounds"]
+    costs = tuple(sel[("ddtree", b)]["seconds"] / sel[("ddtree", b)]["rounds"] / step for b in budgets)
+    return kj.BudgetCosts(tuple(budgets), costs, source=f"measured in this run (e2e), batch {batch}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, default=ASSETS / "target")
     parser.add_argument("--drafter", type=Path, default=ASSETS / "drafter")
-    parser.add_argument("--tokenizer", type=Path, default=ASSETS / "tokenizer.json")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="weights cast to this dtype after loading (default %(default)s)")
     parser.add_argument("--num-prompts", type=int, default=8, help="held-out prompts (a multiple of 8)")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--budgets", type=int, nargs="+", default=list(DEFAULT_BUDGETS))
     parser.add_argument("--auto", action="store_true", help="also run tree_budget='auto' (the budget chosen "
-                        "per round; its rows record how many rounds used each budget)")
+                        "per round; its rows record how many rounds used each budget) with round costs measured "
+                        "in this run: each fixed budget's greedy wall per round over AR's wall per step")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--precompile-threads", type=int, default=1,
+                        help="compile every point first from this many threads at once (default: 1, compile "
+                             "inside the timing loop); compilation is never timed either way")
     parser.add_argument("--matmul-precision", choices=("highest", "default"), default="highest",
                         help="jax_default_matmul_precision for the float32 models (default highest: on the H200 "
                              "'default' means TF32, whose rounding differs between AR and tree shapes and can "
@@ -109,60 +153,90 @@ def main() -> None:
         return merge(args.merge, args.out / f"e2e_{args.tag}")
     if any(args.num_prompts % b for b in args.batches):
         raise SystemExit(f"--num-prompts {args.num_prompts} must be a multiple of every batch {args.batches}")
+    if args.auto and 0.0 not in args.temperatures:
+        raise SystemExit("--auto measures its round costs on the greedy rows: --temperatures must include 0")
     if args.matmul_precision == "highest":
         jax.config.update("jax_default_matmul_precision", "highest")
 
-    from tokenizers import Tokenizer  # noqa: PLC0415
-
-    tok = Tokenizer.from_file(str(args.tokenizer))
-    cfg, params = kj.load_checkpoint(args.target, expect_kind="target")
-    dcfg, dparams = kj.load_checkpoint(args.drafter, expect_kind="drafter")
+    cfg, params = kj.load_checkpoint(args.target, expect_kind="target", dtype=args.dtype)
+    dcfg, dparams = kj.load_checkpoint(args.drafter, expect_kind="drafter", dtype=args.dtype)
     drafter = (dcfg, dparams)
-    prompts = load_prompts(tok, args.num_prompts, args.prompt_tokens)
+    prompts = load_prompts(args.num_prompts, args.prompt_tokens)
     meta = metadata(host=f"{platform.machine()}, {os.cpu_count()} CPU cores", target=str(args.target),
-                drafter=str(args.drafter), num_prompts=args.num_prompts,
-                prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                block_size=dcfg.block_size, matmul_precision=args.matmul_precision,
-                kernels=kj.plan_summary(kj.kernel_plan(params, cfg)))  # what generate's "auto" runs here
-    rows, invariant_failures = [], []
-    print(f"{'batch':>5} {'temp':>4} {'method':>7} {'budget':>6} {'accept':>7} {'fwd/tok':>8} {'tok/s':>9} "
-          f"{'speedup':>8}  greedy==AR", flush=True)
-    start, skipped = time.perf_counter(), []
-    for batch in args.batches:
-        for temperature in args.temperatures:
-            configs = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in args.budgets]
-            if args.auto:
-                configs.append(("ddtree", "auto"))
-            ar_speed, ar_out = None, None
-            for method, budget in configs:
-                if args.deadline_s is not None and time.perf_counter() - start > args.deadline_s:
-                    skipped.append(dict(batch=batch, temperature=temperature, method=method, budget=budget))
-                    continue
-                row, outs = run_config(cfg, params, drafter, prompts, batch, method, budget, temperature,
-                                       args.max_new_tokens, args.repeats)
-                if method == "ar":
-                    ar_speed, ar_out = row["tokens_per_s"], outs
-                row["speedup"] = row["tokens_per_s"] / ar_speed
-                same = ""
-                if temperature == 0.0:
-                    row["greedy_equals_ar"] = outs == ar_out
-                    same = "yes" if row["greedy_equals_ar"] else "NO"
-                    if not row["greedy_equals_ar"]:
-                        invariant_failures.append((batch, method, budget))
-                rows.append(row)
-                print(f"{batch:>5} {temperature:>4g} {method:>7} {budget or '-':>6} {row['mean_acceptance']:>7.2f} "
-                      f"{row['forwards_per_token']:>8.3f} {row['tokens_per_s']:>9.1f} {row['speedup']:>7.2f}x  {same}",
-                      flush=True)
+                    drafter=str(args.drafter), num_prompts=args.num_prompts, dtype=args.dtype,
+                    prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                    block_size=dcfg.block_size, matmul_precision=args.matmul_precision,
+                    kernels=kj.plan_summary(kj.kernel_plan(params, cfg)))  # what generate's "auto" runs here
+    fixed = [(batch, temperature, method, budget, None) for batch in args.batches for temperature in args.temperatures
+             for method, budget in [("ar", None), ("dflash", None)] + [("ddtree", b) for b in args.budgets]]
+    start, skipped, rows, outputs = time.perf_counter(), [], [], {}
+    compile_s = []
+    print(f"{'batch':>5} {'temp':>4} {'method':>7} {'budget':>6} {'accept':>7} {'fwd/tok':>8} {'tok/s':>9}", flush=True)
+
+    def measure(points):
+        if args.precompile_threads > 1:
+            compile_s.append(round(precompile(cfg, params, drafter, prompts, points, args.max_new_tokens,
+                                              args.precompile_threads), 1))
+            print(f"compiled {len(points)} programs in {compile_s[-1]} s ({args.precompile_threads} threads)",
+                  flush=True)
+        for batch, temperature, method, budget, costs in points:
+            if args.deadline_s is not None and time.perf_counter() - start > args.deadline_s:
+                skipped.append(dict(batch=batch, temperature=temperature, method=method, budget=budget))
+                continue
+            row, outs = run_config(cfg, params, drafter, prompts, batch, method, budget, temperature,
+                                   args.max_new_tokens, args.repeats, costs)
+            if costs is not None:
+                row["budget_costs"] = dict(zip(map(str, costs.budgets), costs.costs, strict=True))
+            rows.append(row)
+            outputs[(batch, temperature, method, budget)] = outs
+            print(f"{batch:>5} {temperature:>4g} {method:>7} {budget or '-':>6} {row['mean_acceptance']:>7.2f} "
+                  f"{row['forwards_per_token']:>8.3f} {row['tokens_per_s']:>9.1f}", flush=True)
+
+    measure(fixed)
+    if args.auto:
+        autos = []
+        for batch in args.batches:
+            try:
+                costs = costs_from_rows(rows, batch)
+            except ValueError as e:  # a point it needs was past the deadline
+                print(f"no auto at batch {batch}: {e}", flush=True)
+                skipped += [dict(batch=batch, temperature=t, method="ddtree", budget="auto") for t in args.temperatures]
+                continue
+            autos += [(batch, t, "ddtree", "auto", costs) for t in args.temperatures]
+        if autos:
+            measure(autos)
+    meta["compile_s"] = compile_s
+    invariant_failures = finish_rows(rows, outputs)
     stem = args.out / f"e2e_{args.tag}"
     meta["skipped_past_deadline"] = skipped
     if skipped:
         print(f"INCOMPLETE: {len(skipped)} points not run (past --deadline-s {args.deadline_s:g})", flush=True)
     write_results(stem, meta, {"rows": rows, "invariant_failures": invariant_failures}, markdown(meta, rows),
                   plot=lambda path: plot(path, meta, rows, args.budgets))
+    print(markdown(meta, rows))
     print("greedy invariant " +
           ("held everywhere" if not invariant_failures else f"FAILED for {invariant_failures}"))
     if invariant_failures:
         raise SystemExit(1)
+
+
+def finish_rows(rows: list[dict], outputs: dict) -> list:
+    """Order the rows (batch, temperature, AR, DFlash, budgets, auto), add each row's speedup over AR at its batch
+    and temperature and, greedy, whether its tokens equal AR's. Returns the points whose greedy tokens differ."""
+    order = {"ar": 0, "dflash": 1, "ddtree": 2}
+    rows.sort(key=lambda r: (r["batch"], r["temperature"], order[r["method"]],
+                             float("inf") if r["budget"] == "auto" else (r["budget"] or 0)))
+    ar = {(r["batch"], r["temperature"]): r for r in rows if r["method"] == "ar"}
+    failures = []
+    for r in rows:
+        base = ar.get((r["batch"], r["temperature"]))
+        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+        if r["temperature"] == 0.0 and base is not None:
+            point = (r["batch"], 0.0, r["method"], r["budget"])
+            r["greedy_equals_ar"] = outputs[point] == outputs[(r["batch"], 0.0, "ar", None)]
+            if not r["greedy_equals_ar"]:
+                failures.append((r["batch"], r["method"], r["budget"]))
+    return failures
 
 
 def merge(paths: list[Path], stem: Path) -> None:

@@ -38,7 +38,7 @@ from kdtree_jax import sharding, storage
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.drafter import DrafterConfig, init_drafter_params
 from kdtree_jax.storage import CheckpointError
-from kdtree_jax.weights import abstract_params
+from kdtree_jax.weights import abstract_params, cast_params
 from pallas_kernels.int4 import GROUP_SIZE, Int4Weight, MosaicInt4Weight
 
 FORMAT_VERSION = 2
@@ -360,9 +360,14 @@ def checkpoint_index(path: str | os.PathLike, *, expect_kind: str | None = None)
     return cfg, meta, index
 
 
-def load_checkpoint(path: str | os.PathLike, *, expect_kind: str | None = None, mesh=None, verify: bool = True):
+def load_checkpoint(path: str | os.PathLike, *, expect_kind: str | None = None, mesh=None, verify: bool = True,
+                    dtype=None):
     """Restore (cfg, params). Every tensor the config implies must be present with the right shape
     and dtype, and nothing else may be there; otherwise CheckpointError names the tensors.
+
+    dtype: None keeps the dtype the checkpoint was written with; e.g. float32 runs a bf16-stored checkpoint in
+    float32 (dense weights cast after the restore, kdtree_jax.weights.cast_params: the router stays float32,
+    INT4 weights and their scales as stored).
 
     verify: check every tensor's bytes against the sha256 recorded at save (CheckpointError naming a
     corrupt tensor); False skips it (trusted storage: hashing costs about a second per GB). A checkpoint
@@ -387,7 +392,10 @@ def load_checkpoint(path: str | os.PathLike, *, expect_kind: str | None = None, 
     params: dict[str, Any] = {}
     for restored in _restore(path, meta, expected, checksums):
         params.update(restored)
-    return cfg, typed_from_stored(params)
+    params = typed_from_stored(params)
+    if dtype is not None:
+        params = cast_params(params, dtype, cfg if isinstance(cfg, ModelConfig) else None)
+    return cfg, params
 
 
 def verify_checkpoint(path: str | os.PathLike) -> dict[str, int]:

@@ -153,8 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                    f"0 to {MAX_SEED} (default: %(default)s)")
     g.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="tokens to generate per "
                    "prompt (default: %(default)s)")
-    g.add_argument("--dtype", choices=DTYPES, help="weight dtype for --hf / --preset (default: bfloat16 for "
-                   "--hf, float32 for --preset); a checkpoint keeps its own")
+    g.add_argument("--dtype", choices=DTYPES, help="weight dtype (default: bfloat16 for --hf, float32 for "
+                   "--preset, the stored one for --checkpoint / --shipped; with a checkpoint the dense weights are "
+                   "cast after loading, INT4 experts stay INT4)")
     g.add_argument("--stop", type=int, action="append", metavar="ID", help="a stop token id (repeatable; "
                    "default: the config's eos_token_id)")
     g.add_argument("--mesh", metavar="SPEC", help="run the target sharded over a device mesh, e.g. "
@@ -384,13 +385,13 @@ def _load_model(args):
     if args.shipped:
         args.checkpoint = str(SHIPPED / "target")
     if args.checkpoint:
-        if args.dtype:
-            raise CLIError("--dtype applies to --hf and --preset; a checkpoint keeps the dtype it was written with")
         from kdtree_jax.checkpoint import load_checkpoint  # noqa: PLC0415
 
         cfg, params = load_checkpoint(_check_dir(args.checkpoint, "checkpoint directory"), expect_kind="target",
-                                      mesh=args.mesh, verify=not args.no_verify)  # straight into its shardings
-        return cfg, params, f"checkpoint {args.checkpoint}"
+                                      mesh=args.mesh, verify=not args.no_verify,  # straight into its shardings
+                                      dtype=_dtype(args.dtype) if args.dtype else None)
+        stored = params["embed_tokens"].dtype.name
+        return cfg, params, f"checkpoint {args.checkpoint} ({f'cast to {args.dtype}' if args.dtype else stored})"
     if args.hf:
         from kdtree_jax.hf import load_hf  # noqa: PLC0415
 
@@ -461,7 +462,8 @@ def _load_drafter(args, cfg, methods, params=None):
         from kdtree_jax.config import ConfigError  # noqa: PLC0415
 
         dcfg, dparams = load_checkpoint(_check_dir(args.drafter, "drafter directory"), expect_kind="drafter",
-                                        verify=not args.no_verify)
+                                        verify=not args.no_verify,  # --dtype casts the pair alike
+                                        dtype=_dtype(args.dtype) if args.dtype and args.checkpoint else None)
         try:
             dcfg.check_target(cfg)
         except ConfigError as e:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax.config import ModelConfig
+from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
 
 # blocks: where a weight sits in the tree
 TOP = ""  # {"embed_tokens", "final_norm", "lm_head"}
@@ -220,3 +221,22 @@ def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> dict:
             node = node.setdefault(key, {})
         node[path[-1]] = jax.ShapeDtypeStruct(spec.shape, spec.dtype(dtype))
     return tree
+
+
+def cast_params(params, dtype, cfg: ModelConfig | None = None):
+    """`params` with every dense floating-point array in `dtype`: a bf16-stored checkpoint run in float32
+    (or the bf16 forward of float32 master weights). With a target `cfg`, the weights the model keeps in
+    float32 (the router) stay float32; INT4 weights (and their scales) and integer arrays are untouched.
+    Works for target and drafter trees."""
+    dtype = jnp.dtype(dtype)
+    keep = set() if cfg is None else {path for path, spec in declare(cfg).items() if spec.float32}
+    is_int4 = lambda x: isinstance(x, (Int4Weight, MosaicInt4Weight))  # noqa: E731
+
+    def cast(path, x):
+        if is_int4(x) or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        if tuple(str(getattr(k, "key", k)) for k in path) in keep:
+            return x
+        return x.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, params, is_leaf=is_int4)

@@ -130,6 +130,24 @@ def test_generate_from_converted_checkpoint_equals_hf_and_direct_call(models, ca
     assert "mean acceptance length 1.00" in from_ckpt
 
 
+def test_generate_casts_a_checkpoint_to_dtype(models, capsys):
+    """--dtype with a checkpoint casts its dense weights (INT4 experts stay INT4): the tokens are those of a
+    direct call on the cast params, and the run says it cast."""
+    from kdtree_jax.weights import cast_params
+
+    prompt = [3, 17, 42, 5]
+    rc, out, err = run(["generate", "--checkpoint", models / "int4", "--dtype", "bfloat16", "--prompt",
+                        " ".join(map(str, prompt)), "--max-new-tokens", "5", "--no-warmup"], capsys)
+    assert rc == 0, err
+    assert "cast to bfloat16" in out + err
+    cfg, params = kj.load_checkpoint(models / "int4")
+    cast = cast_params(params, jnp.bfloat16, cfg)
+    assert cast["layers_1"]["moe"]["router"].dtype == jnp.float32  # the router stays float32
+    assert isinstance(cast["layers_1"]["moe"]["experts"]["gate"], Int4Weight)
+    direct = kj.generate(cfg, cast, [prompt], max_new_tokens=5)
+    assert token_lines(out) == [np.asarray(direct.tokens)[0, : int(direct.lengths[0])].tolist()]
+
+
 def test_generate_all_methods_compares_them(models, capsys):
     rc, out, _ = run(["generate", "--checkpoint", models / "target", "--drafter", models / "drafter",
                       "--method", "all", "--budget", "3", "--prompt", "1 2 3", "--prompt", "7 8",
@@ -340,7 +358,6 @@ BAD = [
     (["generate", "--checkpoint", "{target}", "--layers", "2"], "--layers applies to --preset only"),
     (["generate", "--checkpoint", "{tmp}/nope"], "does not exist"),
     (["generate", "--checkpoint", "{drafter}"], "holds a drafter checkpoint, expected a target"),
-    (["generate", "--checkpoint", "{target}", "--dtype", "bfloat16"], "--dtype applies to --hf and --preset"),
     (["generate", "--hf", "{hfbad}"], "no config.json"),
     (["generate", "--checkpoint", "{target}", "--prompt", "hello"], "must be space-separated token ids, got 'hello'"),
     (["generate", "--checkpoint", "{target}", "--prompt", " "], "--prompt is empty"),

@@ -49,26 +49,6 @@ def target_config(vocab_size: int, hidden: int = 384, layers: int = 8, experts: 
     ).validate()
 
 
-def cast_floats(tree, dtype, cfg: kj.ModelConfig | None = None):
-    """`tree` with its floating-point arrays in `dtype`: the mixed-precision forward's copy of float32 master
-    weights, or a checkpoint's storage dtype. With a target `cfg`, weights the model keeps in float32 (the
-    router, kdtree_jax/weights.py) stay float32. INT4 weights and integer leaves are untouched."""
-    import jax.numpy as jnp
-
-    from kdtree_jax.weights import declare
-
-    keep = set() if cfg is None else {"/".join(path) for path, spec in declare(cfg).items()
-                                      if spec.dtype(jnp.bfloat16) == jnp.float32}
-
-    def cast(path, x):
-        name = "/".join(str(getattr(k, "key", k)) for k in path)
-        if name in keep or not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
-            return x
-        return x.astype(dtype)
-
-    return jax.tree_util.tree_map_with_path(cast, tree)
-
-
 def token_byte_lengths(tokenizer) -> np.ndarray:
     """Bytes of text each token id stands for (0 for special tokens): the denominator of bits per byte."""
     from kdtree_jax.healing import token_table

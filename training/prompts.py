@@ -25,6 +25,15 @@ from training.data import corpus_files, heldout_prompts
 PROMPTS_PATH = ASSETS / "heldout_prompts.json"
 
 
+def load_prompts(count: int, prompt_tokens: int = 64, path: Path = PROMPTS_PATH) -> list[list[int]]:
+    """The first `count` shipped 64-token prompts as token ids, each cut to `prompt_tokens` (<= 64)."""
+    prompts = [p["ids"] for p in json.loads(Path(path).read_text())["prompts"]]
+    if count > len(prompts) or not 1 <= prompt_tokens <= min(len(p) for p in prompts):
+        raise ValueError(f"{path} holds {len(prompts)} prompts of {min(len(p) for p in prompts)} tokens, asked "
+                         f"{count} of {prompt_tokens}")
+    return [p[:prompt_tokens] for p in prompts[:count]]
+
+
 def newline_prompts(count: int, seed: int = 0, min_bytes: int = 120, max_lines: int = 8) -> list[str]:
     """`count` held-out texts ending in a newline: 3 to `max_lines` whole lines from a top-level def / class
     line of distinct held-out files (source "all"), at least `min_bytes` long."""

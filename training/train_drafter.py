@@ -35,10 +35,10 @@ import optax
 import kdtree_jax as kj
 from kdtree_jax.drafter import DrafterCache, drafter_extend_context, drafter_forward, init_drafter_cache
 from kdtree_jax.model import Transformer
+from kdtree_jax.weights import cast_params
 from training.common import (
     TOKENIZER_PATH,
     JsonLog,
-    cast_floats,
     describe_device,
     load_tokenizer,
     param_count,
@@ -204,7 +204,7 @@ def main() -> None:
 
     tok = load_tokenizer(args.tokenizer)
     cfg, params = kj.load_checkpoint(args.target, expect_kind="target")
-    params = cast_floats(params, jnp.float32, cfg)  # the target runs in float32, as at inference
+    params = cast_params(params, jnp.float32, cfg)  # the target runs in float32, as at inference
     log = JsonLog(args.out / "log.jsonl")
     data = load_or_generate(args, cfg, params, tok, log)
     if args.generate_only:
@@ -226,7 +226,7 @@ def main() -> None:
 
     def loss_fn(dparams, tokens, valid_len, anchors):
         hidden = target_hidden(params, cfg, tokens, layers).astype(compute_dtype)
-        return drafter_loss(cast_floats(dparams, compute_dtype), dcfg, hidden, tokens, valid_len, anchors,
+        return drafter_loss(cast_params(dparams, compute_dtype), dcfg, hidden, tokens, valid_len, anchors,
                             embed.astype(compute_dtype), lm_head.astype(compute_dtype), weights)
 
     @jax.jit
@@ -284,7 +284,7 @@ def main() -> None:
     train_s = time.perf_counter() - (t_train or time.perf_counter())
     final = evaluate(step)
     log(event="trained", total_steps=step, train_s=round(train_s, 1))
-    kj.save_checkpoint(args.out / "drafter", dcfg, cast_floats(dparams, jnp.dtype(args.save_dtype)), overwrite=True)
+    kj.save_checkpoint(args.out / "drafter", dcfg, cast_params(dparams, jnp.dtype(args.save_dtype)), overwrite=True)
     summary = {"total_steps": step, "train_s": round(train_s, 1), "drafter_params": param_count(dparams),
                "dcfg": str(dcfg), "gamma": gamma, **final}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -36,10 +36,10 @@ import optax
 
 import kdtree_jax as kj
 from kdtree_jax.model import MoE, Transformer, route
+from kdtree_jax.weights import cast_params
 from training.common import (
     TOKENIZER_PATH,
     JsonLog,
-    cast_floats,
     describe_device,
     load_tokenizer,
     param_count,
@@ -73,7 +73,7 @@ def lm_loss_and_loads(params, cfg: kj.ModelConfig, tokens: jax.Array, compute_dt
     positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
     model = Transformer(cfg, compute_dtype, kernels or kj.Kernels())
     with nn.intercept_methods(record_loads):
-        logits, _, _ = model.apply({"params": cast_floats(params, compute_dtype, cfg)}, inputs, positions)
+        logits, _, _ = model.apply({"params": cast_params(params, compute_dtype, cfg)}, inputs, positions)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
     return loss, jnp.stack(loads) if loads else jnp.zeros((0, cfg.n_routed_experts))
 
@@ -138,7 +138,7 @@ def bits_per_byte(params, cfg: kj.ModelConfig, windows: np.ndarray, byte_lengths
             logits, _, _ = Transformer(cfg, jnp.float32, kernels).apply({"params": p}, inputs, positions)
             return optax.softmax_cross_entropy_with_integer_labels(logits, labels).sum()
 
-    p32 = cast_floats(params, jnp.float32, cfg)
+    p32 = cast_params(params, jnp.float32, cfg)
     nats = 0.0
     for i in range(0, len(windows) - batch + 1, batch):  # whole batches only: one compile
         nats += float(window_nats(p32, windows[i:i + batch]))
@@ -243,7 +243,7 @@ def main() -> None:
         tokens=step * args.batch * args.seq_len)
 
     save_dtype = jnp.dtype(args.save_dtype)
-    stored = cast_floats(params, save_dtype, cfg)  # what ships: evaluate exactly these weights
+    stored = cast_params(params, save_dtype, cfg)  # what ships: evaluate exactly these weights
     int4 = kj.quantize(stored, cfg, policy="experts")
     # INT4 first: the drafter's data generation (training/train_pair.sh) starts as soon as it exists
     kj.save_checkpoint(args.out / "int4", cfg, int4, overwrite=True)
