@@ -137,22 +137,23 @@ def accept_path(tree: Tree, posterior: jax.Array, max_depth: int):
     tree: T slots; posterior [B, T]. Returns (path [B, max_depth + 1] node ids, padded with the last
     node; m [B] nodes on the path, >= 1; next bonus token [B]).
 
-    Computed without a walk (a few fused XLA ops instead of max_depth dependent steps): a node is on the
+    Computed without a walk (two dependent reductions instead of max_depth dependent steps): a node is on the
     path iff it and every ancestor carry the token their parent's posterior asks for. Children of one node
-    carry distinct tokens (distinct ranks of one depth), so those nodes form one chain from the root; its
-    deepest node ends the path and the path is that node's ancestors in depth order."""
+    carry distinct tokens (distinct ranks of one depth), so those nodes form one chain from the root. A child
+    always has a later slot than its parent (trees list nodes in pop order), so path[k], the chain's node at
+    depth min(k, its last depth), is the on-path node with the largest slot among those of depth <= k."""
     t = tree.tokens.shape[1]
+    slots = jnp.arange(t, dtype=jnp.int32)
     parent_wants = jnp.take_along_axis(posterior, jnp.maximum(tree.parents, 0), axis=1)  # [B, T]
-    match = tree.valid & ((tree.tokens == parent_wants) | (jnp.arange(t) == 0)[None, :])  # root always
+    match = tree.valid & ((tree.tokens == parent_wants) | (slots == 0)[None, :])  # root always
     on_path = jnp.all(~tree.visible | match[:, None, :], axis=2)  # [B, T]: self and all ancestors match
-    last = jnp.argmax(jnp.where(on_path, tree.depths + 1, 0), axis=1).astype(jnp.int32)  # [B] deepest
-    last_depth = jnp.take_along_axis(tree.depths, last[:, None], axis=1)  # [B, 1]
-    ancestors = jnp.take_along_axis(tree.visible, last[:, None, None], axis=1)[:, 0]  # [B, T] row of `last`
     steps = jnp.arange(max_depth + 1, dtype=jnp.int32)  # [K]
-    at_step = ancestors[:, None, :] & (tree.depths[:, None, :] == steps[None, :, None])  # [B, K, T]
-    path = jnp.where(steps[None, :] <= last_depth, jnp.argmax(at_step, axis=2).astype(jnp.int32), last[:, None])
-    bonus = jnp.take_along_axis(posterior, last[:, None], axis=1)[:, 0]
-    return path, last_depth[:, 0] + 1, bonus
+    upto = on_path[:, None, :] & (tree.depths[:, None, :] <= steps[None, :, None])  # [B, K, T]
+    path = jnp.max(jnp.where(upto, slots, 0), axis=2)  # [B, K]; the root (slot 0) is always on the path
+    last = path[:, -1:]  # [B, 1] the path's deepest node
+    length = jnp.take_along_axis(tree.depths, last, axis=1)[:, 0] + 1
+    bonus = jnp.take_along_axis(posterior, last, axis=1)[:, 0]
+    return path, length, bonus
 
 
 def compact_cache(latent: jax.Array, start: jax.Array, path: jax.Array) -> jax.Array:

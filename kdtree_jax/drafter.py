@@ -416,15 +416,21 @@ def drafter_extend_context(dparams: dict, dcfg: DrafterConfig, cache: DrafterCac
     features = context_features(dparams, dcfg, target_hidden)  # [B, T, D]
     rows = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
     batch_index = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))  # [B, T]
-    new_keys, new_values = [], []
-    for layer in range(Ld):
-        k, v = _project_kv(dparams[f"layers_{layer}"]["attn"], dcfg, features, positions)  # [B, T, KVH, hd]
-        # A scatter (not dynamic_update_slice, which would clamp the start and shift valid rows) whose
-        # out-of-range garbage rows are dropped.
-        new_keys.append(cache.keys[layer].at[batch_index, rows].set(k.astype(cache.keys.dtype), mode="drop"))
-        new_values.append(cache.values[layer].at[batch_index, rows].set(v.astype(cache.values.dtype),
-                                                                        mode="drop"))
-    return DrafterCache(jnp.stack(new_keys), jnp.stack(new_values),
+    # Every layer's keys and values from one dot (`_project_kv` per layer was 2 Ld dots; the weights are
+    # loop-invariant, so XLA hoists their concatenation out of the decode loop), k_norm and RoPE per head.
+    attn = [dparams[f"layers_{layer}"]["attn"] for layer in range(Ld)]
+    w_kv = jnp.concatenate([w for p in attn for w in (p["k"], p["v"])], axis=1)  # [D, Ld * 2 * KVH * hd]
+    kv = _linear(features, w_kv).reshape(B, T, Ld, 2, KVH, hd)
+    k_norm = jnp.stack([p["k_norm"] for p in attn])[:, None, :]  # [Ld, 1, hd]
+    k = apply_rope(rms_norm(kv[:, :, :, 0], k_norm, dcfg.rms_norm_eps).reshape(B, T, Ld * KVH, hd), positions,
+                   *_rope(dcfg)).reshape(B, T, Ld, KVH, hd)
+    new_k = jnp.moveaxis(k, 2, 0).astype(cache.keys.dtype)  # [Ld, B, T, KVH, hd]
+    new_v = jnp.moveaxis(kv[:, :, :, 1], 2, 0).astype(cache.values.dtype)
+    # One scatter per cache for every layer, in place (per-layer scatters then a stack copied the whole
+    # cache each round); a scatter, not dynamic_update_slice (which would clamp the start and shift valid
+    # rows), whose out-of-range garbage rows are dropped.
+    return DrafterCache(cache.keys.at[:, batch_index, rows].set(new_k, mode="drop"),
+                        cache.values.at[:, batch_index, rows].set(new_v, mode="drop"),
                         cache.lengths + num_valid.astype(jnp.int32))
 
 

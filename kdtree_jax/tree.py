@@ -22,7 +22,9 @@ boundary depends on it; scores are the heap's own float32 sums, so this never sh
 
 On a GPU the per-depth steps above (about 5 XLA kernels per depth) give way to one kernel launch,
 `pallas_kernels.tree_build`, which runs the heap itself (chosen by `pallas_kernels.dispatch.choose_tree`;
-`kernels=Kernels(tree="xla")` keeps this jnp builder). Both start from the same `lax.top_k`.
+`kernels=Kernels(tree="xla")` keeps this jnp builder). The kernel's front end is `top_log_probs` in one
+Pallas launch where the vocabulary fits it (`tree_build.pick_front_end`; after XLA's logsumexp, so the
+values are bit for bit `top_log_probs`'), else `top_log_probs` itself.
 """
 
 from __future__ import annotations
@@ -158,14 +160,19 @@ def _visibility(parents: jax.Array, depth_count: int) -> jax.Array:
     return visible
 
 
-def _tree_from_top(top_lp: jax.Array, top_tok: jax.Array, budget: int, root_tokens: jax.Array,
-                   kernels: dispatch.Kernels | None, vocab: int) -> Tree:
-    """top_lp [B, L, K] float32 descending per depth, top_tok [B, L, K] from `lax.top_k` over the vocab."""
+def _choose(kernels: dispatch.Kernels | None, budget: int, depth_count: int) -> tuple[dispatch.Kernels, bool]:
+    """(kernels checked, whether the tree-build kernel runs)."""
     kernels = dispatch.as_kernels(kernels)
-    depth_count = top_lp.shape[1]
     choice = dispatch.choose_tree(budget=budget, depth_count=depth_count, impl=kernels.tree,
                                   interpret=kernels.interpret)
-    if choice.impl == "triton":
+    return kernels, choice.impl == "triton"
+
+
+def _tree_from_top(top_lp: jax.Array, top_tok: jax.Array, budget: int, root_tokens: jax.Array,
+                   kernels: dispatch.Kernels, on_kernel: bool, vocab: int) -> Tree:
+    """top_lp [B, L, K] float32 descending per depth, top_tok [B, L, K] from `lax.top_k` over the vocab."""
+    depth_count = top_lp.shape[1]
+    if on_kernel:
         _, n_drafts = tree_size_counts(budget, vocab, depth_count)
         tokens, parents, depths, scores, visible = tree_build.build_tree_from_top(
             top_lp, top_tok.astype(jnp.int32), root_tokens, budget=budget, n_drafts=n_drafts,
@@ -186,9 +193,10 @@ def build_tree_from_log_probs(log_probs: jax.Array, budget: int, root_tokens=Non
     The values need not be normalised (the tree only adds and compares them); float32 arithmetic.
     """
     root_tokens = _check_args(log_probs, budget, root_tokens, "log_probs")
+    kernels, on_kernel = _choose(kernels, budget, log_probs.shape[1])
     k = min(budget, log_probs.shape[-1])
     top_lp, top_tok = lax.top_k(log_probs.astype(jnp.float32), k)  # [B, L, K]
-    return _tree_from_top(top_lp, top_tok, budget, root_tokens, kernels, log_probs.shape[-1])
+    return _tree_from_top(top_lp, top_tok, budget, root_tokens, kernels, on_kernel, log_probs.shape[-1])
 
 
 def build_tree(draft_logits: jax.Array, budget: int, root_tokens=None, *,
@@ -201,8 +209,16 @@ def build_tree(draft_logits: jax.Array, budget: int, root_tokens=None, *,
     path is `build_chain`, not a budget choice here. `kernels.tree` picks the builder (module docstring).
     """
     root_tokens = _check_args(draft_logits, budget, root_tokens, "draft_logits")
-    top_lp, top_tok = top_log_probs(draft_logits, min(budget, draft_logits.shape[-1]))
-    return _tree_from_top(top_lp, top_tok, budget, root_tokens, kernels, draft_logits.shape[-1])
+    kernels, on_kernel = _choose(kernels, budget, draft_logits.shape[1])
+    vocab = draft_logits.shape[-1]
+    k = min(budget, vocab)
+    front = tree_build.pick_front_end(vocab) if on_kernel else "xla"
+    if front == "xla":
+        top_lp, top_tok = top_log_probs(draft_logits, k)
+    else:  # the kernel's one-launch front end (pallas_kernels/tree_build/front.py)
+        lse = None if front == "pallas_fused" else jax.nn.logsumexp(draft_logits.astype(jnp.float32), axis=-1)
+        top_lp, top_tok = tree_build.top_log_probs_pallas(draft_logits, k, lse, interpret=kernels.interpret)
+    return _tree_from_top(top_lp, top_tok, budget, root_tokens, kernels, on_kernel, vocab)
 
 
 def top_log_probs(draft_logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -1,4 +1,4 @@
-"""The K2.6 benchmark scripts keep working on a CPU: the slice benchmark's smoke run, and its summary code
+"""The benchmark scripts keep working on a CPU: the K2.6 slice benchmark's smoke run, and its summary code
 regenerates the committed H200 tables exactly (so a change to the summary cannot silently disagree with the
 results it describes). The measurements themselves only come from the GPU."""
 
@@ -57,6 +57,18 @@ def test_gpu_invariant_refuses_the_triton_kernel_on_a_cpu(tmp_path):
                           cwd=ROOT, env=CPU, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "KernelUnavailableError: attention impl='triton' cannot run" in proc.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_tree_build_smoke_run(tmp_path):
+    """bench_tree_build's checks and every variant run on a CPU (interpret mode); the exit status covers them."""
+    _run("benchmarks/bench_tree_build.py", "--smoke", "--out", str(tmp_path))
+    stored = json.loads((tmp_path / "tree_build_smoke.json").read_text())
+    assert stored["checks"] and not stored["failures"]
+    assert all(c["lex_equals_heap"] and c["key_equals_heap"] and c["pop_loops_equal"] for c in stored["checks"])
+    assert {(r["kind"], r["variant"]) for r in stored["rows"]} >= {
+        ("launch", "lex"), ("launch", "key"), ("front", "xla"), ("front", "pallas"), ("front", "pallas_fused"),
+        ("build", "before"), ("build", "engine")}
+    assert "these numbers are NOT measurements" in (tmp_path / "tree_build_smoke.md").read_text()
 
 
 def test_decode_quick_smoke_run_records_the_kernel_plan(tmp_path):

@@ -3,7 +3,8 @@
 `build_tree_from_top` checks its inputs and runs `triton.py`'s kernel (one program per batch row). Its
 ground truth is `reference/tree.py` (the heap, literally); the engine's other implementation, the
 jnp builder in `kdtree_jax/tree.py`, is what `pallas_kernels.dispatch.choose_tree` picks where the kernel
-cannot run (no GPU and no interpret mode).
+cannot run (no GPU and no interpret mode). `front.py` is the kernel's front end (drafter logits to per-depth
+top-K log-probs, one launch); `pick_front_end` says which front end the engine puts before the kernel.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.tree_build.triton import MAX_DEPTH, MAX_RANK, MAX_SLOT, next_pow2, tree_build_pallas
+from pallas_kernels.tree_build.front import MAX_FRONT_VOCAB, top_log_probs_pallas
+from pallas_kernels.tree_build.triton import MAX_DEPTH, MAX_RANK, MAX_SLOT, POP_LOOPS, next_pow2, tree_build_pallas
 
-__all__ = ["MAX_KERNEL_BUDGET", "build_tree_from_top", "kernel_shape_unsupported", "pick_num_warps"]
+__all__ = ["FRONT_END", "FRONT_ENDS", "MAX_FRONT_VOCAB", "MAX_KERNEL_BUDGET", "POP_LOOP", "POP_LOOPS",
+           "build_tree_from_top", "kernel_shape_unsupported", "pick_front_end", "pick_num_warps",
+           "top_log_probs_pallas"]
 
 MAX_KERNEL_BUDGET = min(MAX_SLOT, MAX_RANK + 1)  # node fields are packed in one int32
 
@@ -27,6 +31,26 @@ def kernel_shape_unsupported(budget: int, depth_count: int) -> str | None:
     return None
 
 
+# The pop loop the engine runs (triton.py's docstring describes both). "key" has two dependent redux-able
+# reductions and no uncached load per pop where "lex" has three reductions (one a float shuffle chain) and
+# an L2 load; not yet measured against "lex" on the H200 (benchmarks/bench_tree_build.py times both).
+POP_LOOP = "key"
+
+
+# Front ends: "xla" (kdtree_jax.tree.top_log_probs: 4-6 XLA kernels), "pallas" (front.py after XLA's
+# logsumexp, 2 reduction kernels: values bit for bit top_log_probs'), "pallas_fused" (front.py alone: one
+# launch, values within an ulp or so of top_log_probs', the same ranks and tokens). Not yet measured on the
+# H200 (benchmarks/bench_tree_build.py times all three).
+FRONT_ENDS = ("xla", "pallas", "pallas_fused")
+FRONT_END = "pallas"
+
+
+def pick_front_end(vocab: int) -> str:
+    """The front end before the kernel: FRONT_END where a vocabulary row fits front.py's registers, else
+    XLA's (at Kimi K2's 163840 a row is 640 KB)."""
+    return FRONT_END if vocab <= MAX_FRONT_VOCAB else "xla"
+
+
 def pick_num_warps(n_drafts: int) -> int:
     """Warps per program: the pop loop is a chain of reductions over next_pow2(n_drafts) lanes; more warps
     only pay once a warp would hold many lanes (H200, benchmarks/results/tree_build.md: 1 warp is best or
@@ -36,12 +60,13 @@ def pick_num_warps(n_drafts: int) -> int:
 
 
 def build_tree_from_top(top_lp: jax.Array, top_tok: jax.Array, root_tokens: jax.Array, *, budget: int,
-                        n_drafts: int, interpret: bool = False, num_warps: int | None = None):
+                        n_drafts: int, interpret: bool = False, num_warps: int | None = None,
+                        pop: str = POP_LOOP):
     """top_lp [B, L, K] float32 per-depth log-probs in descending order (equal values: lower token id
     first, as `lax.top_k` gives them), top_tok [B, L, K] int32 their token ids, root_tokens [B] int32;
     `budget` drafts, of which `n_drafts` (<= budget, the number of rank tuples that exist) are filled.
     Returns (tokens, parents, depths, scores, visible), each [B, T] (visible [B, T, T]), T = 1 + budget,
-    in the layout of `kdtree_jax.tree.Tree`."""
+    in the layout of `kdtree_jax.tree.Tree`. `pop` picks the pop loop (POP_LOOPS; the same tree either way)."""
     if top_lp.ndim != 3 or top_lp.shape != top_tok.shape:
         raise ValueError(f"top_lp and top_tok must be [B, L, K] of one shape, got {top_lp.shape} and {top_tok.shape}")
     if top_lp.dtype != jnp.float32 or top_tok.dtype != jnp.int32:
@@ -57,4 +82,4 @@ def build_tree_from_top(top_lp: jax.Array, top_tok: jax.Array, root_tokens: jax.
                          f"budget={budget}")
     warps = pick_num_warps(n_drafts) if num_warps is None else num_warps
     return tree_build_pallas(top_lp, top_tok, root_tokens, budget=budget, n_drafts=n_drafts, num_warps=warps,
-                             interpret=interpret)
+                             pop=pop, interpret=interpret)
