@@ -10,7 +10,8 @@ Two questions, one run.
    K2.6-width slice of bench_k26_slice.py (its layers, params and extrapolation to 61 layers) it times, at
    every candidate budget b (live tree 1 + b inside a max tree T_max = 1 + max budget):
      switch: one jit, `lax.switch` over one slice forward per candidate (T = 1 + b), the index a runtime
-             argument, compiled without command buffers so that CUPTI sees the branch's kernels;
+             argument, compiled without command buffers so that CUPTI sees the branch's kernels (the
+             masked jit too, so that their wall clocks compare);
      masked: one jit at T_max whose slots past the live count route to no expert (combine weight 0: the
              grouped MoE kernels drop zero-weight choices, so an expert only they touch is never read) and
              see only themselves; the live count a runtime argument;
@@ -60,7 +61,7 @@ HEADLINE = (4.0, 1.0)  # the issue's target: auto beats every fixed budget at ac
 SPREAD, DECAY, ALTERNATIVES = 1.0, 0.15, 15
 FLOOR_LOGIT = -30.0  # every other vocabulary entry: never in a tree that has real alternatives left
 # CUPTI misses kernels that XLA launches from command buffers inside control flow (docs/k26_verify_cost.md):
-# the switch is compiled without them.
+# the switch is compiled without them, and the masked tree alike (their wall clocks are compared).
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 
 
@@ -323,17 +324,20 @@ def main():
         measured["ar"] = {"T": 1}
         timed(measured["ar"], "slice", jax.jit(verify_at(1)), *inputs)
         save()
+    def compiled(fn, *a):  # both designs alike: no command buffers (see NO_COMMAND_BUFFERS)
+        return jax.jit(fn).lower(*a).compile(compiler_options=NO_COMMAND_BUFFERS if on_gpu else None)
+
     switch_out = {}
     if in_time("switch"):
-        switch = jax.jit(lambda i, *a: jax.lax.switch(i, [verify_at(1 + b) for b in budgets], *a)).lower(
-            jnp.int32(0), *inputs).compile(compiler_options=NO_COMMAND_BUFFERS if on_gpu else None)
+        switch = compiled(lambda i, *a: jax.lax.switch(i, [verify_at(1 + b) for b in budgets], *a),
+                          jnp.int32(0), *inputs)
         for i, b in enumerate(budgets):
             if in_time(f"switch B={b}"):
                 switch_out[b] = timed(points[b], "switch", switch, jnp.int32(i), *inputs)
         save()
     checks = measured.setdefault("checks", [])
     if in_time("masked"):
-        masked = jax.jit(masked_verify)
+        masked = compiled(masked_verify, jnp.int32(t_max), *inputs)
         for b in budgets:
             if in_time(f"masked B={b}"):
                 out = timed(points[b], "masked", masked, jnp.int32(1 + b), *inputs)
