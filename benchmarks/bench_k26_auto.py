@@ -57,7 +57,7 @@ TARGETS = (3.7, 4.0, 5.5)  # chain acceptance reported for Kimi-K2.5-DFlash, blo
 OVERCONFIDENCE = (1.0, 1.5)
 HEADLINE = (4.0, 1.0)  # the issue's target: auto beats every fixed budget at acceptance 4 (calibrated drafter)
 # The synthetic drafter (see the module docstring): round-to-round spread of the confidence logit, its
-# decay per depth, and where the mass the top token misses goes.
+# decay per depth, and how many plausible tokens besides the top one share each depth's mass.
 SPREAD, DECAY, ALTERNATIVES = 1.0, 0.15, 15
 FLOOR_LOGIT = -30.0  # every other vocabulary entry: never in a tree that has real alternatives left
 # CUPTI misses kernels that XLA launches from command buffers inside control flow (docs/k26_verify_cost.md):
@@ -178,7 +178,7 @@ def routed_rows_masked(live):
 
     saved = model.routed_experts
 
-    def routed(x, experts, idx, weights, kernels=None):  # x [B * T, D]: batch 1, row = tree slot
+    def routed(x, experts, idx, weights, kernels):  # x [B * T, D]: batch 1, row = tree slot
         return saved(x, experts, idx, masked_weights(weights, live), kernels)
 
     model.routed_experts = routed
@@ -491,49 +491,71 @@ def policy_rows(sim, costs):
 
 
 def summarize(meta, data):
-    """Markdown: masked vs switch per live size, then per profile the budgets auto picks and the modelled
-    tokens/s of every policy."""
+    """Markdown: what the tables say (ratios computed, no reading added), masked vs switch per live size,
+    then per profile the budgets auto picks and the modelled tokens/s of every policy."""
     measured, sims = data["measured"], data["profiles"]
     costs = round_costs(meta, measured)
     us = lambda v: "-" if v is None else f"{v * 1e6:.1f}"  # noqa: E731
     ms = lambda v: "-" if v is None else f"{v * 1e3:.2f}"  # noqa: E731
+    ratio = lambda a, b: "-" if a is None or b is None else f"{a / b:.2f}"  # noqa: E731
     note = "" if not meta["tiny"] else "\n**CPU smoke run at tiny width: these numbers are NOT measurements.**\n"
-    t_max = 1 + max(meta["budgets"])
+    pts, layers = measured["points"], meta["layers"]
+    top, t_max = pts[-1], pts[-1]["T"]
+    verify = costs["verify"] if costs else {"switch": {}, "masked": {}}
     md = [f"# tree_budget=\"auto\" at K2.6 width ({meta['device']}, JAX {meta['jax']}, {meta['date']})", note,
-          f"{meta['timing']}; {meta['layers']} MoE layers of the K2.6 slice (benchmarks/bench_k26_slice.py) at "
+          f"{meta['timing']}; {layers} MoE layers of the K2.6 slice (benchmarks/bench_k26_slice.py) at "
           f"S = {meta['S']}; kernels: {meta.get('kernels', '-')}. Verify = the 61-layer extrapolation of the "
           f"slice (one-H200-equivalent: the 61 INT4 layers do not fit one H200); round = verify + draft "
           f"{meta['draft_ms']:g} ms (modelled) + tree build (measured).", ""]
     if meta.get("skipped"):
         md += [f"**Deadline: skipped {', '.join(meta['skipped'])}.**", ""]
-    md += [f"## Masked static tree (T_max = {t_max}) or one verify per budget (lax.switch)", "",
+    span = lambda vals: "-" if not vals else f"{min(vals):.2f}-{max(vals):.2f}x"  # noqa: E731
+    md += ["## In short (ratios from the tables below)", "",
+           f"- Routed MoE, masked at T = {t_max} over unmasked at the live T: "
+           + span([p["moe_masked_s"] / p["moe_s"] for p in pts if {"moe_s", "moe_masked_s"} <= set(p)])
+           + "; MoE at the live T from the smallest to the largest: "
+           + " -> ".join(us(p["moe_s"]) for p in pts if "moe_s" in p) + " us.",
+           "- 61-layer verify, masked over switch: "
+           + ", ".join(f"T={p['T']} {ratio(verify['masked'].get(p['budget']), verify['switch'].get(p['budget']))}x"
+                       for p in pts) + "."]
+    for sim in sims if costs else ():
+        rows = policy_rows(sim, costs)
+        best = max((row for row in rows if row[0].startswith("fixed")), key=lambda row: row[4])
+        said = []
+        for design in costs["auto"]:
+            auto = sim.get(f"auto_{design}")
+            if auto is None:
+                continue
+            row = next(row for row in rows if row[0] == f"auto ({design})")
+            lo, hi = auto["ci95_vs_best_fixed"]
+            verdict = ("above every fixed budget" if lo > 1 else "below the best fixed budget" if hi < 1
+                       else "not distinguishable from the best fixed budget")
+            said.append(f"{row[0]} {row[4] / best[4]:.3f}x (95% interval {lo:.3f}-{hi:.3f}): {verdict}")
+        md.append(f"- {sim['name']}, against the best fixed budget ({best[0]}): " + "; ".join(said) + ".")
+    md += ["", f"## Masked static tree (T_max = {t_max}) or one verify per budget (lax.switch)", "",
            "Per layer (us): the slice forward / layers; MoE and attention alone. Masked: slots past the live "
            "count route to no expert (weight 0) and see only themselves.", "",
-           "| budget | live T | touched | switch layer | masked layer | MoE at T | MoE masked | attention at T "
-           f"| attention at {t_max} | verify ms switch | verify ms masked | kernels switch / masked |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    layers = meta["layers"]
-    verify = costs["verify"] if costs else {"switch": {}, "masked": {}}
-    top = measured["points"][-1]
-    for p in measured["points"]:
+           "| budget | live T | touched | switch layer | masked layer | masked / switch | MoE at T | MoE masked | "
+           f"masked / at T | attention at T | attention at {t_max} | verify ms switch | verify ms masked | "
+           "kernels switch / masked |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in pts:
         b = p["budget"]
-        per_layer = lambda key: p[key] / layers if key in p else None  # noqa: E731, B023
-        md.append(f"| {b} | {p['T']} | {p.get('touched', '-')} | {us(per_layer('switch_s'))} | "
-                  f"{us(per_layer('masked_s'))} | {us(p.get('moe_s'))} | {us(p.get('moe_masked_s'))} | "
-                  f"{us(p.get('attention_s'))} | {us(top.get('attention_s'))} | {ms(verify['switch'].get(b))} | "
-                  f"{ms(verify['masked'].get(b))} | {p.get('switch_kernels', '-')} / {p.get('masked_kernels', '-')} |")
+        switch_l, masked_l = (p[k] / layers if k in p else None for k in ("switch_s", "masked_s"))
+        md.append(f"| {b} | {p['T']} | {p.get('touched', '-')} | {us(switch_l)} | {us(masked_l)} | "
+                  f"{ratio(masked_l, switch_l)} | {us(p.get('moe_s'))} | {us(p.get('moe_masked_s'))} | "
+                  f"{ratio(p.get('moe_masked_s'), p.get('moe_s'))} | {us(p.get('attention_s'))} | "
+                  f"{us(top.get('attention_s'))} | {ms(verify['switch'].get(b))} | {ms(verify['masked'].get(b))} | "
+                  f"{p.get('switch_kernels', '-')} / {p.get('masked_kernels', '-')} |")
     if costs:
         md += ["", f"AR step (T = 1, 61 layers): {ms(costs['ar'])} ms. Switch overhead (wall clock, switch at the "
                f"largest budget over the masked jit at full size): {us(costs.get('switch_overhead_s'))} us per "
-               "verify, added to auto (switch)'s rounds.", ""]
+               "verify, added to auto (switch)'s rounds."]
     if measured.get("checks"):
-        md += ["Checks (the masked tree's live rows against the switch's forward of the same tree): " + "; ".join(
-            f"T={c['T']} {c['max_rel_err']:.1e}" for c in measured["checks"]) + ".", ""]
-    md += ["**Which and why:** _TO BE FILLED by the lead from this run: does the masked MoE follow the live "
-           "tree (MoE masked vs MoE at T), what the masked tree pays for attention and the rest at T_max, and "
-           "which design's verify is cheaper at each live size._", ""]
+        md += ["", "Checks (the masked tree's live rows against the switch's forward of the same tree): " + "; ".join(
+            f"T={c['T']} {c['max_rel_err']:.1e}" for c in measured["checks"]) + "."]
     if costs is None:
-        md += ["(No round costs: the measurements needed for them did not finish.)"]
+        md += ["", "(No round costs: the measurements needed for them did not finish.)"]
         return "\n".join(md) + "\n"
     for sim in sims:
         rows = policy_rows(sim, costs)
@@ -557,9 +579,6 @@ def summarize(meta, data):
         md.append("\nE(n) = 1 + sum exp(score) against the tokens committed, per budget: "
                   + ", ".join(f"B={b} {e:.2f} / {sim['acceptance'][str(b)]:.2f}"
                               for b, e in zip(meta["budgets"], sim["expected"], strict=True)) + ".")
-    md += ["", "**Reading:** _TO BE FILLED by the lead from this run: does auto beat every fixed budget's "
-           "modelled tokens/s at acceptance 4 (the issue's target), which budgets it picks, and how the "
-           "overconfident drafter changes that._"]
     return "\n".join(md) + "\n"
 
 
