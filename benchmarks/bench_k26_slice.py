@@ -93,6 +93,14 @@ def decoder_layer(cfg, layer: int, kernels, params, h, positions, cache, start, 
     return out
 
 
+def slice_forward(cfg, kernels, params, h, positions, cache, start, visibility):
+    """Every decoder layer of the slice config cfg in turn (a static unroll: each layer its own weights)
+    over one latent cache: h [1, T, D] -> [1, T, D]."""
+    for layer in range(cfg.num_hidden_layers):
+        h = decoder_layer(cfg, layer, kernels, params, h, positions, cache, start, visibility)
+    return h
+
+
 @contextlib.contextmanager
 def attention_and_routed_moe_stood_in():
     """While a function is traced: the model's attention core and routed experts are replaced by functions
@@ -219,16 +227,11 @@ def main():
     routed = jax.jit(kmodel.routed_experts, static_argnums=4)  # the model's, on the kernel named by argument 4
     baselines = {impl: jax.jit(fn) for impl, fn in MOE_BASELINES.items()}
 
-    def slice_forward(tree, h, positions, cache, start, mask):
-        for layer in range(cfg.num_hidden_layers):  # static unroll: each layer its own weights
-            h = decoder_layer(cfg, layer, kernels_for[moe_impl], tree, h, positions, cache, start, mask)
-        return h
-
     def rest_fn(*a):  # the first layer compiled with the stand-ins (a fresh jit: no cached real trace)
         with attention_and_routed_moe_stood_in():
             return jax.jit(lambda tree, *b: decoder_layer(cfg, 0, rest_kernels, tree, *b)).lower(*a).compile()
 
-    slice_fn = jax.jit(slice_forward)
+    slice_fn = jax.jit(lambda *a: slice_forward(cfg, kernels_for[moe_impl], *a))
     head_fn = jax.jit(lambda x, w: linear(x, w, kernels_for[moe_impl]).astype(jnp.float32))
     head_w = params["lm_head"]
 
@@ -328,6 +331,15 @@ def resummarize(path):
     write(os.path.splitext(path)[0], result)
 
 
+def extrapolated_verify(model, t, s, layer_s, attention_s, head_s):
+    """The whole model's verify of T tokens at context S from one measured MoE layer (layer_s, its attention
+    core attention_s) and the measured lm_head (head_s): every MoE layer costs the measured one, the dense
+    layers are modelled by `model` (a CostModel) around the measured attention."""
+    moe_layers = model.num_layers - model.num_dense_layers
+    dense = model.dense_layer_seconds(t, s, attention_s)
+    return moe_layers * layer_s + model.num_dense_layers * dense + head_s
+
+
 HBM_PEAK_BPS = 4.8e12  # H200 HBM3e specification: no kernel reads faster
 
 
@@ -411,8 +423,7 @@ def summarize(meta, rows, moe_rows, checks, model, on_gpu, evaluate_budgets, sat
 
             def verify(t, s=s):
                 r = by[(t, s)]
-                dense = calibrated.dense_layer_seconds(t, s, r["attention_s"])  # modelled around the measured attention
-                return moe_layers * r["layer_s"] + model.num_dense_layers * dense + r["head_s"]
+                return extrapolated_verify(calibrated, t, s, r["layer_s"], r["attention_s"], r["head_s"])
 
             ar = verify(1)
             for t in sorted(t for (t, s2) in by if s2 == s):

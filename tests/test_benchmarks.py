@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,3 +91,61 @@ def test_e2e_tables_render_from_a_new_run_and_the_committed_one():
     meta = {k: v for k, v in committed["meta"].items() if k not in ("attention", "dates")}
     meta["kernels"] = "attention triton (GPU), tree triton (GPU)"
     assert "kernels: attention triton (GPU), tree triton (GPU)." in markdown(meta, committed["rows"][:2])
+
+
+def test_k26_auto_tiny_smoke_run(tmp_path):
+    _run("benchmarks/bench_k26_auto.py", "--tiny", "--budgets", "2,8", "--targets", "4", "--overconfidence", "1,1.5",
+         "--rounds", "64", "--iters", "1", "--out", str(tmp_path))
+    md = (tmp_path / "k26_auto_tiny.md").read_text()
+    assert "these numbers are NOT measurements" in md
+    stored = json.loads((tmp_path / "k26_auto_tiny.json").read_text())
+    points = stored["measured"]["points"]
+    assert [p["budget"] for p in points] == [2, 8] and not stored["meta"]["skipped"]
+    assert all({"switch_s", "masked_s", "moe_s", "moe_masked_s", "attention_s", "head_s", "build_s"} <= set(p)
+               for p in points)
+    # the masked tree computes its live rows exactly as the switch's verify of the smaller tree does
+    assert [c["T"] for c in stored["measured"]["checks"]] == [3, 9]
+    assert all(c["max_rel_err"] < 1e-2 for c in stored["measured"]["checks"])
+    assert [(p["target"], p["overconfidence"]) for p in stored["profiles"]] == [(4.0, 1.0), (4.0, 1.5)]
+    for sim in stored["profiles"]:
+        assert abs(sim["chain_model"] - 4.0) < 1e-6
+        for design in ("switch", "masked"):
+            assert sum(sim[f"auto_{design}"]["counts"].values()) == 64
+    # --summarize rebuilds the same tables from the JSON
+    shutil.copy(tmp_path / "k26_auto_tiny.json", tmp_path / "again.json")
+    _run("benchmarks/bench_k26_auto.py", "--summarize", str(tmp_path / "again.json"))
+    assert (tmp_path / "again.md").read_text() == md
+
+
+def test_k26_auto_synthetic_drafter_hits_its_chain_acceptance():
+    """The profile's offset gives the argmax chain the target acceptance (Monte Carlo over the drafter the
+    simulation runs), and an overconfident drafter's truth is still reached at that acceptance."""
+    sys.path.insert(0, str(ROOT))
+    import jax  # noqa: PLC0415
+
+    from benchmarks.bench_k26_auto import Profile, synthetic_draft  # noqa: PLC0415
+
+    for overconfidence in (1.0, 1.5):
+        prof = Profile(4.0, overconfidence, depth=7)
+        logits, truth, rank = synthetic_draft(jax.random.key(0), 8192, 64, prof.offset(), overconfidence, 7)
+        chain = 1 + np.cumprod(np.asarray(rank) == 0, axis=1).sum(1)
+        assert abs(chain.mean() - 4.0) < 0.08
+        top = np.asarray(logits).argmax(-1)  # the drafter's top token is the truth exactly at rank 0
+        assert ((top == np.asarray(truth)) == (np.asarray(rank) == 0)).all()
+
+
+def test_masked_tree_slots_touch_no_expert():
+    """What the grouped MoE kernels read: with the masked tree's weights only the live slots' experts count."""
+    sys.path.insert(0, str(ROOT))
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from benchmarks.bench_k26_auto import masked_weights  # noqa: PLC0415
+    from pallas_kernels.moe_w4a16 import group_assignments  # noqa: PLC0415
+
+    idx = jax.random.randint(jax.random.key(0), (65, 8), 0, 384, jnp.int32)
+    w = jax.random.uniform(jax.random.key(1), (65, 8), minval=0.1)
+    for live in (1, 9, 33, 65):
+        grouping = group_assignments(idx, masked_weights(w, live), 384, 8)
+        assert int(grouping.touched) == np.unique(np.asarray(idx[:live])).size
+        assert not np.asarray(grouping.keep[live:]).any()
