@@ -153,7 +153,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", type=Path, default=ASSETS / "target", help="target checkpoint")
     ap.add_argument("--drafter", type=Path, default=ASSETS / "drafter", help="drafter checkpoint")
-    ap.add_argument("--tokenizer", type=Path, default=ASSETS / "tokenizer.json", help="tokenizer file")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="weights cast to this dtype after loading, as bench_e2e.py (default %(default)s)")
     ap.add_argument("--budgets", type=int, nargs="+", default=[8, 32, 128], help="DDTree budgets to profile")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per stage (median reported)")
     ap.add_argument("--loop-tokens", type=int, default=128, help="tokens generated per call for the in-loop rows")
@@ -162,20 +163,19 @@ def main() -> None:
 
     import jax
     import jax.numpy as jnp
-    from tokenizers import Tokenizer
 
     import kdtree_jax as kj
     from benchmarks.common import metadata, write_results
     from kdtree_jax.ddtree import as_draft_model
     from kdtree_jax.decoding import prefill
     from kdtree_jax.model import init_cache
-    from training.data import heldout_prompts
+    from training.prompts import load_prompts
 
     jax.config.update("jax_default_matmul_precision", "highest")
-    cfg, params = kj.load_checkpoint(args.target, expect_kind="target")
-    dcfg, dparams = kj.load_checkpoint(args.drafter, expect_kind="drafter")
+    cfg, params = kj.load_checkpoint(args.target, expect_kind="target", dtype=args.dtype)
+    dcfg, dparams = kj.load_checkpoint(args.drafter, expect_kind="drafter", dtype=args.dtype)
     draft_model = as_draft_model(cfg, (dcfg, dparams))
-    prompt = heldout_prompts(Tokenizer.from_file(str(args.tokenizer)), 1, 64, seed=0)[0]
+    prompt = load_prompts(1, 64)[0]  # the shipped held-out prompts: the same on every machine
     tokens = jnp.asarray([prompt], jnp.int32)
     lengths = jnp.asarray([len(prompt)], jnp.int32)
     max_len = len(prompt) + 64 + max(args.budgets) + 1

@@ -33,16 +33,17 @@ def kernel_shape_unsupported(budget: int, depth_count: int) -> str | None:
 
 # The pop loop the engine runs (triton.py's docstring describes both). "key" has two dependent redux-able
 # reductions and no uncached load per pop where "lex" has three reductions (one a float shuffle chain) and
-# an L2 load; not yet measured against "lex" on the H200 (benchmarks/bench_tree_build.py times both).
-POP_LOOP = "key"
+# an L2 load. The engine keeps "lex", the loop measured on the H200, until benchmarks/bench_tree_build.py has
+# timed both there.
+POP_LOOP = "lex"
 
 
 # Front ends: "xla" (kdtree_jax.tree.top_log_probs: 4-6 XLA kernels), "pallas" (front.py after XLA's
 # logsumexp, 2 reduction kernels: values bit for bit top_log_probs'), "pallas_fused" (front.py alone: one
-# launch, values within an ulp or so of top_log_probs', the same ranks and tokens). Not yet measured on the
-# H200 (benchmarks/bench_tree_build.py times all three).
+# launch, values within an ulp or so of top_log_probs', the same ranks and tokens). The engine keeps "xla", the
+# front end measured on the H200, until benchmarks/bench_tree_build.py has timed all three there.
 FRONT_ENDS = ("xla", "pallas", "pallas_fused")
-FRONT_END = "pallas"
+FRONT_END = "xla"
 
 
 def pick_front_end(vocab: int) -> str:
