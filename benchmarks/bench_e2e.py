@@ -87,23 +87,6 @@ def run_config(cfg, params, drafter, prompts, batch, method, budget, temperature
     return row, outputs
 
 
-def precompile(cfg, params, drafter, prompts, points, new_tokens, threads: int) -> float:
-    """Compile every point's `generate` (one call each, on its first batch of prompts) from `threads` threads at
-    once: XLA compiles in parallel on the host's cores, which the serial timing loop cannot use. The calls'
-    results are discarded; the timing loop then finds every program compiled. Returns the seconds it took."""
-    import concurrent.futures  # noqa: PLC0415
-
-    def warm(point):
-        batch, temperature, method, budget, costs = point
-        kwargs = generate_kwargs(method, budget, temperature, new_tokens, drafter, costs)
-        jax.block_until_ready(kj.generate(cfg, params, prompts[:batch], key=jax.random.key(0), **kwargs))
-
-    start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
-        list(pool.map(warm, points))
-    return time.perf_counter() - start
-
-
 def costs_from_rows(rows: list[dict], batch: int) -> kj.BudgetCosts:
     """tree_budget="auto"'s round costs measured in this run: wall per round of each fixed budget's greedy row at
     `batch` over wall per step of AR's (what kj.calibrate_budget_costs measures, without compiling again)."""
@@ -133,9 +116,6 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--precompile-threads", type=int, default=1,
-                        help="compile every point first from this many threads at once (default: 1, compile "
-                             "inside the timing loop); compilation is never timed either way")
     parser.add_argument("--matmul-precision", choices=("highest", "default"), default="highest",
                         help="jax_default_matmul_precision for the float32 models (default highest: on the H200 "
                              "'default' means TF32, whose rounding differs between AR and tree shapes and can "
@@ -170,15 +150,9 @@ def main() -> None:
     fixed = [(batch, temperature, method, budget, None) for batch in args.batches for temperature in args.temperatures
              for method, budget in [("ar", None), ("dflash", None)] + [("ddtree", b) for b in args.budgets]]
     start, skipped, rows, outputs = time.perf_counter(), [], [], {}
-    compile_s = []
     print(f"{'batch':>5} {'temp':>4} {'method':>7} {'budget':>6} {'accept':>7} {'fwd/tok':>8} {'tok/s':>9}", flush=True)
 
     def measure(points):
-        if args.precompile_threads > 1:
-            compile_s.append(round(precompile(cfg, params, drafter, prompts, points, args.max_new_tokens,
-                                              args.precompile_threads), 1))
-            print(f"compiled {len(points)} programs in {compile_s[-1]} s ({args.precompile_threads} threads)",
-                  flush=True)
         for batch, temperature, method, budget, costs in points:
             if args.deadline_s is not None and time.perf_counter() - start > args.deadline_s:
                 skipped.append(dict(batch=batch, temperature=temperature, method=method, budget=budget))
@@ -205,7 +179,6 @@ def main() -> None:
             autos += [(batch, t, "ddtree", "auto", costs) for t in args.temperatures]
         if autos:
             measure(autos)
-    meta["compile_s"] = compile_s
     invariant_failures = finish_rows(rows, outputs)
     stem = args.out / f"e2e_{args.tag}"
     meta["skipped_past_deadline"] = skipped

@@ -52,6 +52,17 @@ def synthetic_state(cfg, params, draft_model, context: int, slack: int, key):
     return cache, dstate, bonus
 
 
+def top_kernels(kernels, count: int = 6) -> list[dict]:
+    """The `count` kernels (by name) that took the most of a call's summed kernel time: name, launches, us."""
+    by_name: dict[str, list] = {}
+    for name, seconds in kernels:
+        entry = by_name.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:count]
+    return [{"name": name[:100], "launches": n, "us": round(s * 1e6, 1)} for name, (n, s) in ranked]
+
+
 def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, iters: int, kernels: bool,
                    label: str = "") -> list[dict]:
     """Time the AR step and, for DFlash's chain and each DDTree budget, the round's stages (draft once,
@@ -76,8 +87,9 @@ def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, i
         row = {"stage": name, "wall_us": timing.wall_s * 1e6}
         if label:
             row["setting"] = label
-        if kernels:  # the median call's summed kernel time and its kernel count
-            row.update(kernel_us=timing.device_s * 1e6, kernels=len(timing.kernels))
+        if kernels:  # the median call's summed kernel time, its kernel count and where the time goes
+            row.update(kernel_us=timing.device_s * 1e6, kernels=len(timing.kernels),
+                       top_kernels=top_kernels(timing.kernels))
         print(row, flush=True)
         rows.append(row)
         return timing.out
@@ -158,6 +170,7 @@ def main() -> None:
     ap.add_argument("--budgets", type=int, nargs="+", default=[8, 32, 128], help="DDTree budgets to profile")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per stage (median reported)")
     ap.add_argument("--loop-tokens", type=int, default=128, help="tokens generated per call for the in-loop rows")
+    ap.add_argument("--no-loop", action="store_true", help="the stages only, without the in-the-loop rows")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
     args = ap.parse_args()
 
@@ -194,8 +207,9 @@ def main() -> None:
     on_gpu = jax.default_backend() == "gpu"
     rows = profile_stages(cfg, params, draft_model, cache, dstate, bonus, args.budgets, iters=args.iters,
                           kernels=on_gpu)
-    rows += profile_in_loop(cfg, params, (dcfg, dparams), prompt, args.budgets,
-                            max_new_tokens=args.loop_tokens, iters=max(3, args.iters // 4), kernels=on_gpu)
+    if not args.no_loop:
+        rows += profile_in_loop(cfg, params, (dcfg, dparams), prompt, args.budgets,
+                                max_new_tokens=args.loop_tokens, iters=max(3, args.iters // 4), kernels=on_gpu)
 
     meta = metadata(target=str(args.target), drafter=str(args.drafter), prompt_tokens=len(prompt),
                     timing="wall: median per jitted call incl. dispatch; kernel: CUPTI summed kernel time of the "
@@ -211,6 +225,12 @@ def main() -> None:
         steps = f"{r['ar_steps']:.2f}" if "ar_steps" in r else ""
         lines.append(f"| {r['stage']} | {r['wall_us']:.1f} | {r.get('kernel_us', float('nan')):.1f} | {kernels} | "
                      f"{steps} |")
+    tops = [r for r in rows if r.get("top_kernels")]
+    if tops:
+        lines += ["", "Where the kernel time goes (the most expensive kernels of each stage's median call):", "",
+                  "| stage | kernel | launches | us |", "|---|---|---|---|"]
+        lines += [f"| {r['stage']} | `{k['name']}` | {k['launches']} | {k['us']:.1f} |" for r in tops
+                  for k in r["top_kernels"][:4]]
     write_results(args.out / "round_profile", meta, {"rows": rows}, "\n".join(lines))
     print("\n".join(lines))
 

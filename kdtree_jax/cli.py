@@ -154,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="tokens to generate per "
                    "prompt (default: %(default)s)")
     g.add_argument("--dtype", choices=DTYPES, help="weight dtype (default: bfloat16 for --hf, float32 for "
-                   "--preset, the stored one for --checkpoint / --shipped; with a checkpoint the dense weights are "
-                   "cast after loading, INT4 experts stay INT4)")
+                   "--preset, float32 for --shipped, the stored one for --checkpoint; with a checkpoint the dense "
+                   "weights are cast after loading, INT4 experts stay INT4)")
     g.add_argument("--stop", type=int, action="append", metavar="ID", help="a stop token id (repeatable; "
                    "default: the config's eos_token_id)")
     g.add_argument("--mesh", metavar="SPEC", help="run the target sharded over a device mesh, e.g. "
@@ -384,6 +384,8 @@ def _load_model(args):
         raise CLIError("--layers applies to --preset only")
     if args.shipped:
         args.checkpoint = str(SHIPPED / "target")
+        # stored in bfloat16; float32 is where greedy DDTree == AR holds exactly (bf16 can part at a near-tie)
+        args.dtype = args.dtype or "float32"
     if args.checkpoint:
         from kdtree_jax.checkpoint import load_checkpoint  # noqa: PLC0415
 

@@ -2,12 +2,14 @@
 
 Checks: the checkpoints and tokenizer load and fit together; the drafter's training forward computes
 exactly what inference (`drafter_extend_context` + `drafter_forward`) computes; the training loss matches
-a float64 NumPy cross-entropy; on fixed held-out prompts greedy AR == DFlash == DDTree (real weights, INT4
-experts); sampling is deterministic for a seed; the drafter's acceptance stays above an agreed floor.
+a float64 NumPy cross-entropy; on all 32 fixed held-out prompts greedy AR == DFlash == DDTree (real
+weights, INT4 experts, float32 at full matmul precision); sampling is deterministic for a seed; the drafter's
+acceptance stays above agreed floors, greedy and at temperature 1; how many completions degenerate.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -22,13 +24,18 @@ from kdtree_jax.drafter import drafter_extend_context, drafter_forward, init_dra
 from pallas_kernels.int4 import Int4Weight
 
 ASSETS = Path(kj.__file__).parent / "assets"
-MAX_SHIPPED_BYTES = 15 * 2**20
-NEW_TOKENS = 48
-# Agreed floor for the DDTree (budget 64) mean acceptance length on the first fixed held-out prompt,
-# greedy, 48 new tokens. Measured when shipped: see ACCEPTANCE_MEASURED; the floor leaves room for
-# float-order differences across machines but fails on a broken or swapped drafter.
-ACCEPTANCE_MEASURED = 5.875  # CPU, JAX 0.11.2, 2026-11-30 (DFlash on the same prompt: 2.04)
-ACCEPTANCE_FLOOR = 4.5
+MAX_SHIPPED_BYTES = 40_000_000  # target + drafter + tokenizer + prompts (issue 17: 40 MB at most)
+NEW_TOKENS = 32
+# Agreed floors for the mean acceptance length (tokens committed per round, over every round of the 32
+# held-out prompts, 32 new tokens, budget 32). Measured when shipped (CPU, JAX 0.11.2, 2026-12-01): greedy
+# DDTree 2.385, DFlash 1.693; temperature 1 (seed 0) DDTree 1.725, DFlash 1.337. The floors leave room for
+# float-order differences across machines but fail on a broken, swapped or untrained drafter (1.0).
+ACCEPTANCE_FLOOR = {"greedy": 2.1, "temperature 1": 1.45}
+# Degeneracy: the share of a 64-token greedy completion's lines taken by its most frequent line (blank lines
+# count); at DEGENERACY_LIMIT or above the completion is one line over and over. Measured when shipped (CPU,
+# 2026-12-01): 13 of the 32 held-out prompts and 5 of the 16 newline-ending prompts (healed) reach it.
+DEGENERACY_LIMIT = 0.5
+DEGENERATE_MEASURED = {"heldout": 13, "newline": 5}
 
 
 # --------------------------------------------------------------------- training forward == inference
@@ -105,10 +112,11 @@ def test_drafter_loss_matches_float64_cross_entropy():
 def shipped():
     from tokenizers import Tokenizer
 
-    cfg, params = kj.load_checkpoint(ASSETS / "target", expect_kind="target")
-    dcfg, dparams = kj.load_checkpoint(ASSETS / "drafter", expect_kind="drafter")
+    # stored in bfloat16; the invariant is exact in float32 at full matmul precision (tests/conftest.py)
+    cfg, params = kj.load_checkpoint(ASSETS / "target", expect_kind="target", dtype=jnp.float32)
+    dcfg, dparams = kj.load_checkpoint(ASSETS / "drafter", expect_kind="drafter", dtype=jnp.float32)
     tok = Tokenizer.from_file(str(ASSETS / "tokenizer.json"))
-    prompts = json.loads((ASSETS / "heldout_prompts.json").read_text())["prompts"]
+    prompts = json.loads((ASSETS / "heldout_prompts.json").read_text())
     return cfg, params, dcfg, dparams, tok, prompts
 
 
@@ -120,7 +128,8 @@ def test_shipped_pair_loads_and_fits(shipped):
     assert tok.token_to_id("<bos>") == cfg.bos_token_id and (tok.token_to_id("<eos>"),) == cfg.eos_token_id
     # K2.6 architecture: MLA with q/kv LoRA, YaRN, routed MoE + shared expert, first layer dense
     assert cfg.q_lora_rank and cfg.kv_lora_rank and cfg.rope_scaling is not None
-    assert cfg.first_k_dense_replace == 1 and cfg.n_shared_experts == 1 and cfg.n_routed_experts > 1
+    assert cfg.first_k_dense_replace == 1 and cfg.n_shared_experts == 1 and cfg.n_routed_experts >= 16
+    assert 8 <= cfg.num_hidden_layers <= 12
     for layer in range(cfg.num_hidden_layers):
         block = params[f"layers_{layer}"]
         if cfg.is_moe_layer(layer):
@@ -129,19 +138,26 @@ def test_shipped_pair_loads_and_fits(shipped):
         else:
             assert "mlp" in block
     size = sum(f.stat().st_size for f in ASSETS.rglob("*") if f.is_file())
-    assert size <= MAX_SHIPPED_BYTES, f"shipped assets are {size / 2**20:.1f} MiB > 15 MiB"
-    assert len(prompts) >= 3 and all(tok.encode(p).ids[0] == cfg.bos_token_id for p in prompts)
+    assert size <= MAX_SHIPPED_BYTES, f"shipped assets are {size / 1e6:.1f} MB > 40 MB"
+    assert kj.checkpoint.read_checkpoint_meta(ASSETS / "target")["param_dtype"] == "bfloat16"
+    held = prompts["prompts"]
+    assert len(held) == 32 and all(len(p["ids"]) == 64 and p["ids"][0] == cfg.bos_token_id for p in held)
+    assert all(tok.decode(p["ids"]) == p["text"] for p in held)
+    assert len(prompts["newline_prompts"]) == 16 and all(t.endswith("\n") for t in prompts["newline_prompts"])
+
+
+def _ids(prompts) -> list[list[int]]:
+    return [p["ids"] for p in prompts["prompts"]]
 
 
 @pytest.fixture(scope="module")
 def greedy_runs(shipped):
     cfg, params, dcfg, dparams, tok, prompts = shipped
-    ids = [tok.encode(p).ids for p in prompts]  # ragged batch
-    runs = {"ar": kj.generate(cfg, params, ids, NEW_TOKENS, method="ar"),
-            "dflash": kj.generate(cfg, params, ids, NEW_TOKENS, method="dflash", drafter=(dcfg, dparams))}
-    for budget in (4, 64):
-        runs[f"ddtree{budget}"] = kj.generate(cfg, params, ids, NEW_TOKENS, method="ddtree",
-                                              drafter=(dcfg, dparams), tree_budget=budget)
+    ids = _ids(prompts)
+    run = functools.partial(kj.generate, cfg, params, ids, NEW_TOKENS, stop_tokens=())
+    runs = {"ar": run(), "dflash": run(method="dflash", drafter=(dcfg, dparams))}
+    for budget in (4, 32):
+        runs[f"ddtree{budget}"] = run(method="ddtree", drafter=(dcfg, dparams), tree_budget=budget)
     return runs
 
 
@@ -150,31 +166,37 @@ def _rows(out):
     return [tokens[b, :lengths[b]].tolist() for b in range(tokens.shape[0])]
 
 
-def test_greedy_invariant_on_heldout_prompts(greedy_runs):
+def test_greedy_invariant_on_every_heldout_prompt(greedy_runs):
     reference = _rows(greedy_runs["ar"])
-    assert all(len(r) == NEW_TOKENS or r[-1] == 2 for r in reference)
+    assert len(reference) == 32 and all(len(r) == NEW_TOKENS for r in reference)
     for name, out in greedy_runs.items():
         assert _rows(out) == reference, f"{name} greedy output differs from autoregressive"
 
 
-def _mean_acceptance(out, row):
-    acc = np.asarray(out.acceptance_lengths)[row]
+def _mean_acceptance(out) -> float:
+    acc = np.asarray(out.acceptance_lengths)
     return float(acc[acc > 0].mean())
 
 
-def test_acceptance_floor(greedy_runs):
+def test_acceptance_floor_greedy(greedy_runs):
     """A drafter regression (untrained, swapped, mis-wired features) shows up here first."""
-    assert ACCEPTANCE_FLOOR is not None, "set ACCEPTANCE_FLOOR after measuring the shipped pair"
-    got = _mean_acceptance(greedy_runs["ddtree64"], 0)
-    assert got >= ACCEPTANCE_FLOOR, (f"DDTree acceptance {got:.2f} < floor {ACCEPTANCE_FLOOR} "
-                                     f"(was {ACCEPTANCE_MEASURED})")
+    got = _mean_acceptance(greedy_runs["ddtree32"])
+    assert got >= ACCEPTANCE_FLOOR["greedy"], f"DDTree acceptance {got:.3f} < floor {ACCEPTANCE_FLOOR['greedy']}"
     # the tree beats the single path, which beats plain decoding's 1 token per forward
-    assert got >= _mean_acceptance(greedy_runs["dflash"], 0) > 1.0
+    assert got >= _mean_acceptance(greedy_runs["dflash"]) > 1.3
+
+
+def test_acceptance_floor_at_temperature_1(shipped):
+    cfg, params, dcfg, dparams, tok, prompts = shipped
+    run = functools.partial(kj.generate, cfg, params, _ids(prompts), NEW_TOKENS, drafter=(dcfg, dparams),
+                            temperature=1.0, key=jax.random.key(0), stop_tokens=())
+    tree, chain = _mean_acceptance(run(method="ddtree", tree_budget=32)), _mean_acceptance(run(method="dflash"))
+    assert tree >= ACCEPTANCE_FLOOR["temperature 1"] and tree > chain > 1.0, (tree, chain)
 
 
 def test_sampling_is_deterministic_for_a_seed(shipped):
     cfg, params, dcfg, dparams, tok, prompts = shipped
-    ids = [tok.encode(prompts[0]).ids]
+    ids = _ids(prompts)[:1]
     run = lambda seed: _rows(kj.generate(cfg, params, ids, 24, method="ddtree", drafter=(dcfg, dparams),  # noqa: E731
                                          tree_budget=16, temperature=1.0, key=jax.random.key(seed)))
     first = run(3)
@@ -183,9 +205,52 @@ def test_sampling_is_deterministic_for_a_seed(shipped):
 
 
 def test_shipped_greedy_tokens_are_pinned(greedy_runs):
-    """The shipped pair's greedy tokens on the held-out prompts equal the recorded golden (written by the
-    engine before the structure refactor): refactors must not change a single token."""
+    """The shipped pair's greedy tokens on the held-out prompts equal the golden recorded when the pair
+    shipped (CPU, float32): engine changes must not change a single token."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the golden was recorded on a CPU; another backend sums in another order, which can flip a "
+                    "near-tie (the invariant test checks DDTree == AR on this backend)")
     golden = json.loads((Path(__file__).parent / "fixtures" / "shipped_greedy_tokens.json").read_text())
     assert golden["new_tokens"] == NEW_TOKENS
     assert _rows(greedy_runs["ar"]) == golden["greedy_tokens"]
-    assert _rows(greedy_runs["ddtree64"]) == golden["greedy_tokens"]
+    assert _rows(greedy_runs["ddtree32"]) == golden["greedy_tokens"]
+
+
+# ------------------------------------------------------------------------------------- degeneracy
+def top_line_share(completion: str) -> float:
+    """The share of the completion's lines (split at "\\n", trailing spaces dropped, blank lines count) taken
+    by its most frequent line: 1.0 is one line over and over (or a single line)."""
+    lines = [line.rstrip() for line in completion.split("\n")]
+    return max(lines.count(line) for line in lines) / len(lines)
+
+
+@pytest.fixture(scope="module")
+def completion_shares(shipped):
+    """Top-line shares of 64-token greedy completions: the held-out prompts, and the newline-ending prompts
+    healed as the CLI heals them."""
+    from kdtree_jax.healing import heal
+
+    cfg, params, _, _, tok, prompts = shipped
+    out = kj.generate(cfg, params, _ids(prompts), 64, stop_tokens=())
+    heldout = [top_line_share(tok.decode(r)) for r in _rows(out)]
+    texts = prompts["newline_prompts"]
+    healed = [heal(tok, tok.encode(t).ids, vocab_size=cfg.vocab_size) for t in texts]
+    out = kj.generate(cfg, params, [h[0] for h in healed], 64, stop_tokens=(),
+                      first_token_mask=np.stack([h[1] for h in healed]))
+    newline = [top_line_share(tok.decode(h[0] + r)[len(t):]) for h, r, t in zip(healed, _rows(out), texts, strict=True)]
+    return {"heldout": heldout, "newline": newline}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 17's target, not met by the shipped 33.9 M-parameter target (CPU, greedy, 2026-12-01): 13 of 32 "
+    "held-out and 5 of 16 newline-ending 64-token completions repeat one line for half their lines or more"))
+def test_no_completion_degenerates(completion_shares):
+    bad = {k: sum(s >= DEGENERACY_LIMIT for s in v) for k, v in completion_shares.items()}
+    assert bad == {"heldout": 0, "newline": 0}, bad
+
+
+def test_degenerate_completions_do_not_increase(completion_shares):
+    bad = {k: sum(s >= DEGENERACY_LIMIT for s in v) for k, v in completion_shares.items()}
+    assert all(bad[k] <= DEGENERATE_MEASURED[k] for k in bad), bad
+    # the measure itself separates: most completions are far from one repeated line
+    assert np.median(completion_shares["heldout"]) < 0.4
