@@ -610,6 +610,11 @@ def cmd_generate(args) -> None:
                 same += " (sampling: only the distribution must match)"
             print(f"{method:<8} {sum(len(r) for r in rows) / seconds:>10.1f} {int(out.num_target_forwards):>11} "
                   f"{_mean_acceptance(out):>12.2f}  {same}")
+        import jax  # noqa: PLC0415
+
+        if jax.default_backend() == "cpu" and any(m != "ar" for m, _, _ in results):
+            print("note: on a CPU a verify of T tokens costs about T decode steps (the cores are busy with one "
+                  "token already), so speculative decoding cannot beat AR here; on a GPU it costs about one step")
 
 
 def cmd_convert(args) -> None:

@@ -153,9 +153,11 @@ def test_generate_all_methods_compares_them(models, capsys):
                       "--method", "all", "--budget", "3", "--prompt", "1 2 3", "--prompt", "7 8",
                       "--max-new-tokens", "4", "--no-warmup"], capsys)
     assert rc == 0, out
-    table = out[out.index("same tokens as ar"):].splitlines()[1:]
+    table = out[out.index("same tokens as ar"):].splitlines()[1:4]
     assert [row.split()[0] for row in table] == ["ar", "dflash", "ddtree"]
     assert all(row.split()[-1] == "yes" for row in table)  # greedy speculative decoding is lossless
+    if jax.default_backend() == "cpu":  # one line on why a CPU cannot show the speedup
+        assert out.splitlines()[-1].startswith("note: on a CPU a verify of T tokens costs about T decode steps")
     assert "budget 3" in out
     rc, auto, _ = run(["generate", "--checkpoint", models / "target", "--drafter", models / "drafter", "--method",
                        "ddtree", "--prompt", "1 2 3", "--prompt", "7 8", "--max-new-tokens", "4", "--no-warmup"],
