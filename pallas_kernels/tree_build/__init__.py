@@ -33,15 +33,16 @@ def kernel_shape_unsupported(budget: int, depth_count: int) -> str | None:
 
 # The pop loop the engine runs (triton.py's docstring describes both). "key" has two dependent redux-able
 # reductions and no uncached load per pop where "lex" has three reductions (one a float shuffle chain) and
-# an L2 load. The engine keeps "lex", the loop measured on the H200, until benchmarks/bench_tree_build.py has
-# timed both there.
+# an L2 load. Measured on the H200 (benchmarks/results/tree_build.md, V 4096, L 15, B 1): "key" 7.6 vs 9.9 us at
+# budget 32, 104.6 vs 112.8 at 256. The engine keeps "lex" until the GPU test suite has run "key" natively.
 POP_LOOP = "lex"
 
 
 # Front ends: "xla" (kdtree_jax.tree.top_log_probs: 4-6 XLA kernels), "pallas" (front.py after XLA's
 # logsumexp, 2 reduction kernels: values bit for bit top_log_probs'), "pallas_fused" (front.py alone: one
-# launch, values within an ulp or so of top_log_probs', the same ranks and tokens). The engine keeps "xla", the
-# front end measured on the H200, until benchmarks/bench_tree_build.py has timed all three there.
+# launch, values within an ulp or so of top_log_probs', the same ranks and tokens). Measured on the H200
+# (benchmarks/results/tree_build.md, V 4096, budget 32): 38.3 / 12.5 / 9.5 us. The engine keeps "xla" until the
+# GPU test suite has run the others natively.
 FRONT_ENDS = ("xla", "pallas", "pallas_fused")
 FRONT_END = "xla"
 
@@ -54,7 +55,7 @@ def pick_front_end(vocab: int) -> str:
 
 def pick_num_warps(n_drafts: int) -> int:
     """Warps per program: the pop loop is a chain of reductions over next_pow2(n_drafts) lanes; more warps
-    only pay once a warp would hold many lanes (H200, benchmarks/results/tree_build.md: 1 warp is best or
+    only pay once a warp would hold many lanes (H200, benchmarks/results/tree_build_v1.md: 1 warp is best or
     within 2 us up to budget 128, 2 warps at 256, 4 at 512)."""
     lanes = next_pow2(n_drafts)
     return 1 if lanes <= 128 else 2 if lanes <= 256 else 4
