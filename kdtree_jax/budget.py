@@ -14,7 +14,7 @@ candidates, one compiled verify per candidate (`lax.switch`): a smaller tree the
 backend, dense or MoE (an MoE verify reads only the experts its tokens route to).
 
 The costs come from measurement: `default_costs` gives whole-`generate` timings of the shipped pair (rounds
-per second against AR steps per second, benchmarks/results/e2e_h200.json, e2e_cpu.json, round_profile.json);
+per second against AR steps per second, benchmarks/results/e2e_h200.json, e2e_cpu.json);
 `kdtree_jax.calibrate_budget_costs` measures them for any model on the device at hand.
 """
 
@@ -58,15 +58,15 @@ class BudgetCosts:
 
 
 # Round cost in AR steps of the shipped pair, (device kind, batch) -> {budget: cost}: the wall time of a
-# generate call per round over its wall time per AR step. H200 (2026-12-01, tree-build kernel): budgets
-# 8..64 from e2e_h200.json (batch 1 and 8, greedy, 8 prompts x 128 tokens), 128 from round_profile.json's
-# in-loop rows (batch 1; batch 8 extrapolated from the 64 -> 128 growth at batch 1). CPU: e2e_cpu.json
-# (2-core machine, batch 1 and 8).
+# generate call per round over its wall time per AR step (2026-12-01). H200, batch 1: e2e_h200.json (the
+# second shipped pair, greedy, 8 prompts x 128 tokens). H200, batch 8: not measured for this pair yet: the
+# first pair's (e2e_h200_pair1.json; 128 from round_profile_pair1.json's in-loop rows, extrapolated at batch 8).
+# CPU: e2e_cpu.json (the second pair, 2-core machine, batch 1 and 8, greedy, 8 prompts x 64 tokens).
 _MEASURED = {
-    ("gpu", 1): {8: 1.58, 16: 1.70, 32: 1.67, 64: 1.72, 128: 2.06},
+    ("gpu", 1): {8: 1.14, 16: 1.21, 32: 1.26, 64: 1.45},
     ("gpu", 8): {8: 2.37, 16: 2.67, 32: 2.74, 64: 3.12, 128: 3.74},
-    ("cpu", 1): {4: 3.12, 8: 6.20, 16: 8.79, 32: 10.98, 64: 18.60},
-    ("cpu", 8): {4: 3.82, 8: 5.38, 16: 7.24, 32: 11.48, 64: 20.46},
+    ("cpu", 1): {4: 3.40, 8: 4.21, 16: 5.30, 32: 7.63, 64: 11.01},
+    ("cpu", 8): {4: 2.85, 8: 3.75, 16: 5.40, 32: 9.53, 64: 16.07},
 }
 _MEASURED_ON = {"gpu": "NVIDIA H200", "cpu": "a 2-core CPU"}
 
