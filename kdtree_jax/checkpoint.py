@@ -394,7 +394,7 @@ def load_checkpoint(path: str | os.PathLike, *, expect_kind: str | None = None, 
         params.update(restored)
     params = typed_from_stored(params)
     if dtype is not None:
-        params = cast_params(params, dtype, cfg if isinstance(cfg, ModelConfig) else None)
+        params = cast_params(params, dtype, cfg if meta["kind"] == "target" else None)
     return cfg, params
 
 
