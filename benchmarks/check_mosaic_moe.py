@@ -105,14 +105,12 @@ def main():
         return rows, ar
 
     # ---- the trained pair, bf16
-    from tokenizers import Tokenizer  # noqa: PLC0415
-
-    from training.data import heldout_prompts  # noqa: PLC0415
+    from training.prompts import load_prompts  # noqa: PLC0415
 
     cfg, params = kj.load_checkpoint(ASSETS / "target", expect_kind="target")
     dcfg, dparams = kj.load_checkpoint(ASSETS / "drafter", expect_kind="drafter")
     params, drafter = bf16(params), (dcfg, bf16(dparams))
-    prompts = heldout_prompts(Tokenizer.from_file(str(ASSETS / "tokenizer.json")), 2 if args.tiny else 8, 64)
+    prompts = load_prompts(2 if args.tiny else 8, 64)  # the shipped held-out prompts
     mosaic = kj.to_mosaic_experts(params, cfg)
     rows, ar = invariant_rows("shipped", cfg, params, mosaic, drafter, prompts)
     seqs = jnp.concatenate([jnp.asarray(prompts, jnp.int32), jnp.asarray(ar["triton"]["tokens"])], 1)
