@@ -803,9 +803,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             STATUS.close()
             print(f"{PROG}: interrupted", file=sys.stderr)
-            # what the interrupted work leaves behind (e.g. an async checkpoint write's never-awaited coroutine,
-            # reported when it is garbage collected) is not something to act on: "interrupted" is the last line
-            warnings.simplefilter("ignore")
+            _quiet_after_interrupt()
             return 130
         except Exception as e:  # noqa: BLE001 (the CLI's contract: one line, no traceback)
             if show_traceback:
@@ -831,8 +829,19 @@ def run() -> None:
     status = main()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if status == 130:  # the leftovers of interrupted work, collected at shutdown, stay quiet too
-        warnings.simplefilter("ignore")
+        _quiet_after_interrupt()
     sys.exit(status)
+
+
+def _quiet_after_interrupt() -> None:
+    """What interrupted work leaves behind is not something to act on, so "interrupted" stays the last line:
+    an async checkpoint write's never-awaited coroutine (a warning when it is garbage collected) and Orbax's
+    background commit thread, which logs an absl ERROR when it finds the temporary directory the abort
+    removed."""
+    import logging  # noqa: PLC0415
+
+    warnings.simplefilter("ignore")
+    logging.getLogger("absl").setLevel(logging.CRITICAL + 1)
 
 
 if __name__ == "__main__":
