@@ -216,16 +216,14 @@ def main():
     import jax.numpy as jnp
 
     import kdtree_jax as kj
-    from benchmarks.bench_k26_slice import random_tree_mask, slice_config, slice_forward, slice_params
+    from benchmarks.bench_k26_slice import random_tree_mask, slice_config, slice_device, slice_forward, slice_params
     from benchmarks.common import Timer, copy_bandwidth, metadata, write_json
     from kdtree_jax import attention as kattention
     from kdtree_jax import model as kmodel
     from kdtree_jax.layers import rms_norm
     from kdtree_jax.linear import linear
 
-    on_gpu = jax.default_backend() == "gpu"
-    if not on_gpu and not args.tiny:
-        raise SystemExit("bench_k26_auto needs a GPU (use --tiny for a CPU smoke run, which measures nothing)")
+    on_gpu, timing = slice_device("bench_k26_auto", args.tiny)
     budgets = tuple(sorted({int(v) for v in args.budgets.split(",")}))
     depth = args.block - 1
     profiles = [Profile(float(t), float(o), depth) for o in args.overconfidence.split(",")
@@ -238,9 +236,7 @@ def main():
     meta = metadata(
         tiny=args.tiny, layers=args.layers, S=s, budgets=list(budgets), block=args.block, draft_ms=args.draft_ms,
         rounds=args.rounds, drafter_model={"spread": SPREAD, "decay": DECAY, "alternatives": ALTERNATIVES},
-        timing=("CUPTI summed kernel time, median" if on_gpu
-                else "CPU WALL CLOCK, median: NOT MEASUREMENTS, proves only that the script runs"),
-        timer=timer.method,
+        timing=timing, timer=timer.method,
         config={k: getattr(cfg, k) for k in ("hidden_size", "num_attention_heads", "n_routed_experts",
                                              "num_experts_per_tok", "moe_intermediate_size", "vocab_size")})
     stem = os.path.join(args.out, "k26_auto_tiny" if args.tiny else "k26_auto")

@@ -47,6 +47,17 @@ BUDGET_PROFILES = {"weak (tau_max 3)": (3.0, 8.0), "medium (tau_max 6)": (6.0, 1
                    "strong (tau_max 10)": (10.0, 16.0)}
 
 
+def slice_device(script: str, tiny: bool) -> tuple[bool, str]:
+    """(on a GPU, the run's timing note) for the slice benchmarks; a CPU run without --tiny is refused."""
+    import jax
+
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and not tiny:
+        raise SystemExit(f"{script} needs a GPU (use --tiny for a CPU smoke run, which measures nothing)")
+    return on_gpu, ("CUPTI summed kernel time, median" if on_gpu
+                    else "CPU WALL CLOCK, median: NOT MEASUREMENTS, proves only that the script runs")
+
+
 def tiny_config():
     import kdtree_jax as kj
 
@@ -168,9 +179,7 @@ def main():
     from kdtree_jax.layers import rms_norm
     from kdtree_jax.linear import linear
 
-    on_gpu = jax.default_backend() == "gpu"
-    if not on_gpu and not args.tiny:
-        raise SystemExit("bench_k26_slice needs a GPU (use --tiny for a CPU smoke run, which measures nothing)")
+    on_gpu, timing = slice_device("bench_k26_slice", args.tiny)
     cfg = slice_config(args.tiny, args.layers)
     ts = [int(v) for v in args.ts.split(",")]
     ss = [int(v) for v in args.ss.split(",")]
@@ -190,9 +199,7 @@ def main():
     meta = metadata(
         tiny=args.tiny, layers=args.layers, attention_impl=attention_impl,
         moe_impl=moe_impl, alt_moe_impl=alt_impl,
-        timing=("CUPTI summed kernel time, median" if on_gpu
-                else "CPU WALL CLOCK, median: NOT MEASUREMENTS, proves only that the script runs"),
-        timer=timer.method,
+        timing=timing, timer=timer.method,
         config={k: getattr(cfg, k) for k in ("hidden_size", "num_attention_heads", "n_routed_experts",
                                              "num_experts_per_tok", "moe_intermediate_size", "kv_lora_rank")})
     print(meta, flush=True)

@@ -109,6 +109,16 @@ def random_windows(stream: np.ndarray, batch: int, length: int, rng: np.random.G
     return np.stack([stream[s: s + length] for s in starts]).astype(np.int32)
 
 
+def lines_from_a_definition(text: str, rng: np.random.Generator) -> list[str] | None:
+    """The lines of `text` (newlines kept) from a random top-level `def` / `class` line on, or None if it has
+    none (the one draw from `rng` happens only when it has one)."""
+    lines = text.splitlines(keepends=True)
+    starts = [k for k, line in enumerate(lines) if line.startswith(("def ", "class "))]
+    if not starts:
+        return None
+    return lines[starts[rng.integers(len(starts))]:]
+
+
 def heldout_prompts(tokenizer, count: int, prompt_tokens: int, seed: int = 0,
                     source: str = "stdlib") -> list[list[int]]:
     """`count` fixed held-out prompts: [bos] + the first `prompt_tokens - 1` tokens of a function or
@@ -120,15 +130,10 @@ def heldout_prompts(tokenizer, count: int, prompt_tokens: int, seed: int = 0,
     prompts = []
     order = rng.permutation(len(files))
     for i in order:
-        text = files[i][1]
-        # start at a random top-level `def`/`class` line so the prompt is a real code prefix
-        starts = [k for k, line in enumerate(text.splitlines(keepends=True))
-                  if line.startswith(("def ", "class "))]
-        if not starts:
+        lines = lines_from_a_definition(files[i][1], rng)  # so the prompt is a real code prefix
+        if lines is None:
             continue
-        lines = text.splitlines(keepends=True)
-        first = starts[rng.integers(len(starts))]
-        ids = tokenizer.encode("".join(lines[first:]), add_special_tokens=False).ids
+        ids = tokenizer.encode("".join(lines), add_special_tokens=False).ids
         if len(ids) < prompt_tokens + 64:
             continue
         prompts.append([bos] + ids[: prompt_tokens - 1])
@@ -190,6 +195,14 @@ def load_token_file(data_dir: Path, split: str, tokenizer_path: Path | None = No
     if stream.size != want:
         raise ValueError(f"{data_dir}/{split}.u16.xz holds {stream.size} tokens, corpus.json says {want}")
     return stream.astype(np.int32)
+
+
+def load_streams(data_dir: Path | None, tokenizer, tokenizer_path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(train, held-out) token streams of the whole corpus ("all"): from a `write_token_files` folder when
+    `data_dir` is given (checked against `tokenizer_path`), else tokenized here with `tokenizer`."""
+    if data_dir is not None:
+        return tuple(load_token_file(data_dir, split, tokenizer_path) for split in ("train", "heldout"))
+    return tuple(token_stream(tokenizer, corpus_files(split, source="all")) for split in ("train", "heldout"))
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from training.common import ASSETS, TOKENIZER_PATH, load_tokenizer
-from training.data import corpus_files, heldout_prompts
+from training.data import corpus_files, heldout_prompts, lines_from_a_definition
 
 PROMPTS_PATH = ASSETS / "heldout_prompts.json"
 
@@ -41,13 +41,11 @@ def newline_prompts(count: int, seed: int = 0, min_bytes: int = 120, max_lines: 
     rng = np.random.default_rng(seed)
     out = []
     for i in rng.permutation(len(files)):
-        lines = files[i][1].splitlines(keepends=True)
-        starts = [k for k, line in enumerate(lines) if line.startswith(("def ", "class "))]
-        if not starts:
+        lines = lines_from_a_definition(files[i][1], rng)
+        if lines is None:
             continue
-        first = starts[rng.integers(len(starts))]
         take = int(rng.integers(3, max_lines + 1))
-        text = "".join(lines[first:first + take])
+        text = "".join(lines[:take])
         if len(text.encode("utf-8")) >= min_bytes and text.endswith("\n") and text.strip():
             out.append(text)
             if len(out) == count:

@@ -44,8 +44,8 @@ from training.common import (
     param_count,
     plot_curves,
 )
-from training.data import corpus_files, load_token_file, random_windows, token_stream
-from training.train_target import CALIBRATION_STEPS, learning_rate, make_optimizer, set_learning_rate
+from training.data import load_streams, random_windows
+from training.train_target import StepSchedule, check_step_args, make_optimizer, set_learning_rate
 
 
 def target_hidden(params, cfg: kj.ModelConfig, tokens: jax.Array, layers: tuple[int, ...]) -> jax.Array:
@@ -140,12 +140,7 @@ def load_or_generate(args, cfg, params, tok, log) -> dict:
         data = dict(np.load(args.data_cache))
         log(event="data_cache", path=str(args.data_cache), seqs=len(data["seqs"]))
         return data
-    if args.data is not None:
-        train = load_token_file(args.data, "train", args.tokenizer)
-        heldout = load_token_file(args.data, "heldout", args.tokenizer)
-    else:
-        train = token_stream(tok, corpus_files("train", source="all"))
-        heldout = token_stream(tok, corpus_files("heldout", source="all"))
+    train, heldout = load_streams(args.data, tok, args.tokenizer)
     t0 = time.perf_counter()
     seqs, valid, temps = generate_data(cfg, params, train, args.num_seqs, args.prompt_len, args.new_tokens,
                                        args.gen_batch, args.seed, log, args.greedy_fraction)
@@ -196,10 +191,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.generate_only and args.data_cache is None:
         parser.error("--generate-only needs --data-cache")
-    if not args.generate_only and (args.steps is None) == (args.time_budget_s is None):
-        parser.error("give exactly one of --steps and --time-budget-s")
-    if args.time_budget_s is not None and args.warmup < CALIBRATION_STEPS:
-        parser.error(f"--time-budget-s measures {CALIBRATION_STEPS} warm-up steps: --warmup must be >= that")
+    if not args.generate_only:
+        check_step_args(parser, args)
     gamma = args.gamma or {16: 7.0, 10: 5.0, 8: 4.0}.get(args.block_size, args.block_size / 2.3)
 
     tok = load_tokenizer(args.tokenizer)
@@ -258,30 +251,23 @@ def main() -> None:
         return record
 
     rng = np.random.default_rng(args.seed)
-    total = args.steps
-    t_train, step = None, 0
-    while total is None or step < total:
+    schedule = StepSchedule(args.steps, args.time_budget_s, args.lr, args.warmup, log)
+    step = 0
+    while not schedule.done(step):
         step += 1
         idx = rng.integers(0, len(seqs), args.batch)
         anchors = sample_anchors(rng, valid[idx], args.prompt_len, args.anchors, args.block_size)
-        lr = learning_rate(step, total or 10**9, args.lr, args.warmup)
+        lr = schedule.lr(step)
         dparams, opt_state, loss, acc = train_step(dparams, set_learning_rate(opt_state, lr), seqs[idx], valid[idx],
                                                    anchors)
-        if step == 1:
-            float(loss)
-            t_train = time.perf_counter()
-        if total is None and step == CALIBRATION_STEPS:
-            float(loss)
-            step_s = (time.perf_counter() - t_train) / (CALIBRATION_STEPS - 1)
-            total = max(CALIBRATION_STEPS, int(args.time_budget_s / step_s))
-            log(event="calibrated", step_s=round(step_s, 5), total_steps=total)
+        schedule.after(step, loss)
         if step % 50 == 0 or step == 1:
             acc = np.asarray(acc)
             log(step=step, train_loss=float(loss), lr=lr, acc_pos1=float(acc[0]),
                 chain_tokens=float(np.cumprod(acc).sum()))
         if step % args.eval_every == 0:
             evaluate(step)
-    train_s = time.perf_counter() - (t_train or time.perf_counter())
+    train_s = schedule.train_s
     final = evaluate(step)
     log(event="trained", total_steps=step, train_s=round(train_s, 1))
     kj.save_checkpoint(args.out / "drafter", dcfg, cast_params(dparams, jnp.dtype(args.save_dtype)), overwrite=True)

@@ -47,7 +47,7 @@ from training.common import (
     target_config,
     token_byte_lengths,
 )
-from training.data import corpus_files, load_token_file, random_windows, token_stream
+from training.data import load_streams, random_windows
 
 CALIBRATION_STEPS = 20
 
@@ -105,6 +105,47 @@ def make_optimizer(weight_decay: float = 0.1) -> optax.GradientTransformation:
     adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
         learning_rate=0.0, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask)
     return optax.chain(optax.clip_by_global_norm(1.0), adamw)
+
+
+def check_step_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--steps or --time-budget-s, exactly one; a time budget measures its steps inside the warm-up."""
+    if (args.steps is None) == (args.time_budget_s is None):
+        parser.error("give exactly one of --steps and --time-budget-s")
+    if args.time_budget_s is not None and args.warmup < CALIBRATION_STEPS:
+        parser.error(f"--time-budget-s measures {CALIBRATION_STEPS} warm-up steps: --warmup must be >= that")
+
+
+class StepSchedule:
+    """How many steps a run takes and each step's learning rate. With `steps` the total is fixed; with
+    `time_budget_s` it is set after CALIBRATION_STEPS steps from their measured time (the first step, the
+    compile, not counted) and logged as total_steps, so `--steps N` reproduces the run. Call `done(step)`
+    before each step and `after(step, loss)` once it is dispatched."""
+
+    def __init__(self, steps: int | None, time_budget_s: float | None, peak_lr: float, warmup: int, log):
+        self.total, self.budget, self.peak, self.warmup, self.log = steps, time_budget_s, peak_lr, warmup, log
+        self.start: float | None = None
+
+    def done(self, step: int) -> bool:
+        return self.total is not None and step >= self.total
+
+    def lr(self, step: int) -> float:  # until calibrated, only warm-up steps run: they need no total
+        return learning_rate(step, self.total or 10**9, self.peak, self.warmup)
+
+    def after(self, step: int, loss: jax.Array) -> None:
+        if step == 1:
+            float(loss)  # compiled and run once: the budget counts from here
+            self.start = time.perf_counter()
+        if self.total is None and step == CALIBRATION_STEPS:
+            assert self.start is not None and self.budget is not None
+            float(loss)
+            step_s = (time.perf_counter() - self.start) / (CALIBRATION_STEPS - 1)
+            self.total = max(CALIBRATION_STEPS, int(self.budget / step_s))
+            self.log(event="calibrated", step_s=round(step_s, 5), total_steps=self.total)
+
+    @property
+    def train_s(self) -> float:
+        """Seconds since the first step finished."""
+        return 0.0 if self.start is None else time.perf_counter() - self.start
 
 
 def set_learning_rate(opt_state, lr: float):
@@ -176,21 +217,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("/tmp/kdtree_train/target"))
     args = parser.parse_args()
-    if (args.steps is None) == (args.time_budget_s is None):
-        parser.error("give exactly one of --steps and --time-budget-s")
-    if args.time_budget_s is not None and args.warmup < CALIBRATION_STEPS:
-        parser.error(f"--time-budget-s measures {CALIBRATION_STEPS} warm-up steps: --warmup must be >= that")
+    check_step_args(parser, args)
 
     tok = load_tokenizer(args.tokenizer)
     cfg = target_config(tok.get_vocab_size(), args.hidden, args.layers, args.experts, args.moe_width, args.top_k)
     if args.seq_len > cfg.max_position_embeddings:
         raise ValueError(f"--seq-len {args.seq_len} exceeds max_position_embeddings={cfg.max_position_embeddings}")
-    if args.data is not None:
-        train = load_token_file(args.data, "train", args.tokenizer)
-        heldout = load_token_file(args.data, "heldout", args.tokenizer)
-    else:
-        train = token_stream(tok, corpus_files("train", source="all"))
-        heldout = token_stream(tok, corpus_files("heldout", source="all"))
+    train, heldout = load_streams(args.data, tok, args.tokenizer)
     compute_dtype = jnp.dtype(args.compute_dtype)
     rng = np.random.default_rng(args.seed)
     eval_batches = [random_windows(heldout, args.batch, args.seq_len + 1, np.random.default_rng(1000 + i))
@@ -212,22 +245,15 @@ def main() -> None:
     log(event="start", device=describe_device(), jax=jax.__version__, params=param_count(params),
         train_tokens=int(train.size), heldout_tokens=int(heldout.size), config=str(cfg),
         **{k: str(v) for k, v in vars(args).items()})
-    total = args.steps if args.steps is not None else None
-    t_train, t_last, tokens_seen, step = None, time.perf_counter(), 0, 0
-    while total is None or step < total:
+    schedule = StepSchedule(args.steps, args.time_budget_s, args.lr, args.warmup, log)
+    t_last, tokens_seen, step = time.perf_counter(), 0, 0
+    while not schedule.done(step):
         step += 1
         batch = random_windows(train, args.batch, args.seq_len + 1, rng)
-        lr = learning_rate(step, total or 10**9, args.lr, args.warmup)
+        lr = schedule.lr(step)
         params, opt_state, loss, loads = train_step(params, set_learning_rate(opt_state, lr), batch)
         tokens_seen += batch.size
-        if step == 1:
-            float(loss)  # compiled and run once: the budget counts from here
-            t_train = time.perf_counter()
-        if total is None and step == CALIBRATION_STEPS:
-            float(loss)
-            step_s = (time.perf_counter() - t_train) / (CALIBRATION_STEPS - 1)
-            total = max(CALIBRATION_STEPS, int(args.time_budget_s / step_s))
-            log(event="calibrated", step_s=round(step_s, 5), total_steps=total)
+        schedule.after(step, loss)
         if step % 50 == 0 or step == 1:
             loss = float(loss)
             now = time.perf_counter()
@@ -235,10 +261,10 @@ def main() -> None:
             log(step=step, train_loss=loss, lr=lr, max_load_over_mean=max_load,
                 tokens_per_s=round(tokens_seen / (now - t_last), 1))
             t_last, tokens_seen = now, 0
-        if step % args.eval_every == 0 or step == total:
+        if step % args.eval_every == 0 or step == schedule.total:
             ev = float(np.mean([eval_loss(params, b) for b in eval_batches]))
             log(step=step, heldout_loss=ev)
-    train_s = time.perf_counter() - (t_train or time.perf_counter())
+    train_s = schedule.train_s
     log(event="trained", total_steps=step, train_s=round(train_s, 1),
         tokens=step * args.batch * args.seq_len)
 
