@@ -13,6 +13,8 @@ where that is <= 8 sets) so the cache is not simply L2 resident; time per op = p
 median of 5 runs after a warm-up. Results carry the run's metadata (device, JAX, date, git commit, command).
 
 Usage (GPU): python benchmarks/bench_tree_attention.py --out DIR [--budget-s 200] [--plan tune --skip-xla]
+       shipped pair's shape (H, c, r from its config; float32 and bf16; XLA = the op's impl="xla"):
+               python benchmarks/bench_tree_attention.py --out DIR --shipped
        merge:  python benchmarks/bench_tree_attention.py --summarize RUN1.json RUN2.json
                (writes benchmarks/results/tree_attention_h200.{md,png})
        (CPU):  python benchmarks/bench_tree_attention.py --smoke   # tiny shapes, interpret mode,
@@ -28,6 +30,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -120,7 +123,11 @@ def main():
     ap.add_argument("--plan", choices=["sweep", "tune"], default="sweep",
                     help="sweep: heuristic + tile shapes + split counts; tune: the TUNE_PLAN candidates")
     ap.add_argument("--skip-xla", action="store_true", help="do not time the XLA baseline (already measured)")
+    ap.add_argument("--shipped", action="store_true",
+                    help="the shipped pair's attention shape instead of K2's: tree_attention_shipped.{json,md}")
     args = ap.parse_args()
+    if args.shipped:
+        return shipped_main(args)
     t_begin = time.time()
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and not args.smoke:
@@ -254,6 +261,58 @@ def main():
     write_results(stem, meta, results, table)
     print(table)
     print(f"elapsed {time.time() - t_begin:.0f}s")
+
+
+SHIPPED_SHAPES = [(S, T) for S in (256, 2048) for T in (1, 9, 33, 65)]
+
+
+def shipped_main(args):
+    """The shipped pair's attention (H, c, r of its config; S_max = cache rows of a benchmark call, 256, and its
+    maximum position, 2048) in float32 and bf16: the two implementations the dispatcher chooses between, the
+    Triton kernel at its pick_config tiling and impl="xla" (the float32 HIGHEST reference the model runs), each
+    checked against the reference first. Decides which one `choose_attention` may pick for such a model."""
+    import kdtree_jax as kj
+    from kdtree_jax.checkpoint import checkpoint_config
+    from pallas_kernels.tree_attention import tree_mla_attention
+
+    if jax.default_backend() != "gpu":
+        sys.exit("no GPU: --shipped only measures on the device")
+    cfg, _ = checkpoint_config(Path(kj.__file__).parent / "assets" / "target", expect_kind="target")
+    H, c, r = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    scale = 1.0 / math.sqrt(cfg.qk_nope_head_dim + r)
+    timer = Timer(5)
+    meta = metadata(H=H, c=c, r=r, B=1, method="CUPTI profiler.measure, median of 5, 8 input sets per program",
+                    timer=timer.method)
+    rows = []
+    rng = np.random.default_rng(1234)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for S, T in SHIPPED_SHAPES:
+            sets = [make_set(rng, 1, T, H, c, r, S - T, dtype) for _ in range(8)]
+            ref0 = jax.jit(lambda *a: tree_mla_attention_reference(*a, scale=scale, value_dim=c))(*sets[0])
+            row = dict(dtype=str(jnp.dtype(dtype)), S=S, T=T, floor_us=floor_us(S - T, T, H, c, r)[0])
+            for impl in ("xla", "triton"):
+                try:
+                    out, t, _ = time_sets(timer, lambda *a, impl=impl: tree_mla_attention(
+                        *a, scale=scale, value_dim=c, impl=impl), sets)
+                    row[f"{impl}_us"], row[f"{impl}_rel_err"] = t, rel_err(out[0], ref0)
+                except Exception as ex:  # noqa: BLE001 - record and go on
+                    row[f"{impl}_error"] = repr(ex)[:300]
+            rows.append(row)
+            print(row, flush=True)
+    lines = [f"# Tree-masked MLA attention at the shipped pair's shape, {meta['device']}, jax {meta['jax']}, "
+             f"{meta['date']}", "", f"H={H}, c={c}, r={r}, B=1, start = S - T; {meta['method']}. XLA = impl='xla' "
+             "(float32 HIGHEST reference), Triton = the kernel at its pick_config tiling.", "",
+             "| dtype | S_max | T | floor us | XLA us | Triton us | Triton / XLA | rel err (Triton) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        x, t = row.get("xla_us"), row.get("triton_us")
+        ratio = f"{t / x:.2f}" if x and t else "-"
+        lines.append(f"| {row['dtype']} | {row['S']} | {row['T']} | {row['floor_us']:.2f} | "
+                     f"{x or float('nan'):.1f} | {t or float('nan'):.1f} | {ratio} | "
+                     f"{row.get('triton_rel_err', float('nan')):.1e} |")
+    table = "\n".join(lines)
+    write_results(os.path.join(args.out, "tree_attention_shipped"), meta, dict(rows=rows), table)
+    print(table)
 
 
 def summarize(paths, out_dir):
