@@ -34,17 +34,18 @@ def kernel_shape_unsupported(budget: int, depth_count: int) -> str | None:
 # The pop loop the engine runs (triton.py's docstring describes both). "key" has two dependent redux-able
 # reductions and no uncached load per pop where "lex" has three reductions (one a float shuffle chain) and
 # an L2 load. Measured on the H200 (benchmarks/results/tree_build.md, V 4096, L 15, B 1): "key" 7.6 vs 9.9 us at
-# budget 32, 104.6 vs 112.8 at 256. The engine keeps "lex" until the GPU test suite has run "key" natively.
-POP_LOOP = "lex"
+# budget 32, 104.6 vs 112.8 at 256; both bit-exact to the heap natively (tests/kernels/test_tree_build.py on the
+# H200, 2026-12-02, benchmarks/results/gpu_tests_h200.md). The engine runs "key".
+POP_LOOP = "key"
 
 
 # Front ends: "xla" (kdtree_jax.tree.top_log_probs: 4-6 XLA kernels), "pallas" (front.py after XLA's
 # logsumexp, 2 reduction kernels: values bit for bit top_log_probs'), "pallas_fused" (front.py alone: one
 # launch, values within an ulp or so of top_log_probs', the same ranks and tokens). Measured on the H200
-# (benchmarks/results/tree_build.md, V 4096, budget 32): 38.3 / 12.5 / 9.5 us. The engine keeps "xla" until the
-# GPU test suite has run the others natively.
+# (benchmarks/results/tree_build.md, V 4096, budget 32): 38.3 / 12.5 / 9.5 us; "pallas_fused" passed the native
+# tests on the H200 (2026-12-02). The engine runs "pallas_fused" where the vocabulary fits it (pick_front_end).
 FRONT_ENDS = ("xla", "pallas", "pallas_fused")
-FRONT_END = "xla"
+FRONT_END = "pallas_fused"
 
 
 def pick_front_end(vocab: int) -> str:

@@ -259,7 +259,7 @@ def _k26_native_problem(T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 9, 33, 129])
+@pytest.mark.parametrize("T", [1, 2, 3, 9, 33, 129])
 @pytest.mark.parametrize("kernel", ["triton", "mosaic_gpu"])
 def test_kernel_native_gpu_k26_shapes(T, kernel):
     """Both grouped kernels natively on the GPU at K2.6 expert shapes (Triton on Int4Weight, Mosaic GPU on

@@ -169,10 +169,13 @@ def test_every_front_end_feeds_the_kernel(front, monkeypatch):
     logits = jnp.asarray(rng.normal(size=(2, 4, 50)) * 3, jnp.float32)
     roots = jnp.asarray([3, 4], jnp.int32)
     tree = jax.jit(lambda x, r: build_tree(x, 24, r, kernels=KERNEL))(logits, roots)  # a fresh trace per front end
-    if front == "pallas_fused":
-        top_lp, top_tok = tree_build.top_log_probs_pallas(logits, 24, interpret=not ON_GPU)
-    else:
-        top_lp, top_tok = top_log_probs(logits, 24)
+    # The heap gets the values this front end gives, computed as build_tree computes them: one jitted program
+    # (on a GPU, XLA's fused logsumexp inside a jit and op by op can differ in the last bit).
+    fronts = {"xla": lambda x: top_log_probs(x, 24),
+              "pallas": lambda x: tree_build.top_log_probs_pallas(
+                  x, 24, jax.nn.logsumexp(x, axis=-1), interpret=not ON_GPU),
+              "pallas_fused": lambda x: tree_build.top_log_probs_pallas(x, 24, interpret=not ON_GPU)}
+    top_lp, top_tok = jax.jit(fronts[front])(logits)
     log_probs = np.full(logits.shape, -np.inf, np.float32)  # the heap over the same K candidates
     np.put_along_axis(log_probs, np.asarray(top_tok), np.asarray(top_lp), axis=-1)
     _assert_matches_heap(tree, log_probs, 24, np.asarray(roots))
