@@ -38,7 +38,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import Timer, metadata, write_json, write_markdown, write_png, write_results  # noqa: E402
-from pallas_kernels.tree_attention import BlockConfig, pick_config, tree_mla_attention_reference  # noqa: E402
+from pallas_kernels.tree_attention import (  # noqa: E402
+    BlockConfig,
+    pick_config,
+    tree_mla_attention_reference,
+    tree_mla_attention_xla,
+)
 from pallas_kernels.tree_attention.triton import tree_attention_pallas  # noqa: E402
 
 COPY_BW = 3.4e12  # bytes/s, measured device copy on the H200 (docs/kernels.md)
@@ -57,22 +62,6 @@ TUNE_PLAN = {
     (32768, 129): [dict(num_splits=2, **_L), dict(num_splits=1), dict(block_kv=128, num_stages=1, num_splits=2)],
 }
 TARGET_US = {(32768, 1): 13, (4096, 33): 50, (4096, 129): 190, (32768, 33): 370}
-
-
-def xla_attention(q, cache, start, tree_mask, *, scale, value_dim):
-    """Plain jnp as XLA would be fed in production: bf16 einsums with f32 accumulation, f32
-    softmax, bf16 probabilities into the value einsum. Builds a [B, T, S] mask (XLA fuses it)."""
-    B, T, H, D = q.shape
-    S_max = cache.shape[1]
-    offset = jnp.arange(S_max)[None, :] - start[:, None]  # [B, S]
-    tree_vis = jnp.take_along_axis(
-        tree_mask, jnp.broadcast_to(jnp.clip(offset, 0, T - 1)[:, None, :], (B, T, S_max)), axis=2)
-    visible = (offset < 0)[:, None, :] | (((offset >= 0) & (offset < T))[:, None, :] & tree_vis)
-    kv = jnp.where((offset < T)[:, :, None], cache, jnp.zeros((), cache.dtype))
-    s = jnp.einsum("bthd,bsd->bths", q, kv, preferred_element_type=jnp.float32) * scale
-    s = jnp.where(visible[:, :, None, :], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
-    return jnp.einsum("bths,bsc->bthc", p, kv[..., :value_dim], preferred_element_type=jnp.float32).astype(q.dtype)
 
 
 def random_tree(rng, T):
@@ -163,7 +152,7 @@ def main():
         try:
             if args.skip_xla:
                 raise RuntimeError("skipped (--skip-xla)")
-            out, t, _ = time_sets(timer, lambda *a: xla_attention(*a, scale=scale, value_dim=c), sets)
+            out, t, _ = time_sets(timer, lambda *a: tree_mla_attention_xla(*a, scale=scale, value_dim=c), sets)
             e["xla_us"], e["xla_rel_err"] = t, rel_err(out[0], ref0)
         except Exception as ex:  # noqa: BLE001 - record and go on: one failure must not lose the run
             e["xla_error"] = repr(ex)[:300]
@@ -263,14 +252,17 @@ def main():
     print(f"elapsed {time.time() - t_begin:.0f}s")
 
 
-SHIPPED_SHAPES = [(S, T) for S in (256, 2048) for T in (1, 9, 33, 65)]
+SHIPPED_SHAPES = [(S, T) for S in (256, 2048) for T in (1, 33)]
+# (dtype, matmul precision the model runs under): float32 at JAX's default and at "highest" (how the float32
+# engine runs: bench_e2e, the greedy invariant), bf16.
+SHIPPED_VARIANTS = [("float32", None), ("float32", "highest"), ("bfloat16", None)]
 
 
 def shipped_main(args):
     """The shipped pair's attention (H, c, r of its config; S_max = cache rows of a benchmark call, 256, and its
-    maximum position, 2048) in float32 and bf16: the two implementations the dispatcher chooses between, the
-    Triton kernel at its pick_config tiling and impl="xla" (the float32 HIGHEST reference the model runs), each
-    checked against the reference first. Decides which one `choose_attention` may pick for such a model."""
+    maximum position, 2048): the two implementations the dispatcher chooses between, the Triton kernel at its
+    pick_config tiling and impl="xla" (tree_mla_attention_xla), each checked against the reference first.
+    Decides which one `choose_attention` may pick for such a model (tuned.triton_not_faster)."""
     import kdtree_jax as kj
     from kdtree_jax.checkpoint import checkpoint_config
     from pallas_kernels.tree_attention import tree_mla_attention
@@ -283,35 +275,43 @@ def shipped_main(args):
     timer = Timer(5)
     meta = metadata(H=H, c=c, r=r, B=1, method="CUPTI profiler.measure, median of 5, 8 input sets per program",
                     timer=timer.method)
-    rows = []
+    rows: list[dict] = []
+    stem = os.path.join(args.out, "tree_attention_shipped")
     rng = np.random.default_rng(1234)
-    for dtype in (jnp.float32, jnp.bfloat16):
+    for dtype_name, precision in SHIPPED_VARIANTS:
+        dtype = jnp.dtype(dtype_name)
         for S, T in SHIPPED_SHAPES:
             sets = [make_set(rng, 1, T, H, c, r, S - T, dtype) for _ in range(8)]
             ref0 = jax.jit(lambda *a: tree_mla_attention_reference(*a, scale=scale, value_dim=c))(*sets[0])
-            row = dict(dtype=str(jnp.dtype(dtype)), S=S, T=T, floor_us=floor_us(S - T, T, H, c, r)[0])
+            fl_us, bytes_, _ = floor_us(S - T, T, H, c, r)
+            row = dict(dtype=dtype_name, precision=precision or "default", S=S, T=T,
+                       floor_us=fl_us * dtype.itemsize / 2)  # floor_us counts 2-byte elements
             for impl in ("xla", "triton"):
                 try:
-                    out, t, _ = time_sets(timer, lambda *a, impl=impl: tree_mla_attention(
-                        *a, scale=scale, value_dim=c, impl=impl), sets)
+                    with jax.default_matmul_precision(precision):
+                        out, t, _ = time_sets(timer, lambda *a, impl=impl: tree_mla_attention(
+                            *a, scale=scale, value_dim=c, impl=impl), sets)
                     row[f"{impl}_us"], row[f"{impl}_rel_err"] = t, rel_err(out[0], ref0)
                 except Exception as ex:  # noqa: BLE001 - record and go on
                     row[f"{impl}_error"] = repr(ex)[:300]
             rows.append(row)
+            write_json(stem, meta, dict(rows=rows))  # a run cut short keeps its rows
             print(row, flush=True)
     lines = [f"# Tree-masked MLA attention at the shipped pair's shape, {meta['device']}, jax {meta['jax']}, "
-             f"{meta['date']}", "", f"H={H}, c={c}, r={r}, B=1, start = S - T; {meta['method']}. XLA = impl='xla' "
-             "(float32 HIGHEST reference), Triton = the kernel at its pick_config tiling.", "",
-             "| dtype | S_max | T | floor us | XLA us | Triton us | Triton / XLA | rel err (Triton) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"{meta['date']}", "", f"H={H}, c={c}, r={r}, B=1, start = S_max - T; {meta['method']}. XLA = "
+             "impl='xla' (tree_mla_attention_xla: float32 HIGHEST reference, or bf16 einsums with float32 "
+             "accumulation), Triton = the kernel at its pick_config tiling; precision = the matmul precision "
+             "the call ran under.", "",
+             "| dtype | precision | S_max | T | floor us | XLA us | Triton us | Triton / XLA | rel err (Triton) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         x, t = row.get("xla_us"), row.get("triton_us")
         ratio = f"{t / x:.2f}" if x and t else "-"
-        lines.append(f"| {row['dtype']} | {row['S']} | {row['T']} | {row['floor_us']:.2f} | "
+        lines.append(f"| {row['dtype']} | {row['precision']} | {row['S']} | {row['T']} | {row['floor_us']:.2f} | "
                      f"{x or float('nan'):.1f} | {t or float('nan'):.1f} | {ratio} | "
                      f"{row.get('triton_rel_err', float('nan')):.1e} |")
     table = "\n".join(lines)
-    write_results(os.path.join(args.out, "tree_attention_shipped"), meta, dict(rows=rows), table)
+    write_results(stem, meta, dict(rows=rows), table)
     print(table)
 
 

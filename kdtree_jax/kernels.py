@@ -61,7 +61,8 @@ def kernel_plan(params: dict, cfg: ModelConfig, device=None, kernels: Kernels | 
     plan: Plan = {}
 
     attention = dispatch.choose_attention(latent_dim=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim,
-                                          impl=kernels.attention, device=device, interpret=kernels.interpret)
+                                          impl=kernels.attention, device=device, interpret=kernels.interpret,
+                                          num_heads=cfg.num_attention_heads, dtype=act_dtype)
     plan["attention"] = (attention.impl, attention.reason)
 
     linears = [(path, leaf) for path, leaf in _leaves_with_paths(params)

@@ -127,7 +127,11 @@ def attention_shape_unsupported(latent_dim: int, rope_dim: int) -> str | None:
 
 
 def choose_attention(*, latent_dim: int, rope_dim: int, impl: str = AUTO, device=None,
-                     interpret: bool = False) -> Choice:
+                     interpret: bool = False, num_heads: int | None = None, dtype=None,
+                     num_tree: int | None = None, cache_rows: int | None = None) -> Choice:
+    """The tree attention. On a GPU, auto runs the Triton kernel only where it was measured faster than XLA
+    (tree_attention.tuned.triton_not_faster; needs num_heads and dtype, and num_tree / cache_rows for one
+    call); without num_heads / dtype the shape rules alone decide. interpret=True on a CPU: the kernel."""
     _check_impl("attention", impl)
     device = device or default_device()
     if impl == "xla":
@@ -139,7 +143,18 @@ def choose_attention(*, latent_dim: int, rope_dim: int, impl: str = AUTO, device
         return Choice("triton", "asked for")
     if why:
         return Choice("xla", why)
-    return Choice("triton", "interpret mode" if interpret and not is_gpu(device) else "GPU")
+    if interpret and not is_gpu(device):
+        return Choice("triton", "interpret mode")
+    if num_heads is not None and dtype is not None:
+        from pallas_kernels.tree_attention.tuned import triton_not_faster  # noqa: PLC0415 (imports the kernel)
+
+        slower = triton_not_faster(num_heads=num_heads, latent_dim=latent_dim, rope_dim=rope_dim, dtype=dtype,
+                                   num_tree=num_tree, cache_rows=cache_rows)
+        if slower:
+            return Choice("xla", slower)
+        if num_tree is None or cache_rows is None:
+            return Choice("triton", "GPU, at the call shapes where it measured faster than XLA")
+    return Choice("triton", "GPU")
 
 
 # ------------------------------------------------------------------------------------------- tree build

@@ -201,7 +201,8 @@ def test_kernel_plan_on_a_faked_hopper_gpu(models, small_cfg, tmp_path, capsys, 
     monkeypatch.setattr(dispatch, "default_device", lambda: h200)
     rc, out, _ = run(["info", models / "int4_tiny"], capsys)  # float32 params: not the Mosaic kernel
     assert rc == 0
-    assert ("kernels: attention triton (GPU), linear none (no INT4 dense weights), moe triton (Mosaic GPU kernel "
+    assert ("kernels: attention xla (float32: the kernel measured slower than XLA), linear none (no INT4 dense "
+            "weights), moe triton (Mosaic GPU kernel "
             "not used: needs bf16 activations, the model runs in float32; GPU), tree triton (GPU); hint: a bfloat16 "
             "model runs the routed experts on the Mosaic GPU kernel (--dtype bfloat16, or 'convert --dtype bfloat16') "
             "(on this machine)") in out

@@ -9,8 +9,8 @@ space (the caller applies W_UV). Visible rows for new token t of batch row b:
 
 `tree_mla_attention` is the public entry point: it checks shapes and asks
 `pallas_kernels.dispatch.choose_attention` which implementation runs, "triton" (`triton.py`, tiled by
-`tuned.pick_config`) or "xla" (`reference.tree_mla_attention_reference`, the plain-jnp definition the
-kernel is tested against). `check_tree_attention_values` checks what shapes cannot show (start >= 0,
+`tuned.pick_config`; on a GPU only at call shapes where it was measured faster, `tuned.triton_not_faster`) or
+"xla" (`reference.tree_mla_attention_xla`: for float32 the plain-jnp definition the kernel is tested against). `check_tree_attention_values` checks what shapes cannot show (start >= 0,
 start + T <= S_max, diagonal of tree_mask) and must be called outside `jit`.
 """
 
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import dispatch
-from pallas_kernels.tree_attention.reference import tree_mla_attention_reference
+from pallas_kernels.tree_attention.reference import tree_mla_attention_reference, tree_mla_attention_xla
 from pallas_kernels.tree_attention.triton import BlockConfig, tree_attention_pallas
 from pallas_kernels.tree_attention.tuned import pick_config
 
@@ -31,6 +31,7 @@ __all__ = [
     "pick_config",
     "tree_mla_attention",
     "tree_mla_attention_reference",
+    "tree_mla_attention_xla",
 ]
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -85,8 +86,9 @@ def tree_mla_attention(q, cache, start, tree_mask, *, scale: float, value_dim: i
     visible rows of (q . row) * scale, times row[:value_dim]; softmax statistics in float32.
 
     impl: "auto" | "triton" | "xla", chosen by pallas_kernels.dispatch.choose_attention (auto: the
-          Pallas Triton kernel on a GPU or with interpret=True and power-of-two widths, else the
-          reference); an explicit "triton" that cannot run here raises KernelUnavailableError.
+          Pallas Triton kernel with interpret=True, or on a GPU at the call shapes where it was measured
+          faster than XLA (tuned.triton_not_faster), power-of-two widths; else `tree_mla_attention_xla`);
+          an explicit "triton" that cannot run here raises KernelUnavailableError.
     config: tiling override; default from tuned.pick_config.
     Value checks (start + T <= S_max, ...) run when the inputs are concrete; under jit they cannot,
     so call `check_tree_attention_values` on concrete values before tracing if in doubt (the kernel
@@ -98,9 +100,10 @@ def tree_mla_attention(q, cache, start, tree_mask, *, scale: float, value_dim: i
         check_tree_attention_values(start, tree_mask, cache_rows=cache.shape[1])
     B, T, H, D = q.shape
     c, r = value_dim, D - value_dim
-    choice = dispatch.choose_attention(latent_dim=c, rope_dim=r, impl=impl, interpret=interpret)
+    choice = dispatch.choose_attention(latent_dim=c, rope_dim=r, impl=impl, interpret=interpret, num_heads=H,
+                                       dtype=q.dtype, num_tree=T, cache_rows=cache.shape[1])
     if choice.impl == "xla":
-        return tree_mla_attention_reference(q, cache, start, tree_mask, scale=scale, value_dim=value_dim)
+        return tree_mla_attention_xla(q, cache, start, tree_mask, scale=scale, value_dim=value_dim)
     if config is None:
         config = pick_config(batch=B, num_tree=T, num_heads=H, latent_dim=c, rope_dim=r,
                              cache_rows=cache.shape[1])

@@ -1,5 +1,7 @@
-"""Tree-masked absorbed MLA attention in plain jnp: the definition the kernel is tested against and the op's
-"xla" implementation."""
+"""Tree-masked absorbed MLA attention in plain jnp: the definition the kernel is tested against
+(`tree_mla_attention_reference`, float32 at HIGHEST precision) and the op's "xla" implementation
+(`tree_mla_attention_xla`: the definition for float32 inputs; for bf16/f16 inputs the form production feeds
+XLA, einsums in the input dtype with float32 accumulation and a float32 softmax)."""
 
 from __future__ import annotations
 
@@ -26,4 +28,26 @@ def tree_mla_attention_reference(q, cache, start, tree_mask, *, scale: float, va
     scores = jnp.where(visible[:, :, None, :], scores, -jnp.inf)  # [B, T, H, S_max]
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bths,bsc->bthc", probs, kv[..., :value_dim], precision=hi)
+    return out.astype(q.dtype)
+
+
+def tree_mla_attention_xla(q, cache, start, tree_mask, *, scale: float, value_dim: int):
+    """The op's "xla" implementation, same arguments and result as the reference. float32 inputs: the
+    reference itself (the greedy invariant is checked in float32 at full precision). bf16/f16: score and value
+    einsums in the input dtype with float32 accumulation, float32 softmax, probabilities cast back to the
+    input dtype for the value einsum (what the kernel does too), so a half-precision model does not upcast its
+    whole latent cache to float32 on every call."""
+    if q.dtype == jnp.float32:
+        return tree_mla_attention_reference(q, cache, start, tree_mask, scale=scale, value_dim=value_dim)
+    B, T, H, D = q.shape
+    S_max = cache.shape[1]
+    offset = jnp.arange(S_max)[None, :] - start[:, None]
+    tree_visible = jnp.take_along_axis(
+        tree_mask, jnp.broadcast_to(jnp.clip(offset, 0, T - 1)[:, None, :], (B, T, S_max)), axis=2)
+    visible = (offset < 0)[:, None, :] | (((offset >= 0) & (offset < T))[:, None, :] & tree_visible)
+    kv = jnp.where((offset < T)[:, :, None], cache, jnp.zeros((), cache.dtype))  # garbage rows may hold NaN
+    scores = jnp.einsum("bthd,bsd->bths", q, kv, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(visible[:, :, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bths,bsc->bthc", probs, kv[..., :value_dim], preferred_element_type=jnp.float32)
     return out.astype(q.dtype)

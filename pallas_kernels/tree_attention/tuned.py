@@ -28,6 +28,31 @@ _K2 = [
 TUNED: dict[tuple[int, int, int], list[tuple[int, int, BlockConfig]]] = {(512, 64, 64): _K2}
 
 
+# Where the kernel was measured FASTER than impl="xla" on the H200; everywhere else impl="auto" runs XLA (the
+# dispatcher never picks a kernel that measured slower, and does not guess where nothing was measured).
+# K2 (c 512, r 64, H 64), bf16 (tree_attention_h200.md, 2026-11-30; XLA = the bf16 jnp form): faster at
+# S = 32768 (T 1 / 33 / 129: 2.14x / 1.23x / 1.54x) and at S = 4096, T = 129 (1.16x); slower at S = 4096, T = 1
+# (0.71x) and T = 33 (0.93x). float32 (tree_attention_shipped.md, 2026-12-02, the shipped pair's c 128, r 32,
+# H 6): slower than XLA's float32 HIGHEST path at every measured shape (0.42-0.85x at S_max 256 and 2048, T 1-33;
+# 1.03x at S_max 2048, T 65), and at full matmul precision (how a float32 model runs) it is ~10x slower still.
+def triton_not_faster(*, num_heads: int, latent_dim: int, rope_dim: int, dtype, num_tree: int | None = None,
+                      cache_rows: int | None = None) -> str | None:
+    """None where the Triton kernel was measured faster than XLA for this call shape, else why not (a few
+    words). Without num_tree / cache_rows (a plan before any call): None where some call shape of this
+    (H, c, r, dtype) was measured faster."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    if jnp.dtype(dtype) == jnp.float32:
+        return "float32: the kernel measured slower than XLA"
+    if (latent_dim, rope_dim, num_heads) != (512, 64, 64) or jnp.dtype(dtype) != jnp.bfloat16:
+        return f"not measured faster than XLA at H={num_heads}, c={latent_dim}, r={rope_dim}, {jnp.dtype(dtype)}"
+    if num_tree is None or cache_rows is None:
+        return None
+    if cache_rows >= 32768 or (num_tree >= 129 and cache_rows >= 4096):
+        return None
+    return f"T={num_tree}, S_max={cache_rows}: XLA measured faster (kernel wins at S_max >= 32768 or T >= 129)"
+
+
 def _num_splits(row_tiles: int, kv_tiles: int) -> int:
     """Split the prefix until ~2 waves of programs, keeping >= 4 KV tiles per split."""
     want = max(1, (2 * NUM_SMS_H200) // max(row_tiles, 1))

@@ -56,6 +56,28 @@ def test_attention_rules():
         choose(latent_dim=512, rope_dim=64, device=CPU, impl="triton")
 
 
+def test_attention_auto_runs_the_kernel_only_where_it_measured_faster():
+    """On a GPU, auto picks the Triton kernel only at call shapes where it was measured faster than XLA
+    (tree_attention.tuned.triton_not_faster): K2's bf16 shape at S_max >= 32768 or T >= 129, never float32,
+    never an unmeasured shape; an explicit impl is obeyed; interpret mode on a CPU is unchanged."""
+    def choose(**kw):
+        return dispatch.choose_attention(latent_dim=512, rope_dim=64, device=H200, **kw)
+
+    k2 = dict(num_heads=64, dtype=jnp.bfloat16)
+    assert choose(**k2, num_tree=1, cache_rows=32768 + 64) == Choice("triton", "GPU")
+    assert choose(**k2, num_tree=129, cache_rows=4096 + 129) == Choice("triton", "GPU")
+    assert choose(**k2, num_tree=33, cache_rows=4096 + 33) == Choice(
+        "xla", "T=33, S_max=4129: XLA measured faster (kernel wins at S_max >= 32768 or T >= 129)")
+    assert choose(**k2) == Choice("triton", "GPU, at the call shapes where it measured faster than XLA")
+    assert choose(num_heads=64, dtype=jnp.float32, num_tree=1, cache_rows=65536) == Choice(
+        "xla", "float32: the kernel measured slower than XLA")
+    assert choose(num_heads=6, dtype=jnp.bfloat16, num_tree=1, cache_rows=65536) == Choice(
+        "xla", "not measured faster than XLA at H=6, c=512, r=64, bfloat16")
+    assert choose(num_heads=6, dtype=jnp.float32, impl="triton") == Choice("triton", "asked for")
+    assert dispatch.choose_attention(latent_dim=512, rope_dim=64, device=CPU, interpret=True, num_heads=6,
+                                     dtype=jnp.float32, num_tree=1, cache_rows=64) == Choice("triton", "interpret mode")
+
+
 def test_linear_rules():
     w = _experts()["gate"]
     w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), w)  # one unstacked weight
@@ -117,7 +139,9 @@ def test_kernel_plan_on_this_cpu_and_a_faked_h200(small_cfg):
     assert kj.plan_summary(on_cpu) == ("attention xla (no GPU, this is cpu), linear xla (no GPU, this is cpu; "
                                        "6 INT4 weights), moe xla (no GPU, this is cpu), tree xla (no GPU, this is cpu)")
     on_h200 = kj.kernel_plan(params, cfg, device=H200)
-    assert on_h200["attention"] == ("triton", "GPU") and on_h200["linear"][0] == "triton"
+    assert on_h200["attention"] == ("xla", f"not measured faster than XLA at H={cfg.num_attention_heads}, "
+                                    f"c={cfg.kv_lora_rank}, r={cfg.qk_rope_head_dim}, bfloat16")
+    assert on_h200["linear"][0] == "triton"
     assert on_h200["moe"] == ("mosaic_gpu", "experts converted to the Mosaic layout once at load; GPU")
     pinned = kj.kernel_plan(params, cfg, device=H200, kernels=Kernels(attention="xla", moe="triton"))
     assert pinned["attention"] == ("xla", "asked for") and pinned["moe"] == ("triton", "asked for")
@@ -125,8 +149,9 @@ def test_kernel_plan_on_this_cpu_and_a_faked_h200(small_cfg):
     assert kj.kernel_plan(f32, cfg, device=H200)["moe"] == (
         "triton", "Mosaic GPU kernel not used: needs bf16 activations, the model runs in float32; GPU")
     assert kj.kernel_plan(jax.eval_shape(lambda: kj.init_params(cfg, jax.random.key(0))), cfg, device=H200) == {
-        "attention": ("triton", "GPU"), "linear": ("none", "no INT4 dense weights"),
-        "moe": ("xla", "dense experts (not INT4)"), "tree": ("triton", "GPU")}
+        "attention": ("xla", "float32: the kernel measured slower than XLA"),
+        "linear": ("none", "no INT4 dense weights"), "moe": ("xla", "dense experts (not INT4)"),
+        "tree": ("triton", "GPU")}
     with pytest.raises(ValueError, match="kernels must be a kdtree_jax.Kernels, got dict"):
         kj.kernel_plan(params, cfg, kernels={"moe": "xla"})
 

@@ -14,6 +14,7 @@ from pallas_kernels.tree_attention import (
     check_tree_attention_values,
     tree_mla_attention,
     tree_mla_attention_reference,
+    tree_mla_attention_xla,
 )
 from pallas_kernels.tree_attention.triton import tree_attention_pallas
 
@@ -74,6 +75,21 @@ def test_reference_matches_numpy():
     out = tree_mla_attention_reference(q, cache, start, tree, scale=0.3 / np.sqrt(80), value_dim=64)
     assert out.shape == (3, 7, 6, 64) and out.dtype == jnp.float32
     assert rel_err(out, truth) < 1e-5
+
+
+def test_xla_impl_is_the_reference_in_float32_and_half_precision_einsums_in_bf16():
+    """impl="xla": float32 inputs get the reference bit for bit; bf16 inputs the bf16 einsum form (float32
+    accumulation and softmax), within bf16 rounding of the float64 truth, NaN garbage rows kept out."""
+    kw = dict(scale=0.3 / np.sqrt(80), value_dim=64)
+    q, cache, start, tree, _ = make_inputs(1, B=2, T=5, S_max=40, starts=[0, 30], dtype=jnp.float32, **TINY)
+    np.testing.assert_array_equal(np.asarray(tree_mla_attention_xla(q, cache, start, tree, **kw)),
+                                  np.asarray(tree_mla_attention_reference(q, cache, start, tree, **kw)))
+    q, cache, start, tree, truth = make_inputs(1, B=2, T=5, S_max=40, starts=[0, 30], dtype=jnp.bfloat16, **TINY)
+    out = jax.jit(lambda *a: tree_mla_attention_xla(*a, **kw))(q, cache, start, tree)
+    assert out.dtype == jnp.bfloat16 and not np.isnan(np.asarray(out, np.float32)).any()
+    assert rel_err(out, truth) < 2e-2
+    np.testing.assert_array_equal(np.asarray(tree_mla_attention(q, cache, start, tree, impl="xla", **kw)),
+                                  np.asarray(out))
 
 
 # (B, T, S_max, starts, config, chain): prefix shorter than a tile, not tile aligned, start = 0,

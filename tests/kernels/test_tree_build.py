@@ -100,7 +100,9 @@ def test_engine_path_matches_heap():
 @given(shape=st.sampled_from(SHAPES), seed=st.integers(0, 2**32 - 1))
 def test_kernel_on_bf16_matches_heap_and_the_jnp_builder(shape, seed):
     """bf16 values (coarse: many ties). Log-probs: the heap over the same values in float32, bit for bit.
-    Logits: the kernel and the jnp builder in one program (so one logsumexp feeds both), field for field."""
+    Logits: the kernel and the jnp builder in one program, field for field; the scores bit for bit where one
+    logsumexp feeds both (front ends "xla", "pallas"), within a few ulps where the fused front end computes its
+    own (natively on a GPU its reduction order differs; equal logits stay equal, so the ranks cannot move)."""
     batch, depth_count, vocab, budget = shape
     rng = np.random.default_rng(seed)
     logits = jnp.asarray(rng.normal(size=(batch, depth_count, vocab)) * 3, jnp.bfloat16)
@@ -110,9 +112,13 @@ def test_kernel_on_bf16_matches_heap_and_the_jnp_builder(shape, seed):
     _assert_matches_heap(tree, np.asarray(log_probs.astype(jnp.float32)), budget, np.asarray(roots))
     both = jax.jit(lambda x, r: (build_tree(x, budget, r, kernels=KERNEL), build_tree(x, budget, r, kernels=JNP)))
     kernel_tree, jnp_tree = both(logits, roots)
+    own_lse = tree_build.pick_front_end(vocab) == "pallas_fused"
     for field in FIELDS:
-        np.testing.assert_array_equal(np.asarray(getattr(kernel_tree, field)), np.asarray(getattr(jnp_tree, field)),
-                                      err_msg=field)
+        got, want = np.asarray(getattr(kernel_tree, field)), np.asarray(getattr(jnp_tree, field))
+        if field == "scores" and own_lse:
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=field)
+        else:
+            np.testing.assert_array_equal(got, want, err_msg=field)
 
 
 @pytest.mark.parametrize("pop", POP_LOOPS)
