@@ -15,6 +15,7 @@ median of 5 runs after a warm-up. Results carry the run's metadata (device, JAX,
 Usage (GPU): python benchmarks/bench_tree_attention.py --out DIR [--budget-s 200] [--plan tune --skip-xla]
        shipped pair's shape (H, c, r from its config; float32 and bf16; XLA = the op's impl="xla"):
                python benchmarks/bench_tree_attention.py --out DIR --shipped
+               python benchmarks/bench_tree_attention.py --summarize-shipped RUN.json   # results/ .md again
        merge:  python benchmarks/bench_tree_attention.py --summarize RUN1.json RUN2.json
                (writes benchmarks/results/tree_attention_h200.{md,png})
        (CPU):  python benchmarks/bench_tree_attention.py --smoke   # tiny shapes, interpret mode,
@@ -297,11 +298,20 @@ def shipped_main(args):
             rows.append(row)
             write_json(stem, meta, dict(rows=rows))  # a run cut short keeps its rows
             print(row, flush=True)
+    write_results(stem, meta, dict(rows=rows), shipped_table(meta, rows))
+    print(shipped_table(meta, rows))
+
+
+def shipped_table(meta, rows) -> str:
+    """The markdown of a --shipped run (also from a run cut short: --summarize-shipped JSON)."""
+    done = {(r["dtype"], r["precision"]) for r in rows}
+    missing = [f"{d} {p or 'default'}" for d, p in SHIPPED_VARIANTS if (d, p or "default") not in done]
     lines = [f"# Tree-masked MLA attention at the shipped pair's shape, {meta['device']}, jax {meta['jax']}, "
-             f"{meta['date']}", "", f"H={H}, c={c}, r={r}, B=1, start = S_max - T; {meta['method']}. XLA = "
-             "impl='xla' (tree_mla_attention_xla: float32 HIGHEST reference, or bf16 einsums with float32 "
-             "accumulation), Triton = the kernel at its pick_config tiling; precision = the matmul precision "
-             "the call ran under.", "",
+             f"{meta['date']}", "", f"H={meta['H']}, c={meta['c']}, r={meta['r']}, B=1, start = S_max - T; "
+             f"{meta['method']}. XLA = impl='xla' (tree_mla_attention_xla: float32 HIGHEST reference, or bf16 "
+             "einsums with float32 accumulation), Triton = the kernel at its pick_config tiling; precision = the "
+             "matmul precision the call ran under. Floor = bytes / 3.4 TB/s."
+             + (f" Not measured (the run was cut short): {', '.join(missing)}." if missing else ""), "",
              "| dtype | precision | S_max | T | floor us | XLA us | Triton us | Triton / XLA | rel err (Triton) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
@@ -310,9 +320,14 @@ def shipped_main(args):
         lines.append(f"| {row['dtype']} | {row['precision']} | {row['S']} | {row['T']} | {row['floor_us']:.2f} | "
                      f"{x or float('nan'):.1f} | {t or float('nan'):.1f} | {ratio} | "
                      f"{row.get('triton_rel_err', float('nan')):.1e} |")
-    table = "\n".join(lines)
-    write_results(stem, meta, dict(rows=rows), table)
-    print(table)
+    return "\n".join(lines)
+
+
+def summarize_shipped(path):
+    run = json.load(open(path))
+    stem = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tree_attention_shipped")
+    write_results(stem, run["meta"], {"rows": run["rows"]},
+                  shipped_table(run["meta"], run["rows"]))
 
 
 def summarize(paths, out_dir):
@@ -372,7 +387,9 @@ def draw(path, meta, labels, rows):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--summarize":
+    if len(sys.argv) > 1 and sys.argv[1] == "--summarize-shipped":
+        summarize_shipped(sys.argv[2])
+    elif len(sys.argv) > 1 and sys.argv[1] == "--summarize":
         summarize(sys.argv[2:], os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     else:
         main()

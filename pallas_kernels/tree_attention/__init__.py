@@ -10,8 +10,9 @@ space (the caller applies W_UV). Visible rows for new token t of batch row b:
 `tree_mla_attention` is the public entry point: it checks shapes and asks
 `pallas_kernels.dispatch.choose_attention` which implementation runs, "triton" (`triton.py`, tiled by
 `tuned.pick_config`; on a GPU only at call shapes where it was measured faster, `tuned.triton_not_faster`) or
-"xla" (`reference.tree_mla_attention_xla`: for float32 the plain-jnp definition the kernel is tested against). `check_tree_attention_values` checks what shapes cannot show (start >= 0,
-start + T <= S_max, diagonal of tree_mask) and must be called outside `jit`.
+"xla" (`reference.tree_mla_attention_xla`: for float32 the plain-jnp definition the kernel is tested
+against). `check_tree_attention_values` checks what shapes cannot show (start >= 0, start + T <= S_max,
+diagonal of tree_mask) and must be called outside `jit`.
 """
 
 from __future__ import annotations

@@ -33,8 +33,9 @@ TUNED: dict[tuple[int, int, int], list[tuple[int, int, BlockConfig]]] = {(512, 6
 # K2 (c 512, r 64, H 64), bf16 (tree_attention_h200.md, 2026-11-30; XLA = the bf16 jnp form): faster at
 # S = 32768 (T 1 / 33 / 129: 2.14x / 1.23x / 1.54x) and at S = 4096, T = 129 (1.16x); slower at S = 4096, T = 1
 # (0.71x) and T = 33 (0.93x). float32 (tree_attention_shipped.md, 2026-12-02, the shipped pair's c 128, r 32,
-# H 6): slower than XLA's float32 HIGHEST path at every measured shape (0.42-0.85x at S_max 256 and 2048, T 1-33;
-# 1.03x at S_max 2048, T 65), and at full matmul precision (how a float32 model runs) it is ~10x slower still.
+# H 6, against XLA's float32 HIGHEST path): the kernel takes 1.24-2.74x XLA's time at JAX's default precision
+# (S_max 256 and 2048, T 1 and 33; the first run, tree_attention_shipped_run1_log.txt, saw 0.97x only at
+# S_max 2048, T 65) and 44.7x at "highest", how the float32 engine runs (527.8 vs 11.8 us, S_max 256, T 1).
 def triton_not_faster(*, num_heads: int, latent_dim: int, rope_dim: int, dtype, num_tree: int | None = None,
                       cache_rows: int | None = None) -> str | None:
     """None where the Triton kernel was measured faster than XLA for this call shape, else why not (a few
