@@ -167,7 +167,10 @@ def test_kernel_lowers_for_cuda_at_k2_shapes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,S_max,start", [(1, 4096, 4000), (33, 2048, 1500), (129, 1024, 600)])
+# T = 2, 3 at the K2.6 slice's cache (S = 4096 committed + 256 rows): bench_k26_auto's check of the masked tree
+# against the switch differed by 0.25 (max rel) at T = 2 and 3 only (2026-12-02, k26_auto.md), unexplained.
+@pytest.mark.parametrize("T,S_max,start", [(1, 4096, 4000), (2, 4352, 4096), (3, 4352, 4096), (33, 2048, 1500),
+                                           (129, 1024, 600)])
 def test_kernel_native_gpu(T, S_max, start):
     q, cache, s, tree, truth = make_inputs(4, B=1, T=T, H=64, c=512, r=64, S_max=S_max, starts=[start],
                                            dtype=jnp.bfloat16)
