@@ -16,8 +16,8 @@ rows (row = t * H + h), cut into tiles of 64 rows (one wgmma M). Grid (B, row ti
     columns in num_wg chunks + the RoPE columns, one barrier per copy); a slot is refilled only after every
     warpgroup arrived on its "consumed" barrier;
   * online softmax in float32 (exp2, log2(e) folded into the scale), P cast to the input dtype for the
-    value wgmma (P staged in SMEM: p_operand="smem", the only form jax 0.11's GPU interpreter can simulate;
-    "registers" feeds wgmma straight from registers, the native fast path, not checkable in interpret mode).
+    value wgmma, fed from registers natively (p_operand "registers") or staged in SMEM ("smem", the only
+    form jax 0.11's GPU interpreter simulates; the default picks by `interpret`).
 
 The KV range of batch row b is [0, start[b] + T):
   * full prefix tiles [0, start // block_kv) are visible to every query row: no mask at all; they are shared
@@ -31,12 +31,17 @@ The KV range of batch row b is [0, start[b] + T):
     (S_max < block_kv: the wrapper pads the cache to one tile, a copy of fewer than block_kv rows).
 
 num_splits > 1: each split writes its normalized partial output (in the input dtype: it is staged in the q chunk's
-SMEM) and its float32 log2-sum-exp; an XLA
-combine weights them by exp2(lse - max lse), as the Triton kernel does.
+SMEM) and its float32 log2-sum-exp; an XLA combine weights them by exp2(lse - max lse), as the Triton kernel
+does.
 
 Status: checked in Mosaic GPU interpret mode on CPU only (tests/kernels/test_tree_attention_mgpu.py, tiny
-shapes, p_operand="smem"), and its CUDA lowering at K2 shapes. Not yet run natively on an H200, not timed,
-and not wired into pallas_kernels.dispatch (tree_mla_attention never calls it).
+shapes), and its CUDA lowering at K2 shapes (c 512, r 64, H 64). Not yet run natively on an H200, not timed,
+and not wired into pallas_kernels.dispatch (tree_mla_attention never calls it). What jax 0.11.2's GPU
+interpreter cannot run, and so is covered by the lowering test only: wgmma with A (P) from registers
+(interpret mode stages P in SMEM) and accumulating into a carried accumulator with pl.run_state (interpret
+mode adds a fresh product in registers instead, see `_accumulate`). Its race detector reported no race, but
+it also stays silent with the cross-warpgroup sync of a tail tile removed, so the ordering between warpgroups
+is reasoned, not tested.
 """
 
 from __future__ import annotations
@@ -90,8 +95,10 @@ def _check(q, cache, start, tree_mask, value_dim, config: MosaicAttentionConfig,
     if q.dtype != cache.dtype or jnp.dtype(q.dtype) not in _DTYPES:
         raise ValueError(f"the Mosaic GPU attention kernel takes bf16 or f16 q and cache of one dtype, got "
                          f"{q.dtype} and {cache.dtype}")
+    if not 0 < value_dim < D:
+        raise ValueError(f"value_dim must be in (0, {D}) (the latent part of the {D}-wide rows), got {value_dim}")
     c, r = value_dim, D - value_dim
-    if c % 64 or c <= 0:
+    if c % 64:
         raise ValueError(f"latent width c = value_dim = {c} must be a positive multiple of 64 (wgmma, 128 B swizzle)")
     if r % 16 or r <= 0 or r & (r - 1):
         raise ValueError(f"RoPE width r = {r} (= {D} - value_dim) must be a power of two >= 16 (a TMA swizzle)")
@@ -226,7 +233,7 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
                 # which the select replaces.)
                 kv_rows = plgpu.broadcasted_iota(jnp.int32, (bk, vb), 0, layout=wgmma_layout) + k0
                 chunk = kc_smem.at[slot, wg]
-                chunk[...] = jnp.where(kv_rows < kv_end, plgpu.load(chunk, (), layout=wgmma_layout),
+                chunk[...] = jnp.where(kv_rows < kv_end, plgpu.load(chunk, layout=wgmma_layout),
                                        jnp.zeros((), dtype))
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(sync)
@@ -376,5 +383,6 @@ def tree_attention_mosaic(q, cache, start, tree_mask, *, scale: float, value_dim
     else:
         o_part, lse = outs  # [B, ns, R_pad, c], [B, ns, R_pad] (log2 units)
         w = jnp.exp2(lse - jnp.max(lse, axis=1, keepdims=True))  # the last split always sees the diagonal
-        out = (jnp.sum(o_part.astype(jnp.float32) * w[..., None], axis=1) / jnp.sum(w, axis=1)[..., None]).astype(q.dtype)
+        out = jnp.sum(o_part.astype(jnp.float32) * w[..., None], axis=1) / jnp.sum(w, axis=1)[..., None]
+        out = out.astype(q.dtype)
     return out[:, :R].reshape(B, T, H, c)
