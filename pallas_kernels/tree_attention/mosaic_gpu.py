@@ -1,0 +1,388 @@
+"""Tree-masked absorbed-MLA attention on the Pallas Mosaic GPU backend (Hopper): a first, not yet wired version.
+
+Same op as `reference.tree_mla_attention_reference` (see the package docstring for the visibility rule):
+q [B, T, H, c + r], cache [B, S_max, c + r], start [B] int32, tree_mask [B, T, T] bool -> [B, T, H, c].
+
+Layout (as the Triton kernel): the T tree tokens x H heads of one batch row are folded into R = T * H query
+rows (row = t * H + h), cut into tiles of 64 rows (one wgmma M). Grid (B, row tiles, KV splits), one CTA per
+(batch row, row tile, split), `num_wg` = c / value_block consumer warpgroups per CTA:
+  * the value (output) columns are cut into num_wg chunks of value_block (<= 256, so that a [64, value_block]
+    float32 accumulator fits one warpgroup's registers: c = 512 needs 2 warpgroups, FlashMLA's O_L / O_R);
+    warpgroup w owns output columns [w * value_block, (w + 1) * value_block);
+  * every warpgroup computes the full [64, block_kv] score tile S = q . row (the c latent columns as num_wg
+    chunked wgmmas plus one RoPE wgmma) itself, so the two never exchange softmax statistics. That repeats
+    the QK^T work once per warpgroup (FlashMLA's "seesaw" avoids it; a later step);
+  * warpgroup 0 streams the cache with TMA through a ring of `max_concurrent_steps` SMEM slots (latent
+    columns in num_wg chunks + the RoPE columns, one barrier per copy); a slot is refilled only after every
+    warpgroup arrived on its "consumed" barrier;
+  * online softmax in float32 (exp2, log2(e) folded into the scale), P cast to the input dtype for the
+    value wgmma, fed from registers natively (p_operand "registers") or staged in SMEM ("smem", the only
+    form jax 0.11's GPU interpreter simulates; the default picks by `interpret`).
+
+The KV range of batch row b is [0, start[b] + T):
+  * full prefix tiles [0, start // block_kv) are visible to every query row: no mask at all; they are shared
+    out among the splits;
+  * the tail [block_kv * (start // block_kv), start + T), at most cdiv(block_kv - 1 + T, block_kv) tiles, is
+    done by the last split with a per-row visibility mask: row i's tree row (token t = i // H) arrives as
+    cdiv(T, 32) int32 bit words (bit u = tree_mask[b, t, u]) and is expanded in registers; rows at or past
+    start + T are masked, and their latent columns are zeroed in SMEM before any wgmma reads them (they may
+    hold NaN, and 0 * NaN would reach the accumulator). A tail tile that would run past S_max is moved back
+    to end at S_max (rows already done by the previous tile are masked), so no copy ever reads past the cache
+    (S_max < block_kv: the wrapper pads the cache to one tile, a copy of fewer than block_kv rows).
+
+num_splits > 1: each split writes its normalized partial output (in the input dtype: it is staged in the q chunk's
+SMEM) and its float32 log2-sum-exp; an XLA combine weights them by exp2(lse - max lse), as the Triton kernel
+does.
+
+Status: checked in Mosaic GPU interpret mode on CPU only (tests/kernels/test_tree_attention_mgpu.py, tiny
+shapes), and its CUDA lowering at K2 shapes (c 512, r 64, H 64). Not yet run natively on an H200, not timed,
+and not wired into pallas_kernels.dispatch (tree_mla_attention never calls it). What jax 0.11.2's GPU
+interpreter cannot run, and so is covered by the lowering test only: wgmma with A (P) from registers
+(interpret mode stages P in SMEM) and accumulating into a carried accumulator with pl.run_state (interpret
+mode adds a fresh product in registers instead, see `_accumulate`). Its race detector reported no race, but
+it also stays silent with the cross-warpgroup sync of a tail tile removed, so the ordering between warpgroups
+is reasoned, not tested.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.w4a16.mosaic_gpu import smem_transforms
+
+# Finite "minus infinity": exp2(NEG - x) == 0 for any real x, and NEG - NEG == 0 never yields NaN.
+NEG = -1e30
+LOG2E = math.log2(math.e)
+ROWS = 64  # query rows per CTA: one wgmma M
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicAttentionConfig:
+    """block_kv: cache rows per pipeline step, a multiple of 64 (wgmma N of QK^T, K of PV).
+    num_splits: CTAs sharing one row tile's prefix; > 1 adds an LSE combine in XLA.
+    max_concurrent_steps: SMEM ring depth (KV tiles in flight), >= 1.
+    value_block: output columns per warpgroup (None: min(c, 256)); c / value_block warpgroups, at most 2.
+    p_operand: "registers" (wgmma A straight from registers; native only), "smem" (P staged in SMEM: the only
+      form jax 0.11's GPU interpreter simulates; 16 KiB more SMEM, which c = 512 does not have at block_kv 64
+      and depth 2), or None: registers natively, smem in interpret mode."""
+
+    block_kv: int = 64
+    num_splits: int = 1
+    max_concurrent_steps: int = 2
+    value_block: int | None = None
+    p_operand: str | None = None
+
+
+def _check(q, cache, start, tree_mask, value_dim, config: MosaicAttentionConfig, interpret) -> int:
+    """Shape/dtype/config checks; returns value_block."""
+    if q.ndim != 4 or cache.ndim != 3:
+        raise ValueError(f"q must be [B, T, H, c + r] and cache [B, S_max, c + r], got {q.shape} and {cache.shape}")
+    B, T, H, D = q.shape
+    if cache.shape[0] != B or cache.shape[2] != D:
+        raise ValueError(f"cache must be [B={B}, S_max, c + r = {D}], got shape {cache.shape}")
+    if start.shape != (B,) or tree_mask.shape != (B, T, T) or tree_mask.dtype != jnp.bool_:
+        raise ValueError(f"start must be [{B}] and tree_mask bool [{B}, {T}, {T}], got {start.shape} and "
+                         f"{tree_mask.dtype}{tree_mask.shape}")
+    if q.dtype != cache.dtype or jnp.dtype(q.dtype) not in _DTYPES:
+        raise ValueError(f"the Mosaic GPU attention kernel takes bf16 or f16 q and cache of one dtype, got "
+                         f"{q.dtype} and {cache.dtype}")
+    if not 0 < value_dim < D:
+        raise ValueError(f"value_dim must be in (0, {D}) (the latent part of the {D}-wide rows), got {value_dim}")
+    c, r = value_dim, D - value_dim
+    if c % 64:
+        raise ValueError(f"latent width c = value_dim = {c} must be a positive multiple of 64 (wgmma, 128 B swizzle)")
+    if r % 16 or r <= 0 or r & (r - 1):
+        raise ValueError(f"RoPE width r = {r} (= {D} - value_dim) must be a power of two >= 16 (a TMA swizzle)")
+    vb = config.value_block or min(c, 256)
+    if vb % 64 or c % vb or c // vb > 2 or vb > 256:
+        raise ValueError(f"value_block = {vb} must be a multiple of 64, <= 256, dividing c = {c} into 1 or 2 "
+                         "warpgroups")
+    if config.block_kv % 64 or not 64 <= config.block_kv <= 256:
+        raise ValueError(f"block_kv = {config.block_kv} must be 64, 128, 192 or 256")
+    if config.num_splits < 1 or config.max_concurrent_steps < 1:
+        raise ValueError(f"num_splits ({config.num_splits}) and max_concurrent_steps "
+                         f"({config.max_concurrent_steps}) must be >= 1")
+    if config.p_operand not in (None, "smem", "registers"):
+        raise ValueError(f"p_operand must be None, 'smem' or 'registers', got {config.p_operand!r}")
+    if interpret and config.p_operand == "registers":
+        raise ValueError("p_operand='registers' cannot run in GPU interpret mode: jax 0.11's interpreted wgmma "
+                         "reads A from SMEM only; use p_operand='smem' there")
+    if T > cache.shape[1]:
+        raise ValueError(f"T = {T} tree tokens cannot fit in S_max = {cache.shape[1]} cache rows")
+    return vb
+
+
+def tree_mask_bits(tree_mask, num_heads: int, rows_padded: int):
+    """[B, T, T] bool -> [B, cdiv(T, 32), rows_padded] int32: bit u % 32 of word u // 32 of row t * H + h is
+    tree_mask[b, t, u] (padding rows: 0)."""
+    B, T, _ = tree_mask.shape
+    words = -(-T // 32)
+    m = jnp.pad(tree_mask, ((0, 0), (0, 0), (0, 32 * words - T))).reshape(B, T, words, 32).astype(jnp.uint32)
+    bits = jnp.sum(m << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)  # [B, T, words]
+    bits = lax.bitcast_convert_type(bits, jnp.int32)
+    rows = jnp.broadcast_to(bits[:, :, None, :], (B, T, num_heads, words)).reshape(B, T * num_heads, words)
+    rows = jnp.pad(rows, ((0, 0), (0, rows_padded - T * num_heads), (0, 0)))
+    return rows.transpose(0, 2, 1)  # [B, words, rows_padded]
+
+
+def _accumulate(acc, a, b, interpret):
+    """acc + a @ b on the tensor cores, float32. Natively the wgmma accumulates into `acc` itself, carried in
+    registers (pl.run_state). jax 0.11's GPU interpreter runs neither pl.run_state nor stores into an
+    accumulator, so there the product goes into a fresh zero accumulator and is added to `acc` in registers
+    (the same sum, one more rounding per step; natively that would cost a second accumulator's registers)."""
+    if interpret is None:
+        def body(acc_ref):
+            plgpu.wgmma(acc_ref, a, b)
+
+        return pl.run_state(body)(plgpu.ACC.init(acc))
+
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        plgpu.wgmma_wait(0)
+        return acc_ref[...]
+
+    return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
+
+
+def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float, dtype, vb: int,
+                 config: MosaicAttentionConfig, interpret):
+    nwg = c // vb
+    bk, ns, depth = config.block_kv, config.num_splits, config.max_concurrent_steps
+    words = -(-num_tree // 32)
+    p_register = (config.p_operand or ("registers" if interpret is None else "smem")) == "registers"
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def kernel(start_ref, q_ref, cache_ref, bits_ref, *out_refs, scratch):
+        (qc_smem, qr_smem, kc_smem, kr_smem, p_smem, lse_smem), (q_bar, kc_bar, kr_bar), consumed, sync = \
+            scratch
+        b, tile, split = lax.axis_index("b"), lax.axis_index("tile"), lax.axis_index("split")
+        wg = lax.axis_index("wg")
+        row0 = tile * ROWS
+        start = start_ref[b]
+        kv_end = jnp.minimum(start + num_tree, s_max)
+        n_full = start // bk
+        per_split = (n_full + ns - 1) // ns
+        lo = jnp.minimum(split * per_split, n_full)
+        hi = jnp.minimum(lo + per_split, n_full)
+        n_prefix = hi - lo
+        n_tail = (kv_end - n_full * bk + bk - 1) // bk
+        if ns > 1:
+            n_tail = jnp.where(split == ns - 1, n_tail, 0)
+        n_steps = n_prefix + n_tail
+
+        def nominal_k0(step):  # first cache row of pipeline step `step` before the clamp
+            return jnp.where(step < n_prefix, (lo + step) * bk, (n_full + step - n_prefix) * bk)
+
+        def actual_k0(step):  # a tail tile never runs past the cache: it is moved back to end at S_max
+            return jnp.minimum(nominal_k0(step), s_max - bk)
+
+        def issue(step):  # warpgroup 0 only: TMA of KV tile `step` into slot step % depth
+            slot = lax.rem(step, depth)
+            rows = pl.ds(actual_k0(step), bk)
+            for j in range(nwg):
+                plgpu.copy_gmem_to_smem(cache_ref.at[b, rows, pl.ds(j * vb, vb)], kc_smem.at[slot, j],
+                                        kc_bar.at[slot * nwg + j])
+            plgpu.copy_gmem_to_smem(cache_ref.at[b, rows, pl.ds(c, r)], kr_smem.at[slot], kr_bar.at[slot])
+
+        @pl.when(wg == 0)
+        def _():
+            for j in range(nwg):
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, ROWS), pl.ds(j * vb, vb)], qc_smem.at[j],
+                                        q_bar.at[j])
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, ROWS), pl.ds(c, r)], qr_smem, q_bar.at[nwg])
+            for s in range(depth):
+                pl.when(s < n_steps)(functools.partial(issue, s))
+
+        for j in range(nwg + 1):
+            plgpu.barrier_wait(q_bar.at[j])
+
+        word_rows = [plgpu.load(bits_ref.at[b, w, pl.ds(row0, ROWS)], layout=row_layout,
+                                optimized=False) for w in range(words)]
+
+        def step_body(step, carry, masked: bool):
+            acc, m, denom = carry
+            slot = lax.rem(step, depth)
+            for j in range(nwg):
+                plgpu.barrier_wait(kc_bar.at[slot * nwg + j])
+            plgpu.barrier_wait(kr_bar.at[slot])
+            k0 = actual_k0(step)
+            if masked:
+                col = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1, layout=wgmma_layout) + k0  # cache row
+                # rows already covered by the previous tile (a clamped last tile) or >= start + T: never
+                rel = col - start  # position in the tree, < 0 for the prefix
+                visible = rel < 0
+                for w in range(words):
+                    word = lax.broadcast_in_dim(word_rows[w], (ROWS, bk), [0])
+                    in_word = (rel >= 32 * w) & (rel < 32 * w + 32)
+                    bit = lax.shift_right_logical(word, jnp.clip(rel - 32 * w, 0, 31)) & 1
+                    visible = visible | (in_word & (bit != 0))
+                visible = visible & (rel < num_tree) & (col >= nominal_k0(step))
+                # Zero the latent columns of rows >= kv_end (garbage, maybe NaN: 0 * NaN in the value wgmma
+                # would poison the accumulator) in this warpgroup's chunk; the sync keeps every warpgroup's
+                # QK^T reads of the tile after all the zeroing. (NaN RoPE columns only reach masked scores,
+                # which the select replaces.)
+                kv_rows = plgpu.broadcasted_iota(jnp.int32, (bk, vb), 0, layout=wgmma_layout) + k0
+                chunk = kc_smem.at[slot, wg]
+                chunk[...] = jnp.where(kv_rows < kv_end, plgpu.load(chunk, layout=wgmma_layout),
+                                       jnp.zeros((), dtype))
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(sync)
+                plgpu.barrier_wait(sync)
+
+            def qk(acc_ref):
+                for j in range(nwg):
+                    plgpu.wgmma(acc_ref, qc_smem.at[j], kc_smem.at[slot, j].T)
+                plgpu.wgmma(acc_ref, qr_smem, kr_smem.at[slot].T)
+                plgpu.wgmma_wait(0)
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32)) * scale_log2  # [64, bk] log2 units
+            if masked:
+                s = jnp.where(visible, s, NEG)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            if masked:  # a row with nothing visible yet has m_new == NEG and would get p == 1
+                p = jnp.where(visible, p, 0.0)
+            denom = denom * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = p.astype(dtype)
+            if not p_register:
+                p_smem.at[wg][...] = p16
+                plgpu.commit_smem()
+                p_in = p_smem.at[wg]
+            else:
+                p_in = p16
+
+            acc = _accumulate(acc, p_in, kc_smem.at[slot, wg], interpret)
+            plgpu.barrier_arrive(consumed.at[slot])
+
+            @pl.when((wg == 0) & (step + depth < n_steps))
+            def _():
+                plgpu.barrier_wait(consumed.at[slot])  # every warpgroup is done with this slot
+                issue(step + depth)
+
+            return acc, m_new, denom
+
+        carry = (plgpu.layout_cast(jnp.zeros((ROWS, vb), jnp.float32), wgmma_layout),
+                 plgpu.layout_cast(jnp.full((ROWS,), NEG, jnp.float32), row_layout),
+                 plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout))
+        carry = lax.fori_loop(0, n_prefix, functools.partial(step_body, masked=False), carry)
+        acc, m, denom = lax.fori_loop(n_prefix, n_steps, functools.partial(step_body, masked=True), carry)
+
+        @pl.when(wg == 0)
+        def _():  # observe the last `depth` consumed phases too (never left pending, as the interpreter checks)
+            @pl.loop(jnp.maximum(n_steps - depth, 0), n_steps)
+            def _(step):
+                plgpu.barrier_wait(consumed.at[lax.rem(step, depth)])
+
+        # Rows with nothing visible (denom == 0) occur only in a split that got no prefix tiles: lse = NEG.
+        has = denom > 0
+        out = acc / lax.broadcast_in_dim(jnp.where(has, denom, 1.0), acc.shape, [0])
+        # The output is staged in this warpgroup's q chunk (SMEM is tight at c = 512: 72 KiB of q + 2 x 72 KiB
+        # of cache ring); the sync keeps it after every warpgroup's last QK^T read of the q chunks.
+        plgpu.barrier_arrive(sync)
+        plgpu.barrier_wait(sync)
+        o_smem = qc_smem
+        o_smem.at[wg][...] = out.astype(dtype)
+        cols = pl.ds(wg * vb, vb)
+        if ns == 1:
+            (o_ref,) = out_refs
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[b, pl.ds(row0, ROWS), cols])
+        else:
+            o_ref, lse_ref = out_refs
+
+            @pl.when(wg == 0)
+            def _():
+                lse_smem[...] = jnp.where(has, m + jnp.log2(jnp.where(has, denom, 1.0)), NEG)
+
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[b, split, pl.ds(row0, ROWS), cols])
+
+            @pl.when(wg == 0)
+            def _():
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(row0, ROWS)])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    def entry(start_ref, q_ref, cache_ref, bits_ref, *out_refs):
+        smem = (
+            plgpu.SMEM((nwg, ROWS, vb), dtype, transforms=smem_transforms(vb, dtype)),  # q latent chunks
+            plgpu.SMEM((ROWS, r), dtype, transforms=smem_transforms(r, dtype)),  # q RoPE part
+            plgpu.SMEM((depth, nwg, bk, vb), dtype, transforms=smem_transforms(vb, dtype)),  # cache latent ring
+            plgpu.SMEM((depth, bk, r), dtype, transforms=smem_transforms(r, dtype)),  # cache RoPE ring
+            None if p_register else plgpu.SMEM((nwg, ROWS, bk), dtype, transforms=smem_transforms(bk, dtype)),  # P
+            plgpu.SMEM((ROWS,), jnp.float32),  # lse staging (splits)
+        )
+        barriers = (plgpu.Barrier(num_barriers=nwg + 1), plgpu.Barrier(num_barriers=depth * nwg),
+                    plgpu.Barrier(num_barriers=depth))
+        pl.run_scoped(
+            lambda *scratch: kernel(start_ref, q_ref, cache_ref, bits_ref, *out_refs, scratch=scratch),
+            smem, barriers,
+            plgpu.Barrier(num_arrivals=nwg, num_barriers=depth),  # consumed
+            plgpu.Barrier(num_arrivals=nwg),  # sync before the QK^T of a tail tile
+            collective_axes="wg",
+        )
+
+    return entry, nwg
+
+
+def tree_attention_mosaic(q, cache, start, tree_mask, *, scale: float, value_dim: int,
+                          config: MosaicAttentionConfig = MosaicAttentionConfig(), interpret=None):
+    """Mosaic GPU path. q [B, T, H, c + r] bf16/f16, cache [B, S_max, c + r] same dtype, start [B] int,
+    tree_mask [B, T, T] bool -> [B, T, H, c] in q.dtype. interpret: None (native, Hopper) or
+    InterpretGPUParams (`pallas_kernels.w4a16.mosaic_gpu.gpu_interpret_params()`, CPU). Value checks
+    (start + T <= S_max, diagonal) are the caller's, as for `tree_mla_attention`."""
+    q, cache, start, tree_mask = map(jnp.asarray, (q, cache, start, tree_mask))
+    vb = _check(q, cache, start, tree_mask, value_dim, config, interpret)
+    B, T, H, D = q.shape
+    c, r = value_dim, D - value_dim
+    bk, ns = config.block_kv, config.num_splits
+    S_max = cache.shape[1]
+    if S_max < bk:  # a whole tile must exist; the extra rows lie past start + T (never visible, zeroed)
+        cache = jnp.pad(cache, ((0, 0), (0, bk - S_max), (0, 0)))
+        S_max = bk
+    R = T * H
+    n_tiles = -(-R // ROWS)
+    R_pad = n_tiles * ROWS
+    q_rows = q.reshape(B, R, D)  # row = t * H + h
+    if R_pad != R:
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, R_pad - R), (0, 0)))
+    bits = tree_mask_bits(tree_mask, H, R_pad)  # [B, words, R_pad] int32
+
+    entry, nwg = _make_kernel(c=c, r=r, num_tree=T, s_max=S_max, scale_log2=float(scale) * LOG2E,
+                              dtype=q.dtype, vb=vb, config=config, interpret=interpret)
+    if ns == 1:
+        out_type = jax.ShapeDtypeStruct((B, R_pad, c), q.dtype)
+    else:
+        out_type = (jax.ShapeDtypeStruct((B, ns, R_pad, c), q.dtype),
+                    jax.ShapeDtypeStruct((B, ns, R_pad), jnp.float32))
+    f = plgpu.kernel(
+        entry,
+        out_type=out_type,
+        grid=(B, n_tiles, ns),
+        grid_names=("b", "tile", "split"),
+        num_threads=nwg,
+        thread_name="wg",
+        interpret=interpret,
+    )
+    outs = f(start.astype(jnp.int32), q_rows, cache, bits)
+    if ns == 1:
+        out = outs
+    else:
+        o_part, lse = outs  # [B, ns, R_pad, c], [B, ns, R_pad] (log2 units)
+        w = jnp.exp2(lse - jnp.max(lse, axis=1, keepdims=True))  # the last split always sees the diagonal
+        out = jnp.sum(o_part.astype(jnp.float32) * w[..., None], axis=1) / jnp.sum(w, axis=1)[..., None]
+        out = out.astype(q.dtype)
+    return out[:, :R].reshape(B, T, H, c)

@@ -1,0 +1,136 @@
+"""The Mosaic GPU tree-attention kernel (pallas_kernels/tree_attention/mosaic_gpu.py, not wired) against the
+float64 NumPy truth of test_tree_attention.py: Mosaic GPU interpret mode on CPU (race detector on, tiny shapes),
+its CUDA lowering at K2 shapes against an abstract H200, and natively on a Hopper GPU."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_tree_attention import make_inputs, rel_err
+
+from pallas_kernels import dispatch
+from pallas_kernels.tree_attention.mosaic_gpu import MosaicAttentionConfig, tree_attention_mosaic
+
+
+def _mgpu_interpret():
+    from pallas_kernels.w4a16.mosaic_gpu import gpu_interpret_params
+
+    return gpu_interpret_params(detect_races=True)
+
+
+def _run_interpret(q, cache, start, tree, *, value_dim, config):
+    """Runs the kernel in GPU interpret mode and checks the race detector; resets the interpreter after."""
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races, reset_gpu_interpret_mode_state
+
+    try:
+        out = jax.block_until_ready(tree_attention_mosaic(  # the interpreter runs at execution (async)
+            q, cache, start, tree, scale=0.3 / np.sqrt(q.shape[-1]), value_dim=value_dim, config=config,
+            interpret=_mgpu_interpret()))
+        assert not get_races().races_found
+    finally:
+        reset_gpu_interpret_mode_state()
+    return out
+
+
+# (B, T, H, c, r, S_max, starts, config, chain). Every case has NaN in the rows >= start + T.
+CASES = [
+    # random tree, B = 2 with different starts, neither tile aligned; two warpgroups (value_block 64 of c 128)
+    (2, 5, 16, 128, 32, 150, [37, 145], MosaicAttentionConfig(value_block=64), False),
+    # chain, start = 0 (no prefix tile: the tail alone), T * H = 80 rows: a padded second row tile
+    (1, 5, 16, 64, 16, 64, [0], MosaicAttentionConfig(), True),
+    # start + T == S_max, S_max not a multiple of block_kv: the last tile is moved back and overlaps
+    (1, 6, 8, 64, 16, 100, [94], MosaicAttentionConfig(), False),
+    # T = 1 (decode), 4 KV splits (some with no prefix tile) and the LSE combine
+    (1, 1, 16, 64, 16, 300, [250], MosaicAttentionConfig(num_splits=4), True),
+    # splits with empty shares (start 0) next to a long prefix, r = 32
+    (2, 5, 8, 64, 32, 100, [0, 95], MosaicAttentionConfig(num_splits=3), False),
+    # T = 40 > 32: two mask words per row; block_kv 128
+    (1, 40, 8, 64, 16, 200, [100], MosaicAttentionConfig(block_kv=128), False),
+    # cache shorter than a tile (padded by the wrapper)
+    (2, 3, 8, 64, 16, 10, [7, 2], MosaicAttentionConfig(), False),
+    # two warpgroups, splits and a 3-deep ring over a 4-tile prefix
+    (2, 3, 16, 128, 16, 300, [200, 5], MosaicAttentionConfig(num_splits=2, value_block=64, max_concurrent_steps=3),
+     False),
+]
+
+
+@pytest.mark.parametrize("B,T,H,c,r,S_max,starts,config,chain", CASES)
+def test_mgpu_interpret_matches_numpy(B, T, H, c, r, S_max, starts, config, chain):
+    q, cache, start, tree, truth = make_inputs(7, B=B, T=T, H=H, c=c, r=r, S_max=S_max, starts=starts,
+                                               dtype=jnp.bfloat16, chain=chain)
+    out = _run_interpret(q, cache, start, tree, value_dim=c, config=config)
+    assert out.shape == (B, T, H, c) and out.dtype == jnp.bfloat16
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    # bf16 output rounding (2^-9), bf16 probabilities in the value wgmma (split partials: bf16 too)
+    assert rel_err(out, truth) < 2e-2
+
+
+def test_mgpu_interpret_float16():
+    q, cache, start, tree, truth = make_inputs(8, B=1, T=4, H=16, c=64, r=16, S_max=90, starts=[70],
+                                               dtype=jnp.float16)
+    out = _run_interpret(q, cache, start, tree, value_dim=64, config=MosaicAttentionConfig())
+    assert out.dtype == jnp.float16
+    assert rel_err(out, truth) < 1e-2
+
+
+def test_mgpu_argument_errors():
+    kw = dict(scale=0.1, value_dim=64)
+    q, cache, start, tree, _ = make_inputs(9, B=1, T=2, H=8, c=64, r=16, S_max=20, starts=[5], dtype=jnp.float32)
+    with pytest.raises(ValueError, match="bf16 or f16"):
+        tree_attention_mosaic(q, cache, start, tree, **kw)
+    q, cache = q.astype(jnp.bfloat16), cache.astype(jnp.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        tree_attention_mosaic(q, cache, start, tree, scale=0.1, value_dim=48)
+    with pytest.raises(ValueError, match="value_dim must be in"):
+        tree_attention_mosaic(q, cache, start, tree, scale=0.1, value_dim=80)
+    with pytest.raises(ValueError, match="cannot run in GPU interpret mode"):
+        tree_attention_mosaic(q, cache, start, tree, **kw, config=MosaicAttentionConfig(p_operand="registers"),
+                              interpret=_mgpu_interpret())
+    with pytest.raises(ValueError, match="block_kv"):
+        tree_attention_mosaic(q, cache, start, tree, **kw, config=MosaicAttentionConfig(block_kv=32))
+    q, cache, start, tree, _ = make_inputs(9, B=1, T=2, H=8, c=64, r=24, S_max=20, starts=[5], dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="RoPE width r = 24"):
+        tree_attention_mosaic(q, cache, start, tree, **kw)
+    q, cache, start, tree, _ = make_inputs(9, B=1, T=2, H=8, c=192, r=16, S_max=20, starts=[5], dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="value_block = 64 must"):
+        tree_attention_mosaic(q, cache, start, tree, scale=0.1, value_dim=192,
+                              config=MosaicAttentionConfig(value_block=64))  # 3 warpgroups
+
+
+def test_mgpu_lowers_for_cuda_at_k2_shapes():
+    """The native form (register-A P, block_kv 64, 2-deep ring, 2 warpgroups) lowers to one Mosaic GPU custom
+    call for an abstract H200 at K2 shapes (c 512, r 64, H 64, bf16)."""
+    from jax._src.mesh import AbstractDevice
+    from jax.sharding import AbstractMesh
+
+    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
+                                                               num_cores=132))
+    S = jax.ShapeDtypeStruct
+    for T, S_max, splits in [(1, 32768, 64), (33, 4096, 2), (129, 4096, 1)]:
+        args = (S((1, T, 64, 576), jnp.bfloat16), S((1, S_max, 576), jnp.bfloat16), S((1,), jnp.int32),
+                S((1, T, T), jnp.bool_))
+        config = MosaicAttentionConfig(num_splits=splits)
+
+        def fn(q, c, s, m, config=config):
+            return tree_attention_mosaic(q, c, s, m, scale=0.04, value_dim=512, config=config)
+
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert re.findall(r"custom_call @(\w+)", text).count("mosaic_gpu_v2") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,S_max,start,splits", [(1, 4096, 4000, 8), (2, 4352, 4096, 4), (33, 2048, 1500, 2),
+                                                  (129, 1024, 600, 1)])
+def test_mgpu_native_gpu_k2(T, S_max, start, splits):
+    if not dispatch.is_hopper(jax.devices()[0]):
+        pytest.skip("the Mosaic GPU attention kernel needs a Hopper GPU (sm_90)")
+    q, cache, s, tree, truth = make_inputs(4, B=1, T=T, H=64, c=512, r=64, S_max=S_max, starts=[start],
+                                           dtype=jnp.bfloat16)
+    out = tree_attention_mosaic(q, cache, s, tree, scale=0.3 / np.sqrt(576), value_dim=512,
+                                config=MosaicAttentionConfig(num_splits=splits))
+    assert rel_err(out, truth) < 2e-2
