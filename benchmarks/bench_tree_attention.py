@@ -83,8 +83,8 @@ def make_set(rng, B, T, H, c, r, S, dtype):
     return q, cache, start, tree
 
 
-def floor_us(S, T, H, c, r):
-    bytes_ = (S + T) * (c + r) * 2 + T * H * (c + r) * 2 + T * H * c * 2
+def floor_us(S, T, H, c, r, itemsize=2):
+    bytes_ = ((S + T) * (c + r) + T * H * (c + r) + T * H * c) * itemsize
     flops = 2 * H * T * (S + T) * (c + r + c)
     return max(bytes_ / COPY_BW, flops / PEAK_FLOPS) * 1e6, bytes_, flops
 
@@ -284,9 +284,8 @@ def shipped_main(args):
         for S, T in SHIPPED_SHAPES:
             sets = [make_set(rng, 1, T, H, c, r, S - T, dtype) for _ in range(8)]
             ref0 = jax.jit(lambda *a: tree_mla_attention_reference(*a, scale=scale, value_dim=c))(*sets[0])
-            fl_us, bytes_, _ = floor_us(S - T, T, H, c, r)
             row = dict(dtype=dtype_name, precision=precision or "default", S=S, T=T,
-                       floor_us=fl_us * dtype.itemsize / 2)  # floor_us counts 2-byte elements
+                       floor_us=floor_us(S - T, T, H, c, r, dtype.itemsize)[0])
             for impl in ("xla", "triton"):
                 try:
                     with jax.default_matmul_precision(precision):
@@ -324,10 +323,9 @@ def shipped_table(meta, rows) -> str:
 
 
 def summarize_shipped(path):
-    run = json.load(open(path))
+    run = json.loads(Path(path).read_text())
     stem = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tree_attention_shipped")
-    write_results(stem, run["meta"], {"rows": run["rows"]},
-                  shipped_table(run["meta"], run["rows"]))
+    write_results(stem, run["meta"], {"rows": run["rows"]}, shipped_table(run["meta"], run["rows"]))
 
 
 def summarize(paths, out_dir):

@@ -213,12 +213,19 @@ def build_tree(draft_logits: jax.Array, budget: int, root_tokens=None, *,
     vocab = draft_logits.shape[-1]
     k = min(budget, vocab)
     front = tree_build.pick_front_end(vocab) if on_kernel else "xla"
-    if front == "xla":
-        top_lp, top_tok = top_log_probs(draft_logits, k)
-    else:  # the kernel's one-launch front end (pallas_kernels/tree_build/front.py)
-        lse = None if front == "pallas_fused" else jax.nn.logsumexp(draft_logits.astype(jnp.float32), axis=-1)
-        top_lp, top_tok = tree_build.top_log_probs_pallas(draft_logits, k, lse, interpret=kernels.interpret)
+    top_lp, top_tok = front_end_top_log_probs(draft_logits, k, front, interpret=kernels.interpret)
     return _tree_from_top(top_lp, top_tok, budget, root_tokens, kernels, on_kernel, vocab)
+
+
+def front_end_top_log_probs(draft_logits: jax.Array, k: int, front: str, *,
+                            interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """`top_log_probs` as front end `front` computes it (one of tree_build.FRONT_ENDS): "xla" is
+    `top_log_probs` itself; "pallas" / "pallas_fused" the kernel's one-launch front end
+    (pallas_kernels/tree_build/front.py) after XLA's logsumexp / with its own."""
+    if front == "xla":
+        return top_log_probs(draft_logits, k)
+    lse = None if front == "pallas_fused" else jax.nn.logsumexp(draft_logits.astype(jnp.float32), axis=-1)
+    return tree_build.top_log_probs_pallas(draft_logits, k, lse, interpret=interpret)
 
 
 def top_log_probs(draft_logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -36,7 +36,7 @@ if [[ -n "${SMOKE:-}" ]]; then
   TARGET_ARGS=(--steps 30 --warmup 20 --batch 2 --seq-len 64 --hidden 64 --layers 3 --experts 4 --moe-width 32
                --eval-every 20 --eval-tokens 4096)
   NUM_SEQS=16
-  GEN_ARGS=(--num-seqs 16 --gen-batch 8 --prompt-len 16 --new-tokens 24)
+  GEN_ARGS=(--num-seqs "$NUM_SEQS" --gen-batch 8 --prompt-len 16 --new-tokens 24)
   DRAFTER_ARGS=(--steps 30 --warmup 20 --batch 4 --anchors 2 --width 128 --prompt-len 16 --eval-every 20)
 else
   TARGET_ARGS=(--time-budget-s "$TARGET_S")

@@ -56,10 +56,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.tree_attention.triton import NEG, combine_splits
 from pallas_kernels.w4a16.mosaic_gpu import smem_transforms
 
-# Finite "minus infinity": exp2(NEG - x) == 0 for any real x, and NEG - NEG == 0 never yields NaN.
-NEG = -1e30
 LOG2E = math.log2(math.e)
 ROWS = 64  # query rows per CTA: one wgmma M
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -381,8 +380,5 @@ def tree_attention_mosaic(q, cache, start, tree_mask, *, scale: float, value_dim
     if ns == 1:
         out = outs
     else:
-        o_part, lse = outs  # [B, ns, R_pad, c], [B, ns, R_pad] (log2 units)
-        w = jnp.exp2(lse - jnp.max(lse, axis=1, keepdims=True))  # the last split always sees the diagonal
-        out = jnp.sum(o_part.astype(jnp.float32) * w[..., None], axis=1) / jnp.sum(w, axis=1)[..., None]
-        out = out.astype(q.dtype)
+        out = combine_splits(*outs, q.dtype)  # [B, ns, R_pad, c] partials, [B, ns, R_pad] log2 LSEs
     return out[:, :R].reshape(B, T, H, c)

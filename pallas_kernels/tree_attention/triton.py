@@ -162,6 +162,14 @@ def _tree_attention_kernel(
         lse_ref[...] = jnp.where(has, m + jnp.log2(jnp.where(has, denom, 1.0)), NEG)
 
 
+def combine_splits(o_part, lse, dtype):
+    """The split-KV combine (XLA) of both kernels: per-split normalized outputs o_part [B, NS, R, c] and their
+    log2-sum-exp lse [B, NS, R] -> [B, R, c] in `dtype`, each split weighted by exp2(lse - max lse)."""
+    w = jnp.exp2(lse - jnp.max(lse, axis=1, keepdims=True))  # the last split always sees the diagonal
+    out = jnp.sum(o_part.astype(jnp.float32) * w[..., None], axis=1) / jnp.sum(w, axis=1)[..., None]
+    return out.astype(dtype)
+
+
 def build_row_mask(tree_mask, num_heads: int, rows_padded: int, block_kv: int):
     """[B, T, T] bool -> [B, rows_padded, 2 * block_kv + T] int8 per folded query row.
 
@@ -233,9 +241,5 @@ def tree_attention_pallas(q, cache, start, tree_mask, *, scale: float, value_dim
     if NS == 1:
         out = outs[0]  # [B, R_pad, c]
     else:
-        o_part, lse = outs  # [B, NS, R_pad, c], [B, NS, R_pad] (log2 units)
-        lse_max = jnp.max(lse, axis=1, keepdims=True)  # the last split always sees the diagonal
-        w = jnp.exp2(lse - lse_max)  # [B, NS, R_pad]
-        out = jnp.sum(o_part.astype(jnp.float32) * w[..., None], axis=1) / jnp.sum(w, axis=1)[..., None]
-        out = out.astype(q.dtype)
+        out = combine_splits(*outs, q.dtype)
     return out[:, :R].reshape(B, T, H, c)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from pallas_kernels.tree_attention.triton import BlockConfig
 
 NUM_SMS_H200 = 132
@@ -41,12 +43,11 @@ def triton_not_faster(*, num_heads: int, latent_dim: int, rope_dim: int, dtype, 
     """None where the Triton kernel was measured faster than XLA for this call shape, else why not (a few
     words). Without num_tree / cache_rows (a plan before any call): None where some call shape of this
     (H, c, r, dtype) was measured faster."""
-    import jax.numpy as jnp  # noqa: PLC0415
-
-    if jnp.dtype(dtype) == jnp.float32:
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float32:
         return "float32: the kernel measured slower than XLA"
-    if (latent_dim, rope_dim, num_heads) != (512, 64, 64) or jnp.dtype(dtype) != jnp.bfloat16:
-        return f"not measured faster than XLA at H={num_heads}, c={latent_dim}, r={rope_dim}, {jnp.dtype(dtype)}"
+    if (latent_dim, rope_dim, num_heads) != (512, 64, 64) or dtype != jnp.bfloat16:
+        return f"not measured faster than XLA at H={num_heads}, c={latent_dim}, r={rope_dim}, {dtype}"
     if num_tree is None or cache_rows is None:
         return None
     if cache_rows >= 32768 or (num_tree >= 129 and cache_rows >= 4096):

@@ -16,7 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kdtree_jax as kj
-from kdtree_jax.tree import Tree, build_tree, build_tree_from_log_probs, top_log_probs, tree_size_counts
+from kdtree_jax.tree import (
+    Tree,
+    build_tree,
+    build_tree_from_log_probs,
+    front_end_top_log_probs,
+    top_log_probs,
+    tree_size_counts,
+)
 from pallas_kernels import dispatch, tree_build
 from pallas_kernels.dispatch import Choice, Kernels, KernelUnavailableError
 from pallas_kernels.tree_build import POP_LOOPS
@@ -177,11 +184,7 @@ def test_every_front_end_feeds_the_kernel(front, monkeypatch):
     tree = jax.jit(lambda x, r: build_tree(x, 24, r, kernels=KERNEL))(logits, roots)  # a fresh trace per front end
     # The heap gets the values this front end gives, computed as build_tree computes them: one jitted program
     # (on a GPU, XLA's fused logsumexp inside a jit and op by op can differ in the last bit).
-    fronts = {"xla": lambda x: top_log_probs(x, 24),
-              "pallas": lambda x: tree_build.top_log_probs_pallas(
-                  x, 24, jax.nn.logsumexp(x, axis=-1), interpret=not ON_GPU),
-              "pallas_fused": lambda x: tree_build.top_log_probs_pallas(x, 24, interpret=not ON_GPU)}
-    top_lp, top_tok = jax.jit(fronts[front])(logits)
+    top_lp, top_tok = jax.jit(lambda x: front_end_top_log_probs(x, 24, front, interpret=not ON_GPU))(logits)
     log_probs = np.full(logits.shape, -np.inf, np.float32)  # the heap over the same K candidates
     np.put_along_axis(log_probs, np.asarray(top_tok), np.asarray(top_lp), axis=-1)
     _assert_matches_heap(tree, log_probs, 24, np.asarray(roots))
