@@ -115,9 +115,14 @@ def main():
     ap.add_argument("--skip-xla", action="store_true", help="do not time the XLA baseline (already measured)")
     ap.add_argument("--shipped", action="store_true",
                     help="the shipped pair's attention shape instead of K2's: tree_attention_shipped.{json,md}")
+    ap.add_argument("--mosaic", action="store_true",
+                    help="K2 shapes: the Mosaic GPU kernel (MOSAIC_PLAN configs) beside XLA and the Triton kernel "
+                         "(its tuned config), CUPTI and wall clock: tree_attention_mosaic_h200.{json,md}")
     args = ap.parse_args()
     if args.shipped:
         return shipped_main(args)
+    if args.mosaic:
+        return mosaic_main(args)
     t_begin = time.time()
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and not args.smoke:
@@ -251,6 +256,97 @@ def main():
     write_results(stem, meta, results, table)
     print(table)
     print(f"elapsed {time.time() - t_begin:.0f}s")
+
+
+# --mosaic: split counts per (S, T) (block_kv 64 and a 2-deep ring: all that fits SMEM at c = 512). T * H / 64 row
+# tiles x splits CTAs; 132 SMs.
+MOSAIC_PLAN = {
+    (4096, 1): [16, 32, 64], (4096, 33): [1, 2, 4], (4096, 129): [1, 2],
+    (32768, 1): [64, 128, 256], (32768, 33): [4, 8, 16], (32768, 129): [1, 2],
+}
+MOSAIC_TARGET_US = {(32768, 1): 18, (32768, 33): 300, (32768, 129): 1100, (4096, 1): 10, (4096, 33): 45}
+
+
+def mosaic_main(args):
+    """K2 attention shapes: XLA (the bf16 jnp form), the Triton kernel at its tuned config and the Mosaic GPU
+    kernel at each MOSAIC_PLAN split count, each checked against the float32 reference on the first input set;
+    CUPTI summed kernel time and wall clock per op; the floor. Rows go out as they are measured."""
+    from pallas_kernels.tree_attention.mosaic_gpu import MosaicAttentionConfig, tree_attention_mosaic
+
+    if jax.default_backend() != "gpu":
+        sys.exit("no GPU: --mosaic only measures on the device")
+    t_begin = time.time()
+    H, c, r = 64, 512, 64
+    scale = 1.0 / math.sqrt(192)
+    timer = Timer(5)
+    meta = metadata(H=H, c=c, r=r, B=1, dtype="bfloat16", timer=timer.method,
+                    method="CUPTI profiler.measure and wall clock, median of 5, n_buf input sets per program")
+    rows: list[dict] = []
+    stem = os.path.join(args.out, "tree_attention_mosaic_h200")
+    rng = np.random.default_rng(1234)
+
+    def timed(fn, sets, ref0):
+        timing = timer(jax.jit(lambda sets: [fn(*s) for s in sets]), sets)
+        n = len(sets)
+        return dict(us=timing.device_s * 1e6 / n, wall_us=timing.wall_s * 1e6 / n, rel_err=rel_err(timing.out[0], ref0))
+
+    for (S, T), splits in MOSAIC_PLAN.items():
+        if time.time() - t_begin > args.budget_s:
+            break
+        n_buf = int(min(8, max(2, math.ceil(160e6 / ((S + T) * (c + r) * 2))))) if T == 1 else 2
+        sets = [make_set(rng, 1, T, H, c, r, S, jnp.bfloat16) for _ in range(n_buf)]
+        ref0 = jax.jit(lambda *a: tree_mla_attention_reference(*a, scale=scale, value_dim=c))(*sets[0])
+        row = dict(S=S, T=T, n_buf=n_buf, floor_us=floor_us(S, T, H, c, r)[0], target_us=MOSAIC_TARGET_US.get((S, T)),
+                   mosaic=[])
+        tri = pick_config(batch=1, num_tree=T, num_heads=H, latent_dim=c, rope_dim=r, cache_rows=S + T)
+        impls = [("xla", lambda *a: tree_mla_attention_xla(*a, scale=scale, value_dim=c)),
+                 ("triton", lambda *a, tri=tri: tree_attention_pallas(*a, scale=scale, value_dim=c, config=tri))]
+        for name, fn in impls:
+            try:
+                row[name] = timed(fn, sets, ref0)
+            except Exception as ex:  # noqa: BLE001 - record and go on: one failure must not lose the run
+                row[name] = dict(error=repr(ex)[:300])
+        for ns in splits:
+            cfg = MosaicAttentionConfig(num_splits=ns)
+            try:
+                rec = timed(lambda *a, cfg=cfg: tree_attention_mosaic(*a, scale=scale, value_dim=c, config=cfg),
+                            sets, ref0)
+            except Exception as ex:  # noqa: BLE001
+                rec = dict(error=repr(ex)[:400])
+            row["mosaic"].append(dict(rec, num_splits=ns))
+            print(S, T, ns, rec, flush=True)
+        rows.append(row)
+        write_json(stem, meta, dict(rows=rows))
+        print({k: v for k, v in row.items() if k != "mosaic"}, flush=True)
+    write_results(stem, meta, dict(rows=rows), mosaic_table(meta, rows))
+    print(mosaic_table(meta, rows))
+
+
+def mosaic_table(meta, rows) -> str:
+    lines = [f"# Tree-masked MLA attention: the Mosaic GPU kernel, {meta['device']}, jax {meta['jax']}, {meta['date']}",
+             "", f"H={meta['H']}, c={meta['c']}, r={meta['r']}, B=1, bf16, random trees, start = S; {meta['method']}. "
+             "us = CUPTI summed kernel time per op (all kernels of the call), wall = wall clock per op. XLA = "
+             "tree_mla_attention_xla (bf16 einsums, float32 softmax); Triton = its tuned config; Mosaic = the best "
+             "split count that passed (rel err < 2e-2 vs the float32 reference). Floor = max(bytes / 3.4 TB/s, "
+             "FLOPs / 800 TFLOP/s).", "",
+             "| S | T | floor us | target us | XLA us (wall) | Triton us (wall) | Mosaic us (wall) | splits | "
+             "Mosaic / XLA | of floor | rel err |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def cell(d):
+        return f"{d['us']:.1f} ({d['wall_us']:.1f})" if d and "us" in d else "error"
+
+    for row in rows:
+        good = [m for m in row["mosaic"] if "us" in m and m["rel_err"] < 2e-2]
+        best = min(good, key=lambda m: m["us"]) if good else None
+        x = row.get("xla", {}).get("us")
+        first_failure = [m.get("error", m.get("rel_err")) for m in row["mosaic"]][:1]
+        lines.append(f"| {row['S']} | {row['T']} | {row['floor_us']:.1f} | {row['target_us'] or '-'} | "
+                     f"{cell(row.get('xla'))} | {cell(row.get('triton'))} | {cell(best)} | "
+                     f"{best['num_splits'] if best else '-'} | {f'{best['us'] / x:.2f}' if best and x else '-'} | "
+                     f"{f'{row['floor_us'] / best['us']:.0%}' if best else '-'} | "
+                     f"{f'{best['rel_err']:.1e}' if best else first_failure} |")
+    return "\n".join(lines)
 
 
 SHIPPED_SHAPES = [(S, T) for S in (256, 2048) for T in (1, 33)]
