@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kdtree_jax as kj  # noqa: E402
 from benchmarks.common import Timer, metadata, write_results  # noqa: E402
-from kdtree_jax.budget import rounds_per_budget  # noqa: E402
+from kdtree_jax.budget import default_costs, rounds_per_budget  # noqa: E402
 
 ASSETS = Path(kj.__file__).parent / "assets"
 DEFAULT_BUDGETS = (4, 8, 16, 32, 64, 128, 256)
@@ -109,10 +109,17 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8, help="held-out prompts (a multiple of 8)")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--budgets", type=int, nargs="+", default=list(DEFAULT_BUDGETS))
+    parser.add_argument("--budgets", type=int, nargs="*", default=list(DEFAULT_BUDGETS),
+                        help="fixed DDTree budgets (none: no fixed-budget DDTree rows)")
+    parser.add_argument("--methods", nargs="+", choices=("ar", "dflash", "ddtree"), default=["ar", "dflash", "ddtree"],
+                        help="which methods get rows (ddtree: the fixed --budgets; --auto adds its rows anyway)")
     parser.add_argument("--auto", action="store_true", help="also run tree_budget='auto' (the budget chosen "
-                        "per round; its rows record how many rounds used each budget) with round costs measured "
-                        "in this run: each fixed budget's greedy wall per round over AR's wall per step")
+                        "per round; its rows record how many rounds used each budget), with the round costs of "
+                        "--auto-costs")
+    parser.add_argument("--auto-costs", choices=("run", "default"), default="run",
+                        help="run: measured in this run (each fixed budget's greedy wall per round over AR's wall "
+                             "per step; needs those greedy rows); default: kdtree_jax.budget.default_costs for "
+                             "this device and batch, what kj.generate uses when no budget_costs are given")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--repeats", type=int, default=1)
@@ -133,8 +140,9 @@ def main() -> None:
         return merge(args.merge, args.out / f"e2e_{args.tag}")
     if any(args.num_prompts % b for b in args.batches):
         raise SystemExit(f"--num-prompts {args.num_prompts} must be a multiple of every batch {args.batches}")
-    if args.auto and 0.0 not in args.temperatures:
-        raise SystemExit("--auto measures its round costs on the greedy rows: --temperatures must include 0")
+    if args.auto and args.auto_costs == "run" and 0.0 not in args.temperatures:
+        raise SystemExit("--auto-costs run measures the round costs on the greedy rows: --temperatures must "
+                         "include 0 (or pass --auto-costs default)")
     if args.matmul_precision == "highest":
         jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -148,7 +156,8 @@ def main() -> None:
                     block_size=dcfg.block_size, matmul_precision=args.matmul_precision,
                     kernels=kj.plan_summary(kj.kernel_plan(params, cfg)))  # what generate's "auto" runs here
     fixed = [(batch, temperature, method, budget, None) for batch in args.batches for temperature in args.temperatures
-             for method, budget in [("ar", None), ("dflash", None)] + [("ddtree", b) for b in args.budgets]]
+             for method, budget in [("ar", None), ("dflash", None)] + [("ddtree", b) for b in args.budgets]
+             if method in args.methods]
     start, skipped, rows, outputs = time.perf_counter(), [], [], {}
     print(f"{'batch':>5} {'temp':>4} {'method':>7} {'budget':>6} {'accept':>7} {'fwd/tok':>8} {'tok/s':>9}", flush=True)
 
@@ -171,7 +180,7 @@ def main() -> None:
         autos = []
         for batch in args.batches:
             try:
-                costs = costs_from_rows(rows, batch)
+                costs = costs_from_rows(rows, batch) if args.auto_costs == "run" else default_costs(batch)
             except ValueError as e:  # a point it needs was past the deadline
                 print(f"no auto at batch {batch}: {e}", flush=True)
                 skipped += [dict(batch=batch, temperature=t, method="ddtree", budget="auto") for t in args.temperatures]

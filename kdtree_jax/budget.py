@@ -60,12 +60,12 @@ class BudgetCosts:
 # Round cost in AR steps of the shipped pair, (device kind, batch) -> {budget: cost}: the wall time of a
 # generate call per round over its wall time per AR step. H200, batch 1: e2e_h200.json (2026-12-02: the
 # retrained drafter, attention on XLA; greedy, 8 prompts x 128 tokens; the AR step is 3.5x cheaper than on
-# 2026-12-01, so a round costs more AR steps). H200, batch 8: not measured for this pair yet: the first pair's
-# (e2e_h200_pair1.json; 128 from round_profile_pair1.json's in-loop rows, extrapolated at batch 8).
+# 2026-12-01, so a round costs more AR steps). H200, batch 8: e2e_h200_b8.json (2026-12-02, the same pair and
+# settings, batch 8 greedy).
 # CPU: e2e_cpu.json (the second pair, 2-core machine, batch 1 and 8, greedy, 8 prompts x 64 tokens).
 _MEASURED = {
     ("gpu", 1): {8: 1.47, 16: 1.45, 32: 1.56},
-    ("gpu", 8): {8: 2.37, 16: 2.67, 32: 2.74, 64: 3.12, 128: 3.74},
+    ("gpu", 8): {8: 1.42, 16: 1.59, 32: 1.75},
     ("cpu", 1): {4: 3.40, 8: 4.21, 16: 5.30, 32: 7.63, 64: 11.01},
     ("cpu", 8): {4: 2.85, 8: 3.75, 16: 5.40, 32: 9.53, 64: 16.07},
 }

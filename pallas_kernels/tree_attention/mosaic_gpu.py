@@ -28,7 +28,7 @@ The KV range of batch row b is [0, start[b] + T):
     start + T are masked, and their latent columns are zeroed in SMEM before any wgmma reads them (they may
     hold NaN, and 0 * NaN would reach the accumulator). A tail tile that would run past S_max is moved back
     to end at S_max (rows already done by the previous tile are masked), so no copy ever reads past the cache
-    (S_max < block_kv: the wrapper pads the cache to one tile, a copy of fewer than block_kv rows).
+    (S_max not a multiple of block_kv: the wrapper pads the cache, see tree_attention_mosaic).
 
 num_splits > 1: each split writes its normalized partial output (in the input dtype: it is staged in the q chunk's
 SMEM) and its float32 log2-sum-exp; an XLA combine weights them by exp2(lse - max lse), as the Triton kernel
@@ -349,9 +349,13 @@ def tree_attention_mosaic(q, cache, start, tree_mask, *, scale: float, value_dim
     c, r = value_dim, D - value_dim
     bk, ns = config.block_kv, config.num_splits
     S_max = cache.shape[1]
-    if S_max < bk:  # a whole tile must exist; the extra rows lie past start + T (never visible, zeroed)
-        cache = jnp.pad(cache, ((0, 0), (0, bk - S_max), (0, 0)))
-        S_max = bk
+    if S_max % bk:
+        # Mosaic GPU's layout inference must prove every TMA row offset a multiple of the SMEM tiling; the last tail
+        # tile's offset is S_max - block_kv, so S_max is padded to a multiple of block_kv (also: a whole tile must
+        # exist). The extra rows lie past start + T (never visible, zeroed). The pad copies the cache: callers that
+        # care allocate S_max as a multiple of 64.
+        cache = jnp.pad(cache, ((0, 0), (0, -S_max % bk), (0, 0)))
+        S_max = cache.shape[1]
     R = T * H
     n_tiles = -(-R // ROWS)
     R_pad = n_tiles * ROWS
