@@ -301,8 +301,9 @@ def plot(path: Path, meta: dict, rows: list[dict], budgets) -> None:
     axes[1].set_ylabel("speedup over AR (tokens/s)")
     axes[1].axhline(1.0, color="k", lw=0.8)
     for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(list(budgets), [str(b) for b in budgets])
+        if budgets:  # a run without fixed budgets (only auto rows) has no budget axis
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(list(budgets), [str(b) for b in budgets])
         ax.set_xlabel("DDTree budget (draft nodes per round)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
