@@ -119,6 +119,8 @@ def main():
     ap.add_argument("--mosaic", action="store_true",
                     help="K2 shapes: the Mosaic GPU kernel (MOSAIC_PLAN configs) beside XLA and the Triton kernel "
                          "(its tuned config), CUPTI and wall clock: tree_attention_mosaic_h200.{json,md}")
+    ap.add_argument("--mosaic-shapes", nargs="+", metavar="S:T",
+                    help="with --mosaic: only these (S, T) of MOSAIC_PLAN, e.g. 32768:33 32768:129")
     args = ap.parse_args()
     if args.shipped:
         return shipped_main(args)
@@ -291,7 +293,14 @@ def mosaic_main(args):
         n = len(sets)
         return dict(us=timing.device_s * 1e6 / n, wall_us=timing.wall_s * 1e6 / n, rel_err=rel_err(timing.out[0], ref0))
 
-    for (S, T), splits in MOSAIC_PLAN.items():
+    plan = MOSAIC_PLAN
+    if args.mosaic_shapes:
+        wanted = [tuple(int(x) for x in st.split(":")) for st in args.mosaic_shapes]
+        unknown = [st for st in wanted if st not in MOSAIC_PLAN]
+        if unknown:
+            sys.exit(f"--mosaic-shapes {unknown} not in MOSAIC_PLAN {sorted(MOSAIC_PLAN)}")
+        plan = {st: MOSAIC_PLAN[st] for st in wanted}
+    for (S, T), splits in plan.items():
         if time.time() - t_begin > args.budget_s:
             break
         n_buf = int(min(8, max(2, math.ceil(160e6 / ((S + T) * (c + r) * 2))))) if T == 1 else 2

@@ -1,7 +1,7 @@
 """The one place that decides which implementation each kernel op runs.
 
 Ops and their implementations:
-  attention (tree-masked absorbed MLA):     "triton" | "xla"
+  attention (tree-masked absorbed MLA):     "mosaic_gpu" | "triton" | "xla"
   linear    (dense W4A16 GEMM, Int4Weight): "triton" | "xla"
   moe       (routed INT4 experts):           "triton" (Int4Weight) | "mosaic_gpu" (MosaicInt4Weight) | "xla"
   tree      (DDTree best-first tree build):  "triton" (one launch) | "xla" (kdtree_jax/tree.py's jnp builder)
@@ -9,7 +9,9 @@ Ops and their implementations:
 
 Rules for impl="auto" (from backend, dtype, shape and weight type):
   - a Pallas kernel needs a GPU, or `interpret=True` (the CPU simulation the tests use); elsewhere "xla";
-  - tree attention's Triton kernel needs power-of-two latent and RoPE widths >= 16, else "xla";
+  - tree attention on a GPU: the implementation measured fastest at the call shape (tree_attention.tuned.
+    measured_fastest) that can run here: the Mosaic kernel needs a Hopper GPU, bf16 / f16 and c a multiple of 64,
+    the Triton kernel power-of-two latent and RoPE widths >= 16; else "xla";
   - the routed MoE kernel follows from the experts' type: Int4Weight -> "triton", MosaicInt4Weight ->
     "mosaic_gpu" (a Hopper GPU, bf16 activations, expert dims multiples of 64).
 An explicit impl that cannot run where it is asked for raises KernelUnavailableError (never a fallback).
@@ -30,7 +32,7 @@ from pallas_kernels.tree_build import kernel_shape_unsupported as tree_shape_uns
 
 AUTO = "auto"
 IMPLS = {
-    "attention": ("triton", "xla"),
+    "attention": ("mosaic_gpu", "triton", "xla"),
     "linear": ("triton", "xla"),
     "moe": ("triton", "mosaic_gpu", "xla"),
     "tree": ("triton", "xla"),
@@ -46,7 +48,7 @@ class KernelUnavailableError(ValueError):
 class Kernels:
     """Per-call kernel choice, passed statically through forward / generate (hashable).
 
-    attention: "auto" | "triton" | "xla"; linear: "auto" | "triton" | "xla";
+    attention: "auto" | "mosaic_gpu" | "triton" | "xla"; linear: "auto" | "triton" | "xla";
     moe: "auto" | "triton" | "mosaic_gpu" | "xla" (also which layout prepare_params gives the routed experts);
     tree: "auto" | "triton" | "xla" (the DDTree tree build);
     interpret: run the Pallas kernels in interpret mode (CPU simulation; tests only, slow)."""
@@ -126,35 +128,56 @@ def attention_shape_unsupported(latent_dim: int, rope_dim: int) -> str | None:
     return f"{' and '.join(bad)} not a power of two >= 16" if bad else None
 
 
+def mosaic_attention_unsupported(device, interpret: bool, latent_dim: int, rope_dim: int, dtype) -> str | None:
+    """Why the Mosaic GPU tree-attention kernel cannot run here, or None (dtype None: not checked)."""
+    if not interpret and not is_hopper(device):
+        return f"needs a Hopper GPU (sm_90), this is {_device_name(device)}"
+    if dtype is not None and jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"needs bf16 or f16, the model runs in {jnp.dtype(dtype).name}"
+    if latent_dim % 64:
+        return f"latent width {latent_dim} not a multiple of 64"
+    if rope_dim < 16 or rope_dim & (rope_dim - 1):
+        return f"RoPE width {rope_dim} not a power of two >= 16"
+    return None
+
+
 def choose_attention(*, latent_dim: int, rope_dim: int, impl: str = AUTO, device=None,
                      interpret: bool = False, num_heads: int | None = None, dtype=None,
                      num_tree: int | None = None, cache_rows: int | None = None) -> Choice:
-    """The tree attention. On a GPU, auto runs the Triton kernel only where it was measured faster than XLA
-    (tree_attention.tuned.triton_not_faster; needs num_heads and dtype, and num_tree / cache_rows for one
-    call); without num_heads / dtype the shape rules alone decide. interpret=True on a CPU: the kernel."""
+    """The tree attention. On a GPU, auto runs the implementation measured fastest at the call shape that can run
+    here (tree_attention.tuned.measured_fastest; needs num_heads and dtype, and num_tree / cache_rows for one call);
+    without num_heads / dtype the shape rules alone decide (Triton). interpret=True on a CPU: the Triton kernel."""
     _check_impl("attention", impl)
     device = device or default_device()
     if impl == "xla":
         return Choice("xla", "asked for")
-    why = _pallas_runs(device, interpret) or attention_shape_unsupported(latent_dim, rope_dim)
+    triton_why = _pallas_runs(device, interpret) or attention_shape_unsupported(latent_dim, rope_dim)
+    mosaic_why = mosaic_attention_unsupported(device, interpret, latent_dim, rope_dim, dtype)
     if impl == "triton":
-        if why:
-            raise _unavailable("attention", impl, why, "use the XLA reference (impl 'xla') or interpret mode")
+        if triton_why:
+            raise _unavailable("attention", impl, triton_why, "use the XLA reference (impl 'xla') or interpret mode")
         return Choice("triton", "asked for")
-    if why:
-        return Choice("xla", why)
+    if impl == "mosaic_gpu":
+        if mosaic_why:
+            raise _unavailable("attention", impl, mosaic_why, "use the XLA reference (impl 'xla') or interpret mode")
+        return Choice("mosaic_gpu", "asked for")
+    if triton_why and (mosaic_why or not is_gpu(device)):
+        return Choice("xla", triton_why)
     if interpret and not is_gpu(device):
         return Choice("triton", "interpret mode")
-    if num_heads is not None and dtype is not None:
-        from pallas_kernels.tree_attention.tuned import triton_not_faster  # noqa: PLC0415 (imports the kernel)
+    if num_heads is None or dtype is None:
+        return Choice("triton", "GPU") if not triton_why else Choice("xla", triton_why)
+    from pallas_kernels.tree_attention.tuned import measured_fastest  # noqa: PLC0415 (imports the kernels)
 
-        slower = triton_not_faster(num_heads=num_heads, latent_dim=latent_dim, rope_dim=rope_dim, dtype=dtype,
+    ranked, why = measured_fastest(num_heads=num_heads, latent_dim=latent_dim, rope_dim=rope_dim, dtype=dtype,
                                    num_tree=num_tree, cache_rows=cache_rows)
-        if slower:
-            return Choice("xla", slower)
-        if num_tree is None or cache_rows is None:
-            return Choice("triton", "GPU, at the call shapes where it measured faster than XLA")
-    return Choice("triton", "GPU")
+    skipped = []
+    for candidate in ranked:
+        cannot = {"mosaic_gpu": mosaic_why, "triton": triton_why}.get(candidate)
+        if not cannot:
+            return Choice(candidate, why + "".join(f"; {s}" for s in skipped))
+        skipped.append(f"not {candidate}: {cannot}")
+    raise AssertionError("measured_fastest always ends in xla")
 
 
 # ------------------------------------------------------------------------------------------- tree build

@@ -8,11 +8,12 @@ space (the caller applies W_UV). Visible rows for new token t of batch row b:
   * rows j >= start[b] + T                  - never (garbage, may even hold NaN).
 
 `tree_mla_attention` is the public entry point: it checks shapes and asks
-`pallas_kernels.dispatch.choose_attention` which implementation runs, "triton" (`triton.py`, tiled by
-`tuned.pick_config`; on a GPU only at call shapes where it was measured faster, `tuned.triton_not_faster`) or
-"xla" (`reference.tree_mla_attention_xla`: for float32 the plain-jnp definition the kernel is tested
-against). `check_tree_attention_values` checks what shapes cannot show (start >= 0, start + T <= S_max,
-diagonal of tree_mask) and must be called outside `jit`.
+`pallas_kernels.dispatch.choose_attention` which implementation runs: "mosaic_gpu" (`mosaic_gpu.py`, Hopper,
+bf16 / f16; split count `tuned.mosaic_config`), "triton" (`triton.py`, tiled by `tuned.pick_config`) or "xla"
+(`reference.tree_mla_attention_xla`: for float32 the plain-jnp definition the kernels are tested against); on a
+GPU "auto" runs the one measured fastest at the call shape (`tuned.measured_fastest`).
+`check_tree_attention_values` checks what shapes cannot show (start >= 0, start + T <= S_max, diagonal of
+tree_mask) and must be called outside `jit`.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import dispatch
+from pallas_kernels.tree_attention.mosaic_gpu import tree_attention_mosaic
 from pallas_kernels.tree_attention.reference import tree_mla_attention_reference, tree_mla_attention_xla
 from pallas_kernels.tree_attention.triton import BlockConfig, tree_attention_pallas
-from pallas_kernels.tree_attention.tuned import pick_config
+from pallas_kernels.tree_attention.tuned import mosaic_config, pick_config
 
 __all__ = [
     "BlockConfig",
@@ -86,11 +88,13 @@ def tree_mla_attention(q, cache, start, tree_mask, *, scale: float, value_dim: i
     tree_mask [B, T, T] bool (diagonal True). Returns [B, T, H, c] in q.dtype: softmax over the
     visible rows of (q . row) * scale, times row[:value_dim]; softmax statistics in float32.
 
-    impl: "auto" | "triton" | "xla", chosen by pallas_kernels.dispatch.choose_attention (auto: the
-          Pallas Triton kernel with interpret=True, or on a GPU at the call shapes where it was measured
-          faster than XLA (tuned.triton_not_faster), power-of-two widths; else `tree_mla_attention_xla`);
-          an explicit "triton" that cannot run here raises KernelUnavailableError.
-    config: tiling override; default from tuned.pick_config.
+    impl: "auto" | "mosaic_gpu" | "triton" | "xla", chosen by pallas_kernels.dispatch.choose_attention (auto:
+          the Pallas Triton kernel with interpret=True; on a GPU the implementation measured fastest at this
+          call shape that can run here (tuned.measured_fastest: the Mosaic GPU kernel on a Hopper GPU in bf16,
+          the Triton kernel, or `tree_mla_attention_xla`); an explicit kernel that cannot run here raises
+          KernelUnavailableError. interpret=True runs the chosen kernel in its interpret mode (CPU).
+    config: the Triton kernel's tiling override; default from tuned.pick_config (the Mosaic kernel's split
+          count: tuned.mosaic_config).
     Value checks (start + T <= S_max, ...) run when the inputs are concrete; under jit they cannot,
     so call `check_tree_attention_values` on concrete values before tracing if in doubt (the kernel
     itself never reads past the cache).
@@ -105,6 +109,12 @@ def tree_mla_attention(q, cache, start, tree_mask, *, scale: float, value_dim: i
                                        dtype=q.dtype, num_tree=T, cache_rows=cache.shape[1])
     if choice.impl == "xla":
         return tree_mla_attention_xla(q, cache, start, tree_mask, scale=scale, value_dim=value_dim)
+    if choice.impl == "mosaic_gpu":
+        from pallas_kernels.w4a16.mosaic_gpu import gpu_interpret_params  # noqa: PLC0415
+
+        return tree_attention_mosaic(q, cache, start, tree_mask, scale=scale, value_dim=value_dim,
+                                     config=mosaic_config(batch=B, num_tree=T, cache_rows=cache.shape[1]),
+                                     interpret=gpu_interpret_params() if interpret else None)
     if config is None:
         config = pick_config(batch=B, num_tree=T, num_heads=H, latent_dim=c, rope_dim=r,
                              cache_rows=cache.shape[1])

@@ -1,7 +1,8 @@
-"""Tuned tiling for the tree-attention kernel on the H200 (see docs/tree_attention.md).
-
-Entries are keyed by (c, r, H) and then chosen by T and S_max; anything not listed falls back to
-a heuristic that splits the KV length until the grid holds about two waves of programs.
+"""What the H200 measurements decide for tree attention (see docs/tree_attention.md): which implementation is
+fastest per call shape (`measured_fastest`, read by pallas_kernels.dispatch), the Mosaic kernel's split count
+(`mosaic_config`) and the Triton kernel's tiling (`pick_config`: entries keyed by (c, r, H) and then chosen by T and
+S_max; anything not listed falls back to a heuristic that splits the KV length until the grid holds about two waves
+of programs).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from pallas_kernels.tree_attention.mosaic_gpu import MosaicAttentionConfig
 from pallas_kernels.tree_attention.triton import BlockConfig
 
 NUM_SMS_H200 = 132
@@ -30,29 +32,44 @@ _K2 = [
 TUNED: dict[tuple[int, int, int], list[tuple[int, int, BlockConfig]]] = {(512, 64, 64): _K2}
 
 
-# Where the kernel was measured FASTER than impl="xla" on the H200; everywhere else impl="auto" runs XLA (the
-# dispatcher never picks a kernel that measured slower, and does not guess where nothing was measured).
-# K2 (c 512, r 64, H 64), bf16 (tree_attention_h200.md, 2026-11-30; XLA = the bf16 jnp form): faster at
-# S = 32768 (T 1 / 33 / 129: 2.14x / 1.23x / 1.54x) and at S = 4096, T = 129 (1.16x); slower at S = 4096, T = 1
-# (0.71x) and T = 33 (0.93x). float32 (tree_attention_shipped.md, 2026-12-02, the shipped pair's c 128, r 32,
-# H 6, against XLA's float32 HIGHEST path): the kernel takes 1.24-2.74x XLA's time at JAX's default precision
-# (S_max 256 and 2048, T 1 and 33; the first run, tree_attention_shipped_run1_log.txt, saw 0.97x only at
-# S_max 2048, T 65) and 44.7x at "highest", how the float32 engine runs (527.8 vs 11.8 us, S_max 256, T 1).
-def triton_not_faster(*, num_heads: int, latent_dim: int, rope_dim: int, dtype, num_tree: int | None = None,
-                      cache_rows: int | None = None) -> str | None:
-    """None where the Triton kernel was measured faster than XLA for this call shape, else why not (a few
-    words). Without num_tree / cache_rows (a plan before any call): None where some call shape of this
-    (H, c, r, dtype) was measured faster."""
+# Which implementation was measured FASTEST on the H200 per call shape; impl="auto" runs the first of them that can
+# run on the device at hand (the Mosaic kernel needs a Hopper GPU), and never a kernel where it measured slower than
+# XLA or where nothing was measured.
+# K2 (c 512, r 64, H 64), bf16, cache rows a multiple of 64 (tree_attention_mosaic_h200.md, 2026-12-02; CUPTI us,
+# XLA = the bf16 jnp form):
+#   S 4096:  T 1: XLA 23.3, Mosaic 24.0, Triton 34.0;  T 33: Mosaic 58.5, XLA 65.9, Triton 94.8;
+#            T 129: Mosaic 188.7, XLA 191.9, Triton 311.8;
+#   S 32768: T 1: Mosaic 35.3, Triton 44.1, XLA 90.6;  T 33 / 129: Triton 565 / 2174 against XLA 692 / 3298
+#            (tree_attention_h200.md: S_max = S + T; the Mosaic kernel not measured there yet).
+# float32 (tree_attention_shipped.md, 2026-12-02, the shipped pair's c 128, r 32, H 6, against XLA's float32 HIGHEST
+# path): the Triton kernel takes 1.24-2.74x XLA's time at JAX's default precision (S_max 256 and 2048, T 1 and 33)
+# and 44.7x at "highest", how the float32 engine runs (527.8 vs 11.8 us, S_max 256, T 1); the Mosaic kernel takes
+# bf16 / f16 only.
+def measured_fastest(*, num_heads: int, latent_dim: int, rope_dim: int, dtype, num_tree: int | None = None,
+                     cache_rows: int | None = None) -> tuple[tuple[str, ...], str]:
+    """(implementations, fastest first, always ending in "xla"; why, in a few words) for one call shape. Without
+    num_tree / cache_rows (a plan before any call): every implementation some call shape of this (H, c, r, dtype)
+    measured fastest with."""
     dtype = jnp.dtype(dtype)
     if dtype == jnp.float32:
-        return "float32: the kernel measured slower than XLA"
+        return ("xla",), "float32: the kernel measured slower than XLA"
     if (latent_dim, rope_dim, num_heads) != (512, 64, 64) or dtype != jnp.bfloat16:
-        return f"not measured faster than XLA at H={num_heads}, c={latent_dim}, r={rope_dim}, {dtype}"
+        return ("xla",), f"not measured faster than XLA at H={num_heads}, c={latent_dim}, r={rope_dim}, {dtype}"
     if num_tree is None or cache_rows is None:
-        return None
-    if cache_rows >= 32768 or (num_tree >= 129 and cache_rows >= 4096):
-        return None
-    return f"T={num_tree}, S_max={cache_rows}: XLA measured faster (kernel wins at S_max >= 32768 or T >= 129)"
+        return ("mosaic_gpu", "triton", "xla"), "per call shape, as measured"
+    if cache_rows >= 32768:
+        if num_tree == 1:
+            return ("mosaic_gpu", "triton", "xla"), "T=1, S_max >= 32768: Mosaic measured fastest"
+        return ("triton", "xla"), f"T={num_tree}, S_max >= 32768: Triton measured faster than XLA (Mosaic: not measured)"
+    if cache_rows >= 4096 and num_tree >= 33:
+        return ("mosaic_gpu", "xla"), f"T={num_tree} >= 33, 4096 <= S_max < 32768: Mosaic measured fastest"
+    return ("xla",), f"T={num_tree}, S_max={cache_rows}: XLA measured fastest (or no kernel measured here)"
+
+
+def mosaic_config(*, batch: int, num_tree: int, cache_rows: int) -> MosaicAttentionConfig:
+    """The Mosaic kernel's KV split count measured best at B = 1 (tree_attention_mosaic_h200.md), divided by B."""
+    splits = 128 if num_tree == 1 and cache_rows >= 32768 else 32 if num_tree == 1 else 4 if num_tree <= 33 else 1
+    return MosaicAttentionConfig(num_splits=max(1, -(-splits // batch)))
 
 
 def _num_splits(row_tiles: int, kv_tiles: int) -> int:

@@ -56,26 +56,49 @@ def test_attention_rules():
         choose(latent_dim=512, rope_dim=64, device=CPU, impl="triton")
 
 
-def test_attention_auto_runs_the_kernel_only_where_it_measured_faster():
-    """On a GPU, auto picks the Triton kernel only at call shapes where it was measured faster than XLA
-    (tree_attention.tuned.triton_not_faster): K2's bf16 shape at S_max >= 32768 or T >= 129, never float32,
-    never an unmeasured shape; an explicit impl is obeyed; interpret mode on a CPU is unchanged."""
-    def choose(**kw):
-        return dispatch.choose_attention(latent_dim=512, rope_dim=64, device=H200, **kw)
+def test_attention_auto_runs_what_measured_fastest():
+    """On a GPU, auto runs the implementation measured fastest at the call shape (tree_attention.tuned.
+    measured_fastest), the first of them that can run there: on an H200 K2's bf16 shape takes the Mosaic kernel at
+    T = 1, S_max >= 32768 and at T >= 33, 4096 <= S_max < 32768, the Triton kernel at T > 1, S_max >= 32768, XLA
+    elsewhere; never a kernel in float32 or at an unmeasured (H, c, r); a non-Hopper GPU skips the Mosaic kernel and
+    says so; an explicit impl is obeyed; interpret mode on a CPU is unchanged."""
+    def choose(device=H200, **kw):
+        return dispatch.choose_attention(latent_dim=512, rope_dim=64, device=device, **kw)
 
     k2 = dict(num_heads=64, dtype=jnp.bfloat16)
-    assert choose(**k2, num_tree=1, cache_rows=32768 + 64) == Choice("triton", "GPU")
-    assert choose(**k2, num_tree=129, cache_rows=4096 + 129) == Choice("triton", "GPU")
-    assert choose(**k2, num_tree=33, cache_rows=4096 + 33) == Choice(
-        "xla", "T=33, S_max=4129: XLA measured faster (kernel wins at S_max >= 32768 or T >= 129)")
-    assert choose(**k2) == Choice("triton", "GPU, at the call shapes where it measured faster than XLA")
+    assert choose(**k2, num_tree=1, cache_rows=32768 + 64) == Choice(
+        "mosaic_gpu", "T=1, S_max >= 32768: Mosaic measured fastest")
+    assert choose(**k2, num_tree=33, cache_rows=4096 + 64) == Choice(
+        "mosaic_gpu", "T=33 >= 33, 4096 <= S_max < 32768: Mosaic measured fastest")
+    assert choose(**k2, num_tree=129, cache_rows=4096 + 192) == Choice(
+        "mosaic_gpu", "T=129 >= 33, 4096 <= S_max < 32768: Mosaic measured fastest")
+    assert choose(**k2, num_tree=33, cache_rows=32768 + 64) == Choice(
+        "triton", "T=33, S_max >= 32768: Triton measured faster than XLA (Mosaic: not measured)")
+    assert choose(**k2, num_tree=1, cache_rows=4096 + 64) == Choice(
+        "xla", "T=1, S_max=4160: XLA measured fastest (or no kernel measured here)")
+    assert choose(**k2, num_tree=9, cache_rows=4096 + 64).impl == "xla"  # T 2..32: nothing measured faster
+    assert choose(A100, **k2, num_tree=1, cache_rows=32768 + 64) == Choice(
+        "triton", "T=1, S_max >= 32768: Mosaic measured fastest; not mosaic_gpu: needs a Hopper GPU (sm_90), "
+                  "this is NVIDIA A100")
+    assert choose(A100, **k2, num_tree=33, cache_rows=4096 + 64).impl == "xla"
+    assert choose(**k2) == Choice("mosaic_gpu", "per call shape, as measured")
     assert choose(num_heads=64, dtype=jnp.float32, num_tree=1, cache_rows=65536) == Choice(
         "xla", "float32: the kernel measured slower than XLA")
     assert choose(num_heads=6, dtype=jnp.bfloat16, num_tree=1, cache_rows=65536) == Choice(
         "xla", "not measured faster than XLA at H=6, c=512, r=64, bfloat16")
     assert choose(num_heads=6, dtype=jnp.float32, impl="triton") == Choice("triton", "asked for")
+    assert choose(**k2, impl="mosaic_gpu") == Choice("mosaic_gpu", "asked for")
+    with pytest.raises(KernelUnavailableError, match=r"impl='mosaic_gpu' cannot run: needs bf16 or f16, the model "
+                                                     r"runs in float32"):
+        choose(num_heads=6, dtype=jnp.float32, impl="mosaic_gpu")
+    with pytest.raises(KernelUnavailableError, match=r"impl='mosaic_gpu' cannot run: needs a Hopper GPU"):
+        choose(A100, **k2, impl="mosaic_gpu")
+    with pytest.raises(KernelUnavailableError, match=r"impl='mosaic_gpu' cannot run: latent width 96 not a multiple"):
+        dispatch.choose_attention(latent_dim=96, rope_dim=64, device=H200, impl="mosaic_gpu")
     assert dispatch.choose_attention(latent_dim=512, rope_dim=64, device=CPU, interpret=True, num_heads=6,
                                      dtype=jnp.float32, num_tree=1, cache_rows=64) == Choice("triton", "interpret mode")
+    assert dispatch.choose_attention(latent_dim=512, rope_dim=64, device=CPU, interpret=True,
+                                     impl="mosaic_gpu") == Choice("mosaic_gpu", "asked for")
 
 
 def test_linear_rules():

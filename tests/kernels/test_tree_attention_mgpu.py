@@ -135,3 +135,39 @@ def test_mgpu_native_gpu_k2(T, S_max, start, splits):
     out = tree_attention_mosaic(q, cache, s, tree, scale=0.3 / np.sqrt(576), value_dim=512,
                                 config=MosaicAttentionConfig(num_splits=splits))
     assert rel_err(out, truth) < 2e-2
+
+
+def test_mgpu_interpret_through_the_public_entry():
+    """tree_mla_attention(impl="mosaic_gpu", interpret=True): the dispatcher's path to this kernel (its split count
+    from tuned.mosaic_config), Mosaic GPU interpret mode on CPU, against the float64 truth."""
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
+
+    from pallas_kernels.tree_attention import tree_mla_attention
+
+    q, cache, start, tree, truth = make_inputs(11, B=2, T=3, H=16, c=64, r=16, S_max=90, starts=[40, 87],
+                                               dtype=jnp.bfloat16)
+    try:
+        out = jax.block_until_ready(tree_mla_attention(q, cache, start, tree, scale=0.3 / np.sqrt(80), value_dim=64,
+                                                       impl="mosaic_gpu", interpret=True))
+    finally:
+        reset_gpu_interpret_mode_state()
+    assert out.shape == (2, 3, 16, 64) and rel_err(out, truth) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,S_max,start", [(1, 32768 + 64, 32700), (33, 4096 + 64, 4000)])
+def test_auto_runs_the_mosaic_kernel_natively_where_it_measured_fastest(T, S_max, start):
+    """On an H200, tree_mla_attention's auto picks this kernel at K2 bf16 shapes where it was measured fastest, and
+    its output matches the float64 truth."""
+    from pallas_kernels.tree_attention import tree_mla_attention
+
+    device = jax.devices()[0]
+    if not dispatch.is_hopper(device):
+        pytest.skip("the Mosaic GPU attention kernel needs a Hopper GPU (sm_90)")
+    choice = dispatch.choose_attention(latent_dim=512, rope_dim=64, device=device, num_heads=64,
+                                       dtype=jnp.bfloat16, num_tree=T, cache_rows=S_max)
+    assert choice.impl == "mosaic_gpu", choice
+    q, cache, s, tree, truth = make_inputs(5, B=1, T=T, H=64, c=512, r=64, S_max=S_max, starts=[start],
+                                           dtype=jnp.bfloat16)
+    out = tree_mla_attention(q, cache, s, tree, scale=0.3 / np.sqrt(576), value_dim=512)
+    assert rel_err(out, truth) < 2e-2
