@@ -231,12 +231,14 @@ def merge(paths: list[Path], stem: Path) -> None:
         if differ:
             raise SystemExit(f"{p} differs from {paths[0]} in {differ}: not one experiment")
     seen, rows = set(), []
-    for run in runs:
+    for i, run in enumerate(runs, 1):  # a point measured by several runs: the first run's row
         for r in run["rows"]:
             point = (r["batch"], r["temperature"], r["method"], r["budget"])
             if point not in seen:
                 seen.add(point)
-                rows.append(r)
+                rows.append(dict(r, run=i))
+    rows.sort(key=lambda r: (r["batch"], r["temperature"], {"ar": 0, "dflash": 1, "ddtree": 2}[r["method"]],
+                             float("inf") if r["budget"] == "auto" else (r["budget"] or 0)))
     meta = dict(runs[0]["meta"], merged_from=[str(p) for p in paths], dates=[r["meta"]["date"] for r in runs],
                 merged_by=metadata())
     done = {(r["batch"], r["temperature"], r["method"], r["budget"]) for r in rows}
@@ -251,6 +253,7 @@ def merge(paths: list[Path], stem: Path) -> None:
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
+    merged = bool(meta.get("dates")) and all("run" in r for r in rows)
     lines = [f"# End-to-end decode: AR vs DFlash vs DDTree ({meta['device']})", "",
              f"{meta['date']}, JAX {meta['jax']}, host {meta['host']}; {meta['num_prompts']} held-out prompts of "
              f"{meta['prompt_tokens']} tokens, {meta['max_new_tokens']} new tokens each, block size "
@@ -260,12 +263,16 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              + (f" Joined from {len(meta['dates'])} runs ({', '.join(meta['dates'])})."
                                         if meta.get("dates") else ""), "",
              "| batch | temp | method | budget | mean accept | target fwd / token | tokens/s | speedup vs AR | "
-             "greedy == AR |", "|---|---|---|---|---|---|---|---|---|"]
+             "greedy == AR |" + (" run |" if merged else ""), "|---|---|---|---|---|---|---|---|---|"
+             + ("---|" if merged else "")]
     for r in rows:
         same = {True: "yes", False: "NO"}.get(r.get("greedy_equals_ar"), "n/a (sampling)")
         lines.append(f"| {r['batch']} | {r['temperature']:g} | {r['method']} | {r['budget'] or '-'} | "
                      f"{r['mean_acceptance']:.2f} | {r['forwards_per_token']:.3f} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {same} |")
+                     f"{r['speedup']:.2f}x | {same} |" + (f" {r['run']} |" if merged else ""))
+    if merged:
+        lines += ["", "A row's speedup and greedy check are against the AR row of its own run (column run: "
+                  + "; ".join(f"{i} = {d}" for i, d in enumerate(meta["dates"], 1)) + ")."]
     autos = [r for r in rows if r.get("auto_budgets")]
     if autos:
         picks = [f"batch {r['batch']} T={r['temperature']:g}: "

@@ -18,6 +18,9 @@ Usage (GPU): python benchmarks/bench_tree_attention.py --out DIR [--budget-s 200
                python benchmarks/bench_tree_attention.py --summarize-shipped RUN.json   # results/ .md again
        merge:  python benchmarks/bench_tree_attention.py --summarize RUN1.json RUN2.json
                (writes benchmarks/results/tree_attention_h200.{md,png})
+       Mosaic GPU kernel vs XLA and Triton at K2 shapes (CUPTI + wall clock):
+               python benchmarks/bench_tree_attention.py --out DIR --mosaic [--mosaic-shapes 32768:33 ...]
+               python benchmarks/bench_tree_attention.py --summarize-mosaic RUN1.json RUN2.json
        (CPU):  python benchmarks/bench_tree_attention.py --smoke   # tiny shapes, interpret mode,
                checks the script only; its timings mean nothing.
 """
@@ -362,6 +365,50 @@ def mosaic_table(meta, rows) -> str:
     return "\n".join(lines)
 
 
+def summarize_mosaic(paths):
+    """Merge --mosaic device runs (later runs add shapes, or replace a shape measured again) into
+    benchmarks/results/tree_attention_mosaic_h200.{json,md,png}; the first run's metadata, every run's under "runs"."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    merged = {}
+    for run in runs:
+        for row in run["rows"]:
+            merged[(row["S"], row["T"])] = dict(row, run_date=run["meta"]["date"], run_commit=run["meta"].get("commit"))
+    rows = [merged[k] for k in sorted(merged, key=lambda st: (-st[0], st[1]))]
+    meta = dict(runs[0]["meta"], runs=[r["meta"] for r in runs], merged_from=[str(p) for p in paths],
+                merged_by=metadata())
+    stem = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tree_attention_mosaic_h200")
+    table = mosaic_table(meta, rows) + "\n\nRuns: " + "; ".join(
+        f"{r['meta']['date']} (commit {r['meta'].get('commit')}): "
+        + ", ".join(f"S {x['S']} T {x['T']}" for x in r["rows"]) for r in runs) + "."
+    write_results(stem, meta, dict(rows=rows), table, plot=lambda path: draw_mosaic(path, meta, rows))
+    print(table)
+
+
+def draw_mosaic(path, meta, rows):
+    import matplotlib.pyplot as plt
+
+    def best(row):
+        good = [m["us"] for m in row["mosaic"] if "us" in m and m["rel_err"] < 2e-2]
+        return min(good) if good else np.nan
+
+    series = [("floor", [r["floor_us"] for r in rows]), ("target", [r["target_us"] or np.nan for r in rows]),
+              ("XLA", [r.get("xla", {}).get("us", np.nan) for r in rows]),
+              ("Triton kernel", [r.get("triton", {}).get("us", np.nan) for r in rows]),
+              ("Mosaic GPU kernel", [best(r) for r in rows])]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    x = np.arange(len(rows))
+    for k, (name, values) in enumerate(series):
+        ax.bar(x + (k - 2) * 0.16, values, 0.16, label=name)
+    ax.set_yscale("log")
+    ax.set_xticks(x, [f"S={r['S']}\nT={r['T']}" for r in rows])
+    ax.set_ylabel("CUPTI kernel time per call (us)")
+    ax.set_title(f"Tree MLA attention, K2 H=64 c=512 r=64 bf16, B=1 - {meta['device']}, jax {meta['jax']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 SHIPPED_SHAPES = [(S, T) for S in (256, 2048) for T in (1, 33)]
 # (dtype, matmul precision the model runs under): float32 at JAX's default and at "highest" (how the float32
 # engine runs: bench_e2e, the greedy invariant), bf16.
@@ -494,7 +541,9 @@ def draw(path, meta, labels, rows):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--summarize-shipped":
+    if len(sys.argv) > 1 and sys.argv[1] == "--summarize-mosaic":
+        summarize_mosaic(sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "--summarize-shipped":
         summarize_shipped(sys.argv[2])
     elif len(sys.argv) > 1 and sys.argv[1] == "--summarize":
         summarize(sys.argv[2:], os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))

@@ -35,12 +35,17 @@ TUNED: dict[tuple[int, int, int], list[tuple[int, int, BlockConfig]]] = {(512, 6
 # Which implementation was measured FASTEST on the H200 per call shape; impl="auto" runs the first of them that can
 # run on the device at hand (the Mosaic kernel needs a Hopper GPU), and never a kernel where it measured slower than
 # XLA or where nothing was measured.
-# K2 (c 512, r 64, H 64), bf16, cache rows a multiple of 64 (tree_attention_mosaic_h200.md, 2026-12-02; CUPTI us,
-# XLA = the bf16 jnp form):
-#   S 4096:  T 1: XLA 23.3, Mosaic 24.0, Triton 34.0;  T 33: Mosaic 58.5, XLA 65.9, Triton 94.8;
-#            T 129: Mosaic 188.7, XLA 191.9, Triton 311.8;
-#   S 32768: T 1: Mosaic 35.3, Triton 44.1, XLA 90.6;  T 33 / 129: Triton 565 / 2174 against XLA 692 / 3298
-#            (tree_attention_h200.md: S_max = S + T; the Mosaic kernel not measured there yet).
+# K2 (c 512, r 64, H 64), bf16, cache rows S + T rounded up to 64 (tree_attention_mosaic_h200.md, 2026-12-02;
+# CUPTI us, wall clock per op in brackets; XLA = the bf16 jnp form):
+#   S 32768: T 1: Mosaic 35.3 (103), Triton 44.1 (119), XLA 90.6 (168);  T 33: Mosaic 319 (574), XLA 554 (699),
+#            Triton 570 (828);  T 129: Mosaic 1205 (1496), XLA 1862 (2115), Triton 2187 (2541);
+#   S 4096:  T 1: XLA 23.3 (62), Mosaic 24.0 (118), Triton 34.0 (90);  T 33: Mosaic 58.5 (241), XLA 65.9 (230),
+#            Triton 94.8 (222);  T 129: Mosaic 188.7 (342), XLA 191.9 (293), Triton 311.8 (468).
+# So: the Mosaic kernel at S_max >= 32768 for T = 1 and T >= 33 (both timings agree); XLA at S_max < 32768 (there the
+# kernel time is at most XLA's but the wall clock per op is 5-17% above it: the kernel's XLA glue, more launches);
+# T = 2..32 at S_max >= 32768 was not measured (the split count for so few row tiles is untuned): XLA. The Triton
+# kernel is behind the Mosaic kernel everywhere measured; it remains the T = 1, S_max >= 32768 choice of a GPU
+# without Mosaic support (it beat XLA there).
 # float32 (tree_attention_shipped.md, 2026-12-02, the shipped pair's c 128, r 32, H 6, against XLA's float32 HIGHEST
 # path): the Triton kernel takes 1.24-2.74x XLA's time at JAX's default precision (S_max 256 and 2048, T 1 and 33)
 # and 44.7x at "highest", how the float32 engine runs (527.8 vs 11.8 us, S_max 256, T 1); the Mosaic kernel takes
@@ -57,12 +62,10 @@ def measured_fastest(*, num_heads: int, latent_dim: int, rope_dim: int, dtype, n
         return ("xla",), f"not measured faster than XLA at H={num_heads}, c={latent_dim}, r={rope_dim}, {dtype}"
     if num_tree is None or cache_rows is None:
         return ("mosaic_gpu", "triton", "xla"), "per call shape, as measured"
-    if cache_rows >= 32768:
-        if num_tree == 1:
-            return ("mosaic_gpu", "triton", "xla"), "T=1, S_max >= 32768: Mosaic measured fastest"
-        return ("triton", "xla"), f"T={num_tree}, S_max >= 32768: Triton measured faster than XLA (Mosaic: not measured)"
-    if cache_rows >= 4096 and num_tree >= 33:
-        return ("mosaic_gpu", "xla"), f"T={num_tree} >= 33, 4096 <= S_max < 32768: Mosaic measured fastest"
+    if cache_rows >= 32768 and num_tree == 1:
+        return ("mosaic_gpu", "triton", "xla"), "T=1, S_max >= 32768: Mosaic measured fastest"
+    if cache_rows >= 32768 and num_tree >= 33:
+        return ("mosaic_gpu", "xla"), f"T={num_tree} >= 33, S_max >= 32768: Mosaic measured fastest"
     return ("xla",), f"T={num_tree}, S_max={cache_rows}: XLA measured fastest (or no kernel measured here)"
 
 
