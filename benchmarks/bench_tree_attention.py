@@ -419,7 +419,7 @@ def shipped_main(args):
     """The shipped pair's attention (H, c, r of its config; S_max = cache rows of a benchmark call, 256, and its
     maximum position, 2048): the two implementations the dispatcher chooses between, the Triton kernel at its
     pick_config tiling and impl="xla" (tree_mla_attention_xla), each checked against the reference first.
-    Decides which one `choose_attention` may pick for such a model (tuned.triton_not_faster)."""
+    Decides which one `choose_attention` may pick for such a model (tuned.measured_fastest)."""
     import kdtree_jax as kj
     from kdtree_jax.checkpoint import checkpoint_config
     from pallas_kernels.tree_attention import tree_mla_attention

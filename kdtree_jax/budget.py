@@ -14,7 +14,7 @@ candidates, one compiled verify per candidate (`lax.switch`): a smaller tree the
 backend, dense or MoE (an MoE verify reads only the experts its tokens route to).
 
 The costs come from measurement: `default_costs` gives whole-`generate` timings of the shipped pair (rounds
-per second against AR steps per second, benchmarks/results/e2e_h200.json, e2e_cpu.json);
+per second against AR steps per second, benchmarks/results/e2e_h200_b1.json, e2e_h200_b8.json, e2e_cpu.json);
 `kdtree_jax.calibrate_budget_costs` measures them for any model on the device at hand.
 """
 
@@ -58,7 +58,7 @@ class BudgetCosts:
 
 
 # Round cost in AR steps of the shipped pair, (device kind, batch) -> {budget: cost}: the wall time of a
-# generate call per round over its wall time per AR step. H200, batch 1: e2e_h200.json (2026-12-02: the
+# generate call per round over its wall time per AR step. H200, batch 1: e2e_h200_b1.json (2026-12-02: the
 # retrained drafter, attention on XLA; greedy, 8 prompts x 128 tokens; the AR step is 3.5x cheaper than on
 # 2026-12-01, so a round costs more AR steps). H200, batch 8: e2e_h200_b8.json (2026-12-02, the same pair and
 # settings, batch 8 greedy).

@@ -1,4 +1,4 @@
-"""Tree-masked absorbed-MLA attention on the Pallas Mosaic GPU backend (Hopper): a first, not yet wired version.
+"""Tree-masked absorbed-MLA attention on the Pallas Mosaic GPU backend (Hopper).
 
 Same op as `reference.tree_mla_attention_reference` (see the package docstring for the visibility rule):
 q [B, T, H, c + r], cache [B, S_max, c + r], start [B] int32, tree_mask [B, T, T] bool -> [B, T, H, c].
@@ -34,14 +34,14 @@ num_splits > 1: each split writes its normalized partial output (in the input dt
 SMEM) and its float32 log2-sum-exp; an XLA combine weights them by exp2(lse - max lse), as the Triton kernel
 does.
 
-Status: checked in Mosaic GPU interpret mode on CPU only (tests/kernels/test_tree_attention_mgpu.py, tiny
-shapes), and its CUDA lowering at K2 shapes (c 512, r 64, H 64). Not yet run natively on an H200, not timed,
-and not wired into pallas_kernels.dispatch (tree_mla_attention never calls it). What jax 0.11.2's GPU
-interpreter cannot run, and so is covered by the lowering test only: wgmma with A (P) from registers
-(interpret mode stages P in SMEM) and accumulating into a carried accumulator with pl.run_state (interpret
-mode adds a fresh product in registers instead, see `_accumulate`). Its race detector reported no race, but
-it also stays silent with the cross-warpgroup sync of a tail tile removed, so the ordering between warpgroups
-is reasoned, not tested.
+Status: checked in Mosaic GPU interpret mode on CPU (tests/kernels/test_tree_attention_mgpu.py, tiny shapes), its
+CUDA lowering at K2 shapes (c 512, r 64, H 64), and natively on an H200 (the @gpu tests of that file; timed in
+benchmarks/results/tree_attention_mosaic_h200.md). pallas_kernels.dispatch runs it where it was measured fastest
+(tuned.measured_fastest). What jax 0.11.2's GPU interpreter cannot run, and so only the native tests cover: wgmma
+with A (P) from registers (interpret mode stages P in SMEM) and accumulating into a carried accumulator with
+pl.run_state (interpret mode adds a fresh product in registers instead, see `_accumulate`). Its race detector
+reported no race, but it also stays silent with the cross-warpgroup sync of a tail tile removed, so the ordering
+between warpgroups is reasoned (and the native tests pass), not proven.
 """
 
 from __future__ import annotations
