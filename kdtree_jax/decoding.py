@@ -176,17 +176,22 @@ def resolve_stop_tokens(cfg: ModelConfig, stop_tokens) -> tuple[int, ...]:
     return stops
 
 
+CACHE_ROW_MULTIPLE = 64  # cache rows allocated in whole tiles of the Mosaic GPU attention kernel (block_kv 64)
+
+
 def cache_length(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, slack: int,
                  max_len: int | None) -> int:
     """Rows the cache needs: the longest prompt, every new token, and `slack` rows that a verify
-    forward writes past the committed length. Raises when a prompt does not fit."""
+    forward writes past the committed length, rounded up to a multiple of CACHE_ROW_MULTIPLE when max_len is not
+    given (the Mosaic GPU attention kernel streams the cache in 64-row TMA tiles and would otherwise copy it into a
+    padded one on every call; rows past a row's length are never visible). Raises when a prompt does not fit."""
     needed = prompt_len + max_new_tokens + slack
     if prompt_len + max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(
             f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} exceeds the model's "
             f"max_position_embeddings={cfg.max_position_embeddings}")
     if max_len is None:
-        return needed
+        return -(-needed // CACHE_ROW_MULTIPLE) * CACHE_ROW_MULTIPLE
     if needed > max_len:
         raise ValueError(f"the cache of max_len={max_len} rows cannot hold a prompt of {prompt_len} tokens + "
                          f"{max_new_tokens} new tokens (+{slack} verify rows): needs {needed}")

@@ -105,7 +105,7 @@ def generate(cfg: ModelConfig, params: Params, prompts, max_new_tokens: int = 64
     and `budget_costs`, a kj.BudgetCosts, default the measured kdtree_jax.budget.default_costs). temperature
     0 is greedy; any finite temperature > 0 samples (a tiny one gives the argmax: decoding.sampling_logits)
     with optional top_k / top_p and an explicit PRNG `key` (jax.random.key(seed), required). stop_tokens
-    default to cfg.eos_token_id. max_len: cache rows (default: exactly what the call needs). mesh: a jax
+    default to cfg.eos_token_id. max_len: cache rows (default: what the call needs, rounded up to 64). mesh: a jax
     Mesh or a spec like "expert=2,tensor=1" (kdtree_jax.sharding): the target runs sharded over it (params
     not yet there are placed on it, drafter and tree replicated); MeshError when the mesh does not divide
     the model. kernels: which kernel each op runs, e.g. kj.Kernels(attention="xla") (default:

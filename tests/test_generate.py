@@ -174,3 +174,18 @@ def test_tiny_temperature_generates_the_greedy_tokens(params):
     tiny_t = kj.generate(TINY, params, prompts, max_new_tokens=8, stop_tokens=(), temperature=1e-39,
                          key=jax.random.key(1))
     np.testing.assert_array_equal(np.asarray(tiny_t.tokens), np.asarray(greedy.tokens))
+
+
+def test_cache_rows_are_whole_attention_tiles_unless_max_len_is_given(params):
+    """Without max_len the cache gets what the call needs rounded up to 64 rows (whole TMA tiles of the Mosaic
+    attention kernel: no per-call pad); the extra rows are never visible, so the tokens equal a run with the exact
+    max_len; with max_len it is exactly max_len."""
+    from kdtree_jax.decoding import CACHE_ROW_MULTIPLE, cache_length
+
+    assert CACHE_ROW_MULTIPLE == 64
+    assert cache_length(TINY, 5, 10, 3, None) == 64 and cache_length(TINY, 60, 4, 0, None) == 64
+    assert cache_length(TINY, 60, 4, 1, None) == 128 and cache_length(TINY, 5, 10, 3, 18) == 18
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    auto = kj.generate(TINY, params, prompts, max_new_tokens=6)
+    exact = kj.generate(TINY, params, prompts, max_new_tokens=6, max_len=11)
+    np.testing.assert_array_equal(np.asarray(auto.tokens), np.asarray(exact.tokens))
