@@ -524,3 +524,11 @@ def test_interrupted_is_the_last_line_even_when_interrupted_work_leaves_warnings
     assert cli.main(["convert"]) == 130
     err = capsys.readouterr().err
     assert err.strip().endswith("kdtree-jax: interrupted"), err
+
+
+def test_kernel_flags_offer_every_implementation_of_the_dispatcher():
+    """cli.KERNEL_CHOICES is a copy of pallas_kernels.dispatch.IMPLS (the CLI does not import the kernels at start):
+    the two must agree, or a flag refuses an implementation the engine has (or offers one it has not)."""
+    from pallas_kernels import dispatch
+
+    assert cli.KERNEL_CHOICES == dispatch.IMPLS
