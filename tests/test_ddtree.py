@@ -297,10 +297,10 @@ def test_auto_budget_keeps_the_greedy_invariant_and_follows_its_costs(tiny):
     drafter = make_drafter(TINY, seed=3)
     run = functools.partial(kj.generate, TINY, params, prompts, max_new_tokens=14, method="ddtree", drafter=drafter,
                             stop_tokens=())
-    default = run(tree_budget="auto")  # the CPU's measured costs (budgets 4..64)
+    default = run(tree_budget="auto")  # the CPU's measured costs (budgets 4..16)
     np.testing.assert_array_equal(np.asarray(default.tokens), np.asarray(ar.tokens))
     used = np.asarray(default.tree_budgets)[: int(default.rounds)]
-    assert set(used.tolist()) <= {4, 8, 16, 32, 64}
+    assert set(used.tolist()) <= {4, 8, 16}
     assert (np.asarray(default.tree_budgets)[int(default.rounds):] == 0).all()
     largest = run(tree_budget="auto", budget_costs=kj.BudgetCosts((2, 6, 12), (1.0, 0.9, 0.8)))
     fixed = run(tree_budget=12)
