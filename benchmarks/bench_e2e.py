@@ -202,12 +202,16 @@ def main() -> None:
         raise SystemExit(1)
 
 
+def row_order(r: dict) -> tuple:
+    """Table order: batch, temperature, AR, DFlash, the fixed budgets, auto."""
+    return (r["batch"], r["temperature"], {"ar": 0, "dflash": 1, "ddtree": 2}[r["method"]],
+            float("inf") if r["budget"] == "auto" else (r["budget"] or 0))
+
+
 def finish_rows(rows: list[dict], outputs: dict) -> list:
     """Order the rows (batch, temperature, AR, DFlash, budgets, auto), add each row's speedup over AR at its batch
     and temperature and, greedy, whether its tokens equal AR's. Returns the points whose greedy tokens differ."""
-    order = {"ar": 0, "dflash": 1, "ddtree": 2}
-    rows.sort(key=lambda r: (r["batch"], r["temperature"], order[r["method"]],
-                             float("inf") if r["budget"] == "auto" else (r["budget"] or 0)))
+    rows.sort(key=row_order)
     ar = {(r["batch"], r["temperature"]): r for r in rows if r["method"] == "ar"}
     failures = []
     for r in rows:
@@ -237,8 +241,7 @@ def merge(paths: list[Path], stem: Path) -> None:
             if point not in seen:
                 seen.add(point)
                 rows.append(dict(r, run=i))
-    rows.sort(key=lambda r: (r["batch"], r["temperature"], {"ar": 0, "dflash": 1, "ddtree": 2}[r["method"]],
-                             float("inf") if r["budget"] == "auto" else (r["budget"] or 0)))
+    rows.sort(key=row_order)
     meta = dict(runs[0]["meta"], merged_from=[str(p) for p in paths], dates=[r["meta"]["date"] for r in runs],
                 merged_by=metadata())
     done = {(r["batch"], r["temperature"], r["method"], r["budget"]) for r in rows}

@@ -98,11 +98,16 @@ def rel_err(x, ref):
     return float(np.max(np.abs(x - ref)) / np.max(np.abs(ref)))
 
 
+def time_program(timer, fn, sets):
+    """fn over every input set in one jitted program, timed by `timer`: (Timing, microseconds per op per second
+    of the program)."""
+    return timer(jax.jit(lambda sets: [fn(*s) for s in sets]), sets), 1e6 / len(sets)
+
+
 def time_sets(timer, fn, sets):
     """fn over every input set in one jitted program: (outputs, us per op, us per op of the attention kernel
     itself in the median call, or None without device timing)."""
-    timing = timer(jax.jit(lambda sets: [fn(*s) for s in sets]), sets)
-    per_op = 1e6 / len(sets)
+    timing, per_op = time_program(timer, fn, sets)
     if timing.device_s is None:
         return timing.out, timing.wall_s * per_op, None
     kernel = sum(s for name, s in timing.kernels if "tree_mla_attention" in name)
@@ -292,9 +297,8 @@ def mosaic_main(args):
     rng = np.random.default_rng(1234)
 
     def timed(fn, sets, ref0):
-        timing = timer(jax.jit(lambda sets: [fn(*s) for s in sets]), sets)
-        n = len(sets)
-        return dict(us=timing.device_s * 1e6 / n, wall_us=timing.wall_s * 1e6 / n, rel_err=rel_err(timing.out[0], ref0))
+        timing, per_op = time_program(timer, fn, sets)
+        return dict(us=timing.device_s * per_op, wall_us=timing.wall_s * per_op, rel_err=rel_err(timing.out[0], ref0))
 
     plan = MOSAIC_PLAN
     if args.mosaic_shapes:
@@ -337,6 +341,12 @@ def mosaic_main(args):
     print(mosaic_table(meta, rows))
 
 
+def best_mosaic(row) -> dict | None:
+    """The fastest Mosaic variant of a --mosaic row that passed its check (rel err < 2e-2), or None."""
+    good = [m for m in row["mosaic"] if "us" in m and m["rel_err"] < 2e-2]
+    return min(good, key=lambda m: m["us"]) if good else None
+
+
 def mosaic_table(meta, rows) -> str:
     lines = [f"# Tree-masked MLA attention: the Mosaic GPU kernel, {meta['device']}, jax {meta['jax']}, {meta['date']}",
              "", f"H={meta['H']}, c={meta['c']}, r={meta['r']}, B=1, bf16, random trees, start = S, cache rows S_max = "
@@ -353,8 +363,7 @@ def mosaic_table(meta, rows) -> str:
         return f"{d['us']:.1f} ({d['wall_us']:.1f})" if d and "us" in d else "error"
 
     for row in rows:
-        good = [m for m in row["mosaic"] if "us" in m and m["rel_err"] < 2e-2]
-        best = min(good, key=lambda m: m["us"]) if good else None
+        best = best_mosaic(row)
         x = row.get("xla", {}).get("us")
         first_failure = [m.get("error", m.get("rel_err")) for m in row["mosaic"]][:1]
         lines.append(f"| {row['S']} | {row['T']} | {row['floor_us']:.1f} | {row['target_us'] or '-'} | "
@@ -385,24 +394,27 @@ def summarize_mosaic(paths):
 
 
 def draw_mosaic(path, meta, rows):
-    import matplotlib.pyplot as plt
-
-    def best(row):
-        good = [m["us"] for m in row["mosaic"] if "us" in m and m["rel_err"] < 2e-2]
-        return min(good) if good else np.nan
-
     series = [("floor", [r["floor_us"] for r in rows]), ("target", [r["target_us"] or np.nan for r in rows]),
               ("XLA", [r.get("xla", {}).get("us", np.nan) for r in rows]),
               ("Triton kernel", [r.get("triton", {}).get("us", np.nan) for r in rows]),
-              ("Mosaic GPU kernel", [best(r) for r in rows])]
+              ("Mosaic GPU kernel", [(best_mosaic(r) or {}).get("us", np.nan) for r in rows])]
+    bar_chart(path, [f"S={r['S']}\nT={r['T']}" for r in rows], series, "CUPTI kernel time per call (us)",
+              f"Tree MLA attention, K2 H=64 c=512 r=64 bf16, B=1 - {meta['device']}, jax {meta['jax']}")
+
+
+def bar_chart(path, labels, series, ylabel, title):
+    """Grouped bars on a log scale: one group per label, one bar per (name, values) of `series`."""
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    x = np.arange(len(rows))
+    x = np.arange(len(labels))
+    width = 0.8 / len(series)
     for k, (name, values) in enumerate(series):
-        ax.bar(x + (k - 2) * 0.16, values, 0.16, label=name)
+        ax.bar(x + (k - (len(series) - 1) / 2) * width, np.asarray(values, float), width, label=name)
     ax.set_yscale("log")
-    ax.set_xticks(x, [f"S={r['S']}\nT={r['T']}" for r in rows])
-    ax.set_ylabel("CUPTI kernel time per call (us)")
-    ax.set_title(f"Tree MLA attention, K2 H=64 c=512 r=64 bf16, B=1 - {meta['device']}, jax {meta['jax']}")
+    ax.set_xticks(x, labels)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -524,20 +536,11 @@ def summarize(paths, out_dir):
 
 
 def draw(path, meta, labels, rows):
-    import matplotlib.pyplot as plt
-
     rows = np.array(rows, float)
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    x = np.arange(len(labels))
-    for k, name in enumerate(["floor", "target", "XLA (jnp)", "Pallas kernel"]):
-        ax.bar(x + (k - 1.5) * 0.2, rows[:, k], 0.2, label=name)
-    ax.set_yscale("log")
-    ax.set_xticks(x, labels)
-    ax.set_ylabel("device time per call (us)")
-    ax.set_title(f"Tree MLA attention, H=64, c=512, r=64, B=1 - {meta['device']}, jax {meta['jax']}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    bar_chart(path, labels, [(name, rows[:, k]) for k, name in enumerate(["floor", "target", "XLA (jnp)",
+                                                                          "Pallas kernel"])],
+              "device time per call (us)",
+              f"Tree MLA attention, H=64, c=512, r=64, B=1 - {meta['device']}, jax {meta['jax']}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from pallas_kernels.tree_attention.mosaic_gpu import tree_attention_mosaic
 from pallas_kernels.tree_attention.reference import tree_mla_attention_reference, tree_mla_attention_xla
 from pallas_kernels.tree_attention.triton import BlockConfig, tree_attention_pallas
 from pallas_kernels.tree_attention.tuned import mosaic_config, pick_config
+from pallas_kernels.w4a16.mosaic_gpu import gpu_interpret_params
 
 __all__ = [
     "BlockConfig",
@@ -110,8 +111,6 @@ def tree_mla_attention(q, cache, start, tree_mask, *, scale: float, value_dim: i
     if choice.impl == "xla":
         return tree_mla_attention_xla(q, cache, start, tree_mask, scale=scale, value_dim=value_dim)
     if choice.impl == "mosaic_gpu":
-        from pallas_kernels.w4a16.mosaic_gpu import gpu_interpret_params  # noqa: PLC0415
-
         return tree_attention_mosaic(q, cache, start, tree_mask, scale=scale, value_dim=value_dim,
                                      config=mosaic_config(batch=B, num_tree=T, cache_rows=cache.shape[1]),
                                      interpret=gpu_interpret_params() if interpret else None)
