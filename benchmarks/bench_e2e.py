@@ -87,17 +87,20 @@ def run_config(cfg, params, drafter, prompts, batch, method, budget, temperature
     return row, outputs
 
 
-def costs_from_rows(rows: list[dict], batch: int) -> kj.BudgetCosts:
-    """tree_budget="auto"'s round costs measured in this run: wall per round of each fixed budget's greedy row at
-    `batch` over wall per step of AR's (what kj.calibrate_budget_costs measures, without compiling again)."""
-    sel = {(r["method"], r["budget"]): r for r in rows if r["batch"] == batch and r["temperature"] == 0.0}
+def costs_from_rows(rows: list[dict], batch: int, temperature: float) -> kj.BudgetCosts:
+    """tree_budget="auto"'s round costs measured in this run: wall per round of each fixed budget's row at `batch`
+    and `temperature` over wall per step of AR's at the same temperature (what kj.calibrate_budget_costs
+    measures, without compiling again)."""
+    sel = {(r["method"], r["budget"]): r for r in rows if r["batch"] == batch and r["temperature"] == temperature}
     ar = sel.get(("ar", None))
     budgets = sorted(b for (m, b) in sel if m == "ddtree" and isinstance(b, int))
     if ar is None or not budgets:
-        raise ValueError(f"auto at batch {batch} needs the greedy AR and fixed-budget rows of this run")
+        raise ValueError(f"auto at batch {batch}, temperature {temperature:g} needs the AR and fixed-budget rows "
+                         "of this run at that batch and temperature")
     step = ar["seconds"] / ar["rounds"]
     costs = tuple(sel[("ddtree", b)]["seconds"] / sel[("ddtree", b)]["rounds"] / step for b in budgets)
-    return kj.BudgetCosts(tuple(budgets), costs, source=f"measured in this run (e2e), batch {batch}")
+    return kj.BudgetCosts(tuple(budgets), costs,
+                          source=f"measured in this run (e2e), batch {batch}, temperature {temperature:g}")
 
 
 def main() -> None:
@@ -117,9 +120,10 @@ def main() -> None:
                         "per round; its rows record how many rounds used each budget), with the round costs of "
                         "--auto-costs")
     parser.add_argument("--auto-costs", choices=("run", "default"), default="run",
-                        help="run: measured in this run (each fixed budget's greedy wall per round over AR's wall "
-                             "per step; needs those greedy rows); default: kdtree_jax.budget.default_costs for "
-                             "this device and batch, what kj.generate uses when no budget_costs are given")
+                        help="run: measured in this run (each fixed budget's wall per round over AR's wall per "
+                             "step, at the auto row's batch and temperature; needs those rows); default: "
+                             "kdtree_jax.budget.default_costs for this device, batch and temperature, what "
+                             "kj.generate uses when no budget_costs are given")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--repeats", type=int, default=1)
@@ -140,9 +144,10 @@ def main() -> None:
         return merge(args.merge, args.out / f"e2e_{args.tag}")
     if any(args.num_prompts % b for b in args.batches):
         raise SystemExit(f"--num-prompts {args.num_prompts} must be a multiple of every batch {args.batches}")
-    if args.auto and args.auto_costs == "run" and 0.0 not in args.temperatures:
-        raise SystemExit("--auto-costs run measures the round costs on the greedy rows: --temperatures must "
-                         "include 0 (or pass --auto-costs default)")
+    if args.auto and args.auto_costs == "run" and not (args.budgets and {"ar", "ddtree"} <= set(args.methods)):
+        raise SystemExit("--auto-costs run measures the round costs on this run's AR and fixed-budget rows: "
+                         "--methods needs ar and ddtree and --budgets at least one budget (or pass "
+                         "--auto-costs default)")
     if args.matmul_precision == "highest":
         jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -179,13 +184,15 @@ def main() -> None:
     if args.auto:
         autos = []
         for batch in args.batches:
-            try:
-                costs = costs_from_rows(rows, batch) if args.auto_costs == "run" else default_costs(batch)
-            except ValueError as e:  # a point it needs was past the deadline
-                print(f"no auto at batch {batch}: {e}", flush=True)
-                skipped += [dict(batch=batch, temperature=t, method="ddtree", budget="auto") for t in args.temperatures]
-                continue
-            autos += [(batch, t, "ddtree", "auto", costs) for t in args.temperatures]
+            for t in args.temperatures:
+                try:
+                    costs = (costs_from_rows(rows, batch, t) if args.auto_costs == "run"
+                             else default_costs(batch, temperature=t))
+                except ValueError as e:  # a point it needs was past the deadline
+                    print(f"no auto at batch {batch}, temperature {t:g}: {e}", flush=True)
+                    skipped.append(dict(batch=batch, temperature=t, method="ddtree", budget="auto"))
+                    continue
+                autos.append((batch, t, "ddtree", "auto", costs))
         if autos:
             measure(autos)
     invariant_failures = finish_rows(rows, outputs)

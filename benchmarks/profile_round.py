@@ -89,7 +89,7 @@ def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, i
             row["setting"] = label
         if kernels:  # the median call's summed kernel time, its kernel count and where the time goes
             row.update(kernel_us=timing.device_s * 1e6, kernels=len(timing.kernels),
-                       top_kernels=top_kernels(timing.kernels))
+                       top_kernels=top_kernels(timing.kernels, 12))
         print(row, flush=True)
         rows.append(row)
         return timing.out

@@ -14,7 +14,8 @@ candidates, one compiled verify per candidate (`lax.switch`): a smaller tree the
 backend, dense or MoE (an MoE verify reads only the experts its tokens route to).
 
 The costs come from measurement: `default_costs` gives whole-`generate` timings of the shipped pair (rounds
-per second against AR steps per second, benchmarks/results/e2e_h200_b1.json, e2e_h200_b8.json, e2e_cpu.json);
+per second against AR steps per second at the same temperature, greedy and sampled apart: benchmarks/results/
+e2e_h200_b1.json, e2e_h200_b8.json, e2e_cpu.json);
 `kdtree_jax.calibrate_budget_costs` measures them for any model on the device at hand.
 """
 
@@ -57,34 +58,44 @@ class BudgetCosts:
         return self.budgets[-1]
 
 
-# Round cost in AR steps of the shipped pair, (device kind, batch) -> {budget: cost}: the wall time of a
-# generate call per round over its wall time per AR step. H200, batch 1: e2e_h200_b1.json (2026-12-02: the
-# retrained drafter, attention on XLA; greedy, 8 prompts x 128 tokens; the AR step is 3.5x cheaper than on
-# 2026-12-01, so a round costs more AR steps). H200, batch 8: e2e_h200_b8.json (2026-12-02, the same pair and
-# settings, batch 8 greedy).
-# CPU: e2e_cpu.json (2026-12-02, the shipped pair, 2-core machine, batch 1 and 8, greedy, 8 prompts x 64 tokens).
-# Candidates on a CPU stop at 16: no larger budget was the best fixed one in any setting of that run (nor of the
-# 2026-12-01 run), and auto builds its tree at the largest candidate every round (at batch 8 its rounds cost 4.28
-# AR steps against fixed budget 8's 3.72 with 64 as the largest candidate, e2e_cpu.json).
+# Round cost in AR steps of the shipped pair, (device kind, batch, sampled) -> {budget: cost}: the wall time of a
+# generate call per round over its wall time per AR step at the same temperature. sampled=False: greedy; True:
+# temperature 1 (used for every temperature > 0: a sampled round also samples every tree node and runs the
+# acceptance walk on samples, and its cost grows faster with the budget than a greedy round's).
+# H200, batch 1: e2e_h200_b1.json (2026-12-02: the retrained drafter, attention on XLA; 8 prompts x 128 tokens;
+# the AR step is 3.5x cheaper than on 2026-12-01, so a round costs more AR steps). H200, batch 8: e2e_h200_b8.json
+# (2026-12-02, the same pair and settings). H200 sampled, batch 1: budget 8 and 32 from e2e_h200_b1.json, 16 from
+# e2e_h200_t1_auto.json scaled by the two runs' ratio at 32 (1.31 / 1.21).
+# CPU: e2e_cpu.json (2026-12-02, the shipped pair, 2-core machine, batch 1 and 8, greedy and temperature 1, 8
+# prompts x 64 tokens). Candidates on a CPU stop at 16: no larger budget was the best fixed one in any setting of
+# that run (nor of the 2026-12-01 run), and auto builds its tree at the largest candidate every round (at batch 8
+# its rounds cost 4.28 AR steps against fixed budget 8's 3.72 with 64 as the largest candidate, e2e_cpu.json).
 _MEASURED = {
-    ("gpu", 1): {8: 1.47, 16: 1.45, 32: 1.56},
-    ("gpu", 8): {8: 1.42, 16: 1.59, 32: 1.75},
-    ("cpu", 1): {4: 3.74, 8: 4.06, 16: 5.35},
-    ("cpu", 8): {4: 4.11, 8: 3.72, 16: 5.72},
+    ("gpu", 1, False): {8: 1.47, 16: 1.45, 32: 1.56},
+    ("gpu", 8, False): {8: 1.42, 16: 1.59, 32: 1.75},
+    ("gpu", 1, True): {8: 1.22, 16: 1.29, 32: 1.31},
+    ("gpu", 8, True): {8: 1.30, 16: 1.49, 32: 1.63},
+    ("cpu", 1, False): {4: 3.74, 8: 4.06, 16: 5.35},
+    ("cpu", 8, False): {4: 4.11, 8: 3.72, 16: 5.72},
+    ("cpu", 1, True): {4: 2.99, 8: 3.88, 16: 5.88},
+    ("cpu", 8, True): {4: 2.40, 8: 3.45, 16: 4.74},
 }
 _MEASURED_ON = {"gpu": "NVIDIA H200", "cpu": "a 2-core CPU"}
 
 
-def default_costs(batch: int, device=None) -> BudgetCosts:
-    """The measured costs of the shipped pair for this device's platform and the nearest measured batch
-    (1 or 8). A different model or device has different costs: measure them with
-    `kdtree_jax.calibrate_budget_costs` and pass `budget_costs=`."""
+def default_costs(batch: int, device=None, *, temperature: float = 0.0) -> BudgetCosts:
+    """The measured costs of the shipped pair for this device's platform, the nearest measured batch (1 or 8)
+    and the kind of decoding (greedy for temperature 0, sampled, measured at temperature 1, for any other). A
+    different model or device has different costs: measure them with `kdtree_jax.calibrate_budget_costs` and
+    pass `budget_costs=`."""
     platform = "gpu" if dispatch.is_gpu(device or dispatch.default_device()) else "cpu"
     measured_batch = min((1, 8), key=lambda b: abs(b - batch))
-    table = _MEASURED[(platform, measured_batch)]
+    sampled = temperature > 0
+    table = _MEASURED[(platform, measured_batch, sampled)]
     budgets = tuple(sorted(table))
+    kind = "temperature 1" if sampled else "greedy"
     return BudgetCosts(budgets, tuple(table[b] for b in budgets),
-                       source=f"shipped pair on {_MEASURED_ON[platform]}, batch {measured_batch}")
+                       source=f"shipped pair on {_MEASURED_ON[platform]}, batch {measured_batch}, {kind}")
 
 
 def expected_tokens(scores: jax.Array, live: jax.Array, budgets: tuple[int, ...]) -> jax.Array:

@@ -283,7 +283,8 @@ def generate_speculative(cfg: ModelConfig, params: Params, tokens, lengths, key,
         tree_slots = 1 + depth
         budget = None
     elif tree_budget == AUTO:
-        budget = budget_lib.default_costs(tokens.shape[0]) if budget_costs is None else budget_costs
+        budget = (budget_lib.default_costs(tokens.shape[0], temperature=sampling.temperature) if budget_costs is None
+                  else budget_costs)
         if not isinstance(budget, BudgetCosts):
             raise ValueError(f"budget_costs must be a kdtree_jax.BudgetCosts, got {type(budget).__name__}")
         if budget.max_budget > MAX_TREE_BUDGET:

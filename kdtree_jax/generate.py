@@ -151,12 +151,14 @@ def generate(cfg: ModelConfig, params: Params, prompts, max_new_tokens: int = 64
 
 def calibrate_budget_costs(cfg: ModelConfig, params: Params, prompts, *, drafter,
                            budgets: Sequence[int] = (4, 8, 16, 32, 64), max_new_tokens: int = 64, repeats: int = 3,
-                           kernels: Kernels | None = None) -> BudgetCosts:
+                           temperature: float = 0.0, kernels: Kernels | None = None) -> BudgetCosts:
     """Measure what one DDTree round costs at each budget on this device, in AR steps, for `tree_budget="auto"`.
 
-    Times whole greedy `generate` calls (a warm-up call compiles; then the median of `repeats`) of AR and of
-    DDTree at every budget on `prompts` (their batch size is the one the costs are for), and divides each
-    call's wall time by its rounds. Pass the result as `generate(..., tree_budget="auto", budget_costs=...)`."""
+    Times whole `generate` calls (a warm-up call compiles; then the median of `repeats`) of AR and of DDTree at
+    every budget on `prompts` (their batch size is the one the costs are for) at `temperature` (0: greedy; a
+    sampled round costs more, and more so at larger budgets: calibrate at the temperature you decode with; the
+    samples use the fixed key jax.random.key(0)), and divides each call's wall time by its rounds. Pass the
+    result as `generate(..., temperature=..., tree_budget="auto", budget_costs=...)`."""
     if not budgets or any(not is_int(b) or not 1 <= b for b in budgets):
         raise ValueError(f"budgets must be positive integers, got {budgets!r}")
     if not is_int(repeats) or repeats < 1:
@@ -164,7 +166,7 @@ def calibrate_budget_costs(cfg: ModelConfig, params: Params, prompts, *, drafter
 
     def per_round(**kwargs) -> float:
         run = functools.partial(generate, cfg, params, prompts, max_new_tokens=max_new_tokens, stop_tokens=(),
-                                kernels=kernels, **kwargs)
+                                temperature=temperature, key=jax.random.key(0), kernels=kernels, **kwargs)
         out = jax.block_until_ready(run())
         walls = []
         for _ in range(repeats):
@@ -177,5 +179,6 @@ def calibrate_budget_costs(cfg: ModelConfig, params: Params, prompts, *, drafter
     budgets = tuple(sorted({int(b) for b in budgets}))
     costs = tuple(per_round(method="ddtree", drafter=drafter, tree_budget=b) / step for b in budgets)
     device = dispatch.default_device()
+    kind = f"temperature {temperature:g}" if temperature > 0 else "greedy"
     return BudgetCosts(budgets, costs, source=f"calibrated on {getattr(device, 'device_kind', device.platform)}, "
-                                              f"batch {len(prompts)}")
+                                              f"batch {len(prompts)}, {kind}")

@@ -314,6 +314,21 @@ def test_auto_budget_keeps_the_greedy_invariant_and_follows_its_costs(tiny):
     assert (np.asarray(smallest.tree_budgets)[: int(smallest.rounds)] == 2).all()
 
 
+def test_auto_default_costs_follow_the_temperature(tiny, monkeypatch):
+    """Unasked, generate's auto takes the greedy table at temperature 0 and the sampled one at temperature > 0:
+    with tables that disagree (greedy: the largest budget always pays; sampled: never), each picks its own."""
+    params, prompts, _ = tiny
+    drafter = make_drafter(TINY, seed=3)
+    tables = {**budget_lib._MEASURED,
+              ("cpu", 1, False): {2: 1.0, 6: 0.9}, ("cpu", 1, True): {2: 1.0, 6: 1e6}}
+    monkeypatch.setattr(budget_lib, "_MEASURED", tables)
+    run = functools.partial(kj.generate, TINY, params, prompts[:1], max_new_tokens=10, method="ddtree",
+                            drafter=drafter, stop_tokens=(), tree_budget="auto", key=jax.random.key(5))
+    for temperature, budget in [(0.0, 6), (1.0, 2)]:
+        out = run(temperature=temperature)
+        assert budget_lib.rounds_per_budget(out) == {budget: int(out.rounds)}, temperature
+
+
 def test_budget_choice_by_hand():
     """E(n) = 1 + the sum of the first n nodes' exp(score) per live row; the budget with the best E / cost wins."""
     scores = jnp.log(jnp.array([[1.0, 0.9, 0.5, 0.1, 0.1], [1.0, 0.2, 0.1, 0.05, 0.0]]))  # root, then 4 nodes
@@ -332,6 +347,10 @@ def test_budget_choice_by_hand():
         kj.BudgetCosts((2, 4), (1.0, 0.0))
     costs = budget_lib.default_costs(batch=3, device=jax.devices()[0])
     assert costs.budgets == tuple(sorted(costs.budgets)) and "batch 1" in costs.source
+    assert costs.source.endswith("greedy")
+    sampled = budget_lib.default_costs(batch=3, device=jax.devices()[0], temperature=0.7)
+    assert sampled.budgets == costs.budgets and sampled.costs != costs.costs  # measured apart
+    assert sampled.source.endswith("temperature 1")
 
 
 def test_calibrated_costs_are_measured_per_budget(tiny):
@@ -340,9 +359,12 @@ def test_calibrated_costs_are_measured_per_budget(tiny):
     drafter = make_drafter(TINY, seed=3)
     costs = kj.calibrate_budget_costs(TINY, params, prompts, drafter=drafter, budgets=(6, 2), max_new_tokens=6,
                                       repeats=1)
-    assert costs.budgets == (2, 6) and all(c > 0 for c in costs.costs) and costs.source.endswith("batch 3")
+    assert costs.budgets == (2, 6) and all(c > 0 for c in costs.costs) and costs.source.endswith("batch 3, greedy")
     out = kj.generate(TINY, params, prompts, max_new_tokens=14, method="ddtree", drafter=drafter, stop_tokens=(),
                       tree_budget="auto", budget_costs=costs)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens))
+    sampled = kj.calibrate_budget_costs(TINY, params, prompts, drafter=drafter, budgets=(2,), max_new_tokens=6,
+                                        repeats=1, temperature=1.0)
+    assert sampled.budgets == (2,) and sampled.costs[0] > 0 and sampled.source.endswith("batch 3, temperature 1")
     with pytest.raises(ValueError, match="budgets must be positive integers"):
         kj.calibrate_budget_costs(TINY, params, prompts, drafter=drafter, budgets=(0,))
