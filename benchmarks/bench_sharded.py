@@ -249,7 +249,7 @@ def bench_rounds(cfg, params, mesh, contexts, budgets, iters) -> list[dict]:
         cache, dstate, bonus = sharding.replicate(state, mesh)
         with jax.set_mesh(mesh):
             rows += profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, iters=iters,
-                                   kernels=False, label=f"S={context}")
+                                   label=f"S={context}")
         del cache, dstate
     return rows
 

@@ -93,6 +93,10 @@ def record_line(meta: dict) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- timer
+CUPTI_WINDOWS = 0  # CUPTI windows this process has opened (Timer counts them)
+WALL_AFTER_CUPTI_NOTE = ("Wall clocks taken after this process's first CUPTI window are inflated (H200, 2026-12-02: "
+                         "a generate call's wall per round 1.5x): this run's wall-clock figures, except each first "
+                         "measurement's, compare only with each other, not with a wall-clock-only run.")
 @dataclasses.dataclass(frozen=True)
 class Timing:
     """One point: the last output, the median wall seconds per call (dispatch and sync included), and
@@ -102,6 +106,7 @@ class Timing:
     wall_s: float
     device_s: float | None = None
     kernels: tuple[tuple[str, float], ...] = ()  # (kernel name, seconds)
+    wall_after_cupti: bool = False  # wall_s was taken after a CUPTI window of this process: inflated
 
     @property
     def seconds(self) -> float:
@@ -116,7 +121,13 @@ class Timer:
     on a GPU) also CUPTI summed kernel time (`jax.experimental.mosaic.gpu.profiler.measure`), one
     profiling window per call: a multi-call window insists that every call launches the same kernels,
     which XLA's data-dependent loops do not. CUPTI sums the kernels of every device, so a multi-device
-    run passes device=False."""
+    run passes device=False.
+
+    Once a process has opened a CUPTI window, its later wall clocks are inflated (measured on the H200,
+    2026-12-02, jax 0.11.2: a batch-1 generate call's wall per round 1.5x, the same call before and after one
+    window). Each call's wall clock is taken before its own CUPTI windows, and Timing.wall_after_cupti says
+    whether an earlier call had opened one; `write_results` then says so in the results. A benchmark whose
+    wall clocks matter takes them all first (benchmarks/profile_round.py) or passes device=False."""
 
     def __init__(self, iters: int = 5, *, device: bool | None = None):
         if not isinstance(iters, int) or iters < 1:
@@ -137,6 +148,8 @@ class Timer:
     def __call__(self, fn: Callable, *args) -> Timing:
         import jax
 
+        global CUPTI_WINDOWS
+        after_cupti = CUPTI_WINDOWS > 0
         out = jax.block_until_ready(fn(*args))  # compile + warm-up
         walls = []
         for _ in range(self.iters):
@@ -144,18 +157,19 @@ class Timer:
             out = jax.block_until_ready(fn(*args))
             walls.append(time.perf_counter() - start)
         if not self.device:
-            return Timing(out, statistics.median(walls))
+            return Timing(out, statistics.median(walls), wall_after_cupti=after_cupti)
         from jax.experimental.mosaic.gpu import profiler
 
         runs = []
         for _ in range(self.iters):
+            CUPTI_WINDOWS += 1
             out, launched = profiler.measure(fn, aggregate=False)(*args)
             if not launched:
                 raise RuntimeError(f"Timer: {getattr(fn, '__name__', fn)!r} launched no kernels")
             runs.append(tuple((name, ms * 1e-3) for name, ms in launched))
         runs.sort(key=lambda run: sum(s for _, s in run))
         median = statistics.median(sum(s for _, s in run) for run in runs)
-        return Timing(out, statistics.median(walls), median, runs[(len(runs) - 1) // 2])
+        return Timing(out, statistics.median(walls), median, runs[(len(runs) - 1) // 2], after_cupti)
 
 
 def copy_bandwidth(timer: Timer, elements: int = 512 * 1024 * 1024) -> float:
@@ -189,6 +203,8 @@ def write_results(stem: str | Path, meta: dict, data: dict, markdown: str,
     """<stem>.json (meta + data), <stem>.md (markdown + the metadata line) and, with `plot` and matplotlib
     importable, <stem>.png drawn by plot(path) (without matplotlib: a note says so, no png).
     Returns the paths written."""
+    if CUPTI_WINDOWS and "wall_after_cupti" not in meta:  # a script that took its wall clocks first says False
+        meta = {**meta, "wall_after_cupti": True}
     written = [write_json(stem, meta, data), write_markdown(stem, meta, markdown)]
     if plot is not None:
         png = write_png(stem, plot)
@@ -203,7 +219,8 @@ def write_markdown(stem: str | Path, meta: dict, markdown: str) -> Path:
     _check_meta(meta)
     path = Path(f"{stem}.md")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(markdown.rstrip("\n") + "\n\n" + record_line(meta) + "\n")
+    note = f"{WALL_AFTER_CUPTI_NOTE}\n\n" if meta.get("wall_after_cupti") else ""
+    path.write_text(markdown.rstrip("\n") + "\n\n" + note + record_line(meta) + "\n")
     return path
 
 

@@ -20,6 +20,7 @@ weights, a random drafter, a synthetic state at a long context from `synthetic_s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -63,11 +64,29 @@ def top_kernels(kernels, count: int = 6) -> list[dict]:
     return [{"name": name[:100], "launches": n, "us": round(s * 1e6, 1)} for name, (n, s) in ranked]
 
 
-def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, iters: int, kernels: bool,
-                   label: str = "") -> list[dict]:
+def add_kernel_times(pending: list, iters: int) -> None:
+    """The CUPTI pass: for each (row, fn, args, per) that a wall-clock pass left in `pending`, the median call's
+    summed kernel time, its kernel count and where the time goes, each divided by `per` (one GPU only: CUPTI
+    sums every device's kernels). It runs after every wall clock of the run because wall-clock times taken
+    after a CUPTI window in the same process are inflated (H200, 2026-12-02: a generate call's wall per round
+    1.5x; benchmarks/common.py Timer)."""
+    from benchmarks.common import Timer
+
+    timer = Timer(iters, device=True)
+    for row, fn, args, per in pending:
+        timing = timer(fn, *args)
+        row.update(kernel_us=timing.device_s * 1e6 / per, kernels=len(timing.kernels) / per)
+        if per == 1:
+            row.update(kernels=len(timing.kernels), top_kernels=top_kernels(timing.kernels, 12))
+        print({k: v for k, v in row.items() if k != "top_kernels"}, flush=True)
+
+
+def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, iters: int,
+                   pending: list | None = None, label: str = "") -> list[dict]:
     """Time the AR step and, for DFlash's chain and each DDTree budget, the round's stages (draft once,
-    then build / verify / accept + compact + drafter context). Call under `jax.set_mesh` for a mesh run;
-    kernels=True adds CUPTI kernel time and counts (one GPU only: CUPTI would sum every device's kernels)."""
+    then build / verify / accept + compact + drafter context): wall clock. Call under `jax.set_mesh` for a mesh
+    run. With a `pending` list, each stage is appended to it for `add_kernel_times` (CUPTI kernel time and
+    counts), to run once every wall clock of the run is taken."""
     import jax
     import jax.numpy as jnp
 
@@ -77,7 +96,7 @@ def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, i
     from kdtree_jax.tree import build_chain, build_tree
     from pallas_kernels.dispatch import Kernels
 
-    timer = Timer(iters, device=kernels)
+    timer = Timer(iters, device=False)
     depth = draft_model.block_size - 1
     layers = draft_model.hidden_layers
     rows = []
@@ -87,9 +106,8 @@ def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, i
         row = {"stage": name, "wall_us": timing.wall_s * 1e6}
         if label:
             row["setting"] = label
-        if kernels:  # the median call's summed kernel time, its kernel count and where the time goes
-            row.update(kernel_us=timing.device_s * 1e6, kernels=len(timing.kernels),
-                       top_kernels=top_kernels(timing.kernels, 12))
+        if pending is not None:
+            pending.append((row, fn, a, 1))
         print(row, flush=True)
         rows.append(row)
         return timing.out
@@ -127,32 +145,47 @@ def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, i
     return rows
 
 
-def profile_in_loop(cfg, params, drafter, prompt, budgets, *, max_new_tokens: int, iters: int,
-                    kernels: bool) -> list[dict]:
-    """The round as it runs: one `kj.generate` call (the one-jit loop) per method, its wall time (median of
-    `iters` calls after a warm-up) and, on one GPU, its summed kernel time and kernel count, divided by the
-    number of rounds (target forwards after the prefill; an AR step is a round of one token)."""
+def profile_in_loop(cfg, params, drafter, prompts, budgets, *, max_new_tokens: int, iters: int,
+                    pending: list | None = None) -> list[dict]:
+    """The round as it runs: per method, one `kj.generate` call (the one-jit loop) per prompt at batch 1, the
+    summed wall time (each prompt's median of `iters` calls after a warm-up) over the summed rounds (target
+    forwards after the prefill; an AR step is a round of one token), and whether every prompt's tokens equal
+    AR's (the greedy invariant; `drafter` methods only). With `pending`, the first prompt's call is left for
+    `add_kernel_times` (summed kernel time and kernel count, per round)."""
+    import numpy as np
+
     import kdtree_jax as kj
     from benchmarks.common import Timer
 
-    timer = Timer(iters, device=kernels)
-    rows = []
+    timer = Timer(iters, device=False)
+    rows, ar_outputs = [], []
     methods = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in budgets]
     for method, budget in methods:
         extra = {} if method == "ar" else {"drafter": drafter, "method": method}
         if budget is not None:
             extra["tree_budget"] = budget
 
-        def run(p, extra=extra):
+        def run(p, prompt, extra=extra):
             return kj.generate(cfg, p, [prompt], max_new_tokens=max_new_tokens, stop_tokens=(), **extra)
 
-        timing = timer(run, params)
-        rounds = int(timing.out.rounds) if method != "ar" else int(timing.out.num_target_forwards) - 1
+        def rounds_of(out, method=method):
+            return int(out.rounds) if method != "ar" else int(out.num_target_forwards) - 1
+
+        wall, rounds, first_rounds, outputs = 0.0, 0, 0, []
+        for prompt in prompts:
+            timing = timer(run, params, prompt)
+            wall += timing.wall_s
+            rounds += rounds_of(timing.out)
+            first_rounds = first_rounds or rounds
+            outputs.append(np.asarray(timing.out.tokens)[0])
+        if method == "ar":
+            ar_outputs = outputs
         name = "AR step" if method == "ar" else f"{method}{'' if budget is None else f' budget {budget}'} round"
         row = {"stage": f"in the loop: {name}", "method": method, "budget": budget, "rounds": rounds,
-               "tokens": max_new_tokens, "wall_us": timing.wall_s * 1e6 / rounds}
-        if timing.device_s is not None:
-            row.update(kernel_us=timing.device_s * 1e6 / rounds, kernels=len(timing.kernels) / rounds)
+               "prompts": len(prompts), "tokens": max_new_tokens * len(prompts), "wall_us": wall * 1e6 / rounds,
+               "greedy_equals_ar": all(np.array_equal(a, b) for a, b in zip(outputs, ar_outputs, strict=True))}
+        if pending is not None:
+            pending.append((row, run, (params, prompts[0]), first_rounds))
         print(row, flush=True)
         rows.append(row)
     ar_wall = rows[0]["wall_us"]
@@ -170,6 +203,8 @@ def main() -> None:
     ap.add_argument("--budgets", type=int, nargs="+", default=[8, 32, 128], help="DDTree budgets to profile")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per stage (median reported)")
     ap.add_argument("--loop-tokens", type=int, default=128, help="tokens generated per call for the in-loop rows")
+    ap.add_argument("--loop-prompts", type=int, default=4, help="held-out prompts (batch 1, one call each) the "
+                    "in-loop rows average over")
     ap.add_argument("--no-loop", action="store_true", help="the stages only, without the in-the-loop rows")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
     args = ap.parse_args()
@@ -188,7 +223,8 @@ def main() -> None:
     cfg, params = kj.load_checkpoint(args.target, expect_kind="target", dtype=args.dtype)
     dcfg, dparams = kj.load_checkpoint(args.drafter, expect_kind="drafter", dtype=args.dtype)
     draft_model = as_draft_model(cfg, (dcfg, dparams))
-    prompt = load_prompts(1, 64)[0]  # the shipped held-out prompts: the same on every machine
+    loop_prompts = load_prompts(max(1, args.loop_prompts), 64)  # the shipped held-out prompts: the same everywhere
+    prompt = loop_prompts[0]
     tokens = jnp.asarray([prompt], jnp.int32)
     lengths = jnp.asarray([len(prompt)], jnp.int32)
     max_len = len(prompt) + 64 + max(args.budgets) + 1
@@ -204,20 +240,25 @@ def main() -> None:
         return cache, state, jnp.argmax(logits, -1).astype(jnp.int32)
 
     cache, dstate, bonus = setup(params, draft_model, tokens, lengths)
-    on_gpu = jax.default_backend() == "gpu"
+    pending = [] if jax.default_backend() == "gpu" else None  # the CUPTI pass, after every wall clock
     rows = profile_stages(cfg, params, draft_model, cache, dstate, bonus, args.budgets, iters=args.iters,
-                          kernels=on_gpu)
+                          pending=pending)
     if not args.no_loop:
-        rows += profile_in_loop(cfg, params, (dcfg, dparams), prompt, args.budgets,
-                                max_new_tokens=args.loop_tokens, iters=max(3, args.iters // 4), kernels=on_gpu)
+        rows += profile_in_loop(cfg, params, (dcfg, dparams), loop_prompts, args.budgets,
+                                max_new_tokens=args.loop_tokens, iters=max(3, args.iters // 4), pending=pending)
+    if pending is not None:
+        add_kernel_times(pending, args.iters)
 
     meta = metadata(target=str(args.target), drafter=str(args.drafter), prompt_tokens=len(prompt),
-                    timing="wall: median per jitted call incl. dispatch; kernel: CUPTI summed kernel time of the "
-                           "median call; in-the-loop rows: one generate call divided by its rounds")
+                    timing="wall: median per jitted call incl. dispatch, every wall clock taken before the first "
+                           "CUPTI window; kernel: CUPTI summed kernel time of the median call; in-the-loop rows: "
+                           f"generate calls of {args.loop_prompts} prompt(s) at batch 1, summed wall over summed "
+                           "rounds (kernel time and count: the first prompt's call over its rounds)",
+                    xla_flags=os.environ.get("XLA_FLAGS", ""), wall_after_cupti=False)
     lines = [f"# One DDTree round, stage by stage ({meta['device']})", "", f"{meta['date']}, JAX {meta['jax']}; "
              f"{meta['timing']}; each stage jitted alone, so each pays one dispatch that the one-jit loop does "
-             "not. The last rows are the round as run: one generate call of "
-             f"{args.loop_tokens} tokens / its rounds (AR steps = wall per round / wall per AR step).", "",
+             f"not. The last rows are the round as run: generate calls of {args.loop_tokens} tokens over their "
+             f"rounds (AR steps = wall per round / wall per AR step). XLA_FLAGS: `{meta['xla_flags'] or 'none'}`.", "",
              "| stage | wall us | kernel us | kernels | AR steps |", "|---|---|---|---|---|"]
     for r in rows:
         kernels = r.get("kernels", "-")

@@ -13,8 +13,12 @@ Public API (see README.md):
     params = kj.prepare_params(params, cfg)           # once: the layout the chosen kernels run on
     kj.kernel_plan(params, cfg)                       # which kernel each op runs here, and why
     out = kj.generate(..., kernels=kj.Kernels(attention="xla"))  # override the choice per call
+
+Importing kdtree_jax sets its XLA flags (kdtree_jax/xla_flags.py: CUDA graphs for every run of kernels) unless
+XLA_FLAGS already names them, KDTREE_JAX_XLA_FLAGS=0, or a JAX backend has already started.
 """
 
+from kdtree_jax import xla_flags  # noqa: F401  first: importing it applies the flags, before anything can start a backend
 from kdtree_jax.budget import BudgetCosts
 from kdtree_jax.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from kdtree_jax.config import ConfigError, ModelConfig, YarnScaling
