@@ -15,7 +15,7 @@ backend, dense or MoE (an MoE verify reads only the experts its tokens route to)
 
 The costs come from measurement: `default_costs` gives whole-`generate` timings of the shipped pair (rounds
 per second against AR steps per second at the same temperature, greedy and sampled apart: benchmarks/results/
-e2e_h200_b1.json, e2e_h200_b8.json, e2e_cpu.json);
+e2e_h200_b1_s9.json, e2e_h200_b8_s9.json, e2e_cpu.json);
 `kdtree_jax.calibrate_budget_costs` measures them for any model on the device at hand.
 """
 
@@ -62,19 +62,19 @@ class BudgetCosts:
 # generate call per round over its wall time per AR step at the same temperature. sampled=False: greedy; True:
 # temperature 1 (used for every temperature > 0: a sampled round also samples every tree node and runs the
 # acceptance walk on samples, and its cost grows faster with the budget than a greedy round's).
-# H200, batch 1: e2e_h200_b1.json (2026-12-02: the retrained drafter, attention on XLA; 8 prompts x 128 tokens;
-# the AR step is 3.5x cheaper than on 2026-12-01, so a round costs more AR steps). H200, batch 8: e2e_h200_b8.json
-# (2026-12-02, the same pair and settings). H200 sampled, batch 1: budget 8 and 32 from e2e_h200_b1.json, 16 from
-# e2e_h200_t1_auto.json scaled by the two runs' ratio at 32 (1.31 / 1.21).
+# H200: e2e_h200_b1_s9.json and e2e_h200_b8_s9.json (2026-12-02, the shipped pair with its retrained drafter,
+# attention on XLA, float32 precision highest; 8 prompts x 128 tokens, median of 3 calls; both temperatures in one
+# run per batch; without kdtree_jax.xla_flags, whose batch-1 run, e2e_h200_b1_flags.json, measured 1.44 / 1.49 /
+# 1.54 greedy and 1.38 / 1.43 / 1.47 sampled, and auto with those verified nearly the same budgets).
 # CPU: e2e_cpu.json (2026-12-02, the shipped pair, 2-core machine, batch 1 and 8, greedy and temperature 1, 8
 # prompts x 64 tokens). Candidates on a CPU stop at 16: no larger budget was the best fixed one in any setting of
 # that run (nor of the 2026-12-01 run), and auto builds its tree at the largest candidate every round (at batch 8
 # its rounds cost 4.28 AR steps against fixed budget 8's 3.72 with 64 as the largest candidate, e2e_cpu.json).
 _MEASURED = {
-    ("gpu", 1, False): {8: 1.47, 16: 1.45, 32: 1.56},
-    ("gpu", 8, False): {8: 1.42, 16: 1.59, 32: 1.75},
-    ("gpu", 1, True): {8: 1.22, 16: 1.29, 32: 1.31},
-    ("gpu", 8, True): {8: 1.30, 16: 1.49, 32: 1.63},
+    ("gpu", 1, False): {8: 1.51, 16: 1.54, 32: 1.60},
+    ("gpu", 8, False): {8: 1.40, 16: 1.59, 32: 1.76},
+    ("gpu", 1, True): {8: 1.36, 16: 1.38, 32: 1.42},
+    ("gpu", 8, True): {8: 1.33, 16: 1.52, 32: 1.70},
     ("cpu", 1, False): {4: 3.74, 8: 4.06, 16: 5.35},
     ("cpu", 8, False): {4: 4.11, 8: 3.72, 16: 5.72},
     ("cpu", 1, True): {4: 2.99, 8: 3.88, 16: 5.88},
