@@ -3,7 +3,9 @@
   python benchmarks/bench_xla_flags.py --out DIR [--settings none recommended ...] [--budgets 8 32]
 
 Each setting runs in a fresh process (XLA reads its flags once, when the backend starts) with exactly the
-named XLA_FLAGS and KDTREE_JAX_XLA_FLAGS=0, so the engine adds nothing. The process times the round as it runs
+named XLA_FLAGS and KDTREE_JAX_XLA_FLAGS=0, so the engine adds nothing; `--repeat N` runs the list of settings N
+times in turn (A B A B: a drift of the machine over the run then shows as a spread, not as a setting's effect),
+and a row reports the median over its repeats with the spread. The process times the round as it runs
 inside the one-jit loop for AR, DFlash and DDTree at each budget (benchmarks/profile_round.py
 `profile_in_loop`: batch-1 generate calls over held-out prompts, wall per round, the greedy tokens checked
 against AR's), wall clock only (no CUPTI window: it would inflate later wall clocks). Writes
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -51,20 +54,39 @@ def child(args) -> None:
     print(CHILD_MARK + json.dumps(rows), flush=True)
 
 
+def combine(runs: list[dict]) -> list[dict]:
+    """One row per (setting, stage): the median wall per round over the setting's repeats, its min and max, its
+    AR steps against the setting's median AR step, and the greedy check over every repeat."""
+    rows = []
+    for key in dict.fromkeys((r["setting"], r["stage"]) for r in runs):
+        walls = [r["wall_us"] for r in runs if (r["setting"], r["stage"]) == key]
+        first = next(r for r in runs if (r["setting"], r["stage"]) == key)
+        rows.append({**first, "wall_us": statistics.median(walls), "wall_us_min": min(walls),
+                     "wall_us_max": max(walls), "repeats": len(walls),
+                     "greedy_equals_ar": all(r["greedy_equals_ar"] for r in runs
+                                             if (r["setting"], r["stage"]) == key)})
+    for row in rows:
+        ar = next(r for r in rows if r["setting"] == row["setting"] and r["method"] == "ar")
+        row["ar_steps"] = row["wall_us"] / ar["wall_us"]
+    return rows
+
+
 def markdown(meta: dict, rows: list[dict], settings: list[str]) -> str:
     lines = [f"# The decode loop under XLA flags ({meta['device']})", "",
              f"{meta['date']}, JAX {meta['jax']}; the shipped pair ({meta['dtype']}, matmul precision highest), batch "
              f"1, {meta['prompts']} held-out prompts x {meta['tokens']} new tokens, one generate call per prompt "
              f"(median of {meta['iters']} after a warm-up); wall clock per round = summed wall / summed rounds (an AR "
-             "step is a round); each setting in a fresh process with exactly its XLA_FLAGS. AR steps: against the "
-             "same setting's AR step.", "",
+             "step is a round); each setting in a fresh process with exactly its XLA_FLAGS, the list of settings run "
+             f"{meta.get('repeat', 1)} time(s) in turn; a cell: the median over the repeats (min-max), AR steps "
+             "against the same setting's AR step.", "",
              "Settings: " + "; ".join(f"`{s}` = `{SETTINGS[s] or '(none)'}`" for s in settings), "",
-             "| round | " + " | ".join(f"{s}: us (AR steps)" for s in settings) + " | greedy == AR |",
+             "| round | " + " | ".join(f"{s}: us (min-max; AR steps)" for s in settings) + " | greedy == AR |",
              "|---|" + "---|" * (len(settings) + 1)]
     stages = list(dict.fromkeys(r["stage"] for r in rows))
     for stage in stages:
         by = {r["setting"]: r for r in rows if r["stage"] == stage}
-        cells = [f"{by[s]['wall_us']:.0f} ({by[s]['ar_steps']:.2f})" if s in by else "-" for s in settings]
+        cells = [f"{by[s]['wall_us']:.0f} ({by[s]['wall_us_min']:.0f}-{by[s]['wall_us_max']:.0f}; "
+                 f"{by[s]['ar_steps']:.2f})" if s in by else "-" for s in settings]
         same = all(r["greedy_equals_ar"] for r in by.values())
         name = stage.removeprefix("in the loop: ")
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {'yes' if same else 'NO'} |")
@@ -108,7 +130,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4, help="held-out prompts, one batch-1 call each")
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per call")
     ap.add_argument("--iters", type=int, default=5, help="timed calls per prompt (median)")
-    ap.add_argument("--timeout-s", type=float, default=300, help="limit per setting's process")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of the whole list of settings, in turn")
+    ap.add_argument("--timeout-s", type=float, default=300, help="limit per setting's process (compiling included: "
+                    "about a minute on the H200 for the default methods)")
     ap.add_argument("--tag", default="h200", help="results file name: xla_flags_<tag>")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -118,8 +142,10 @@ def main() -> None:
 
     from benchmarks.common import metadata, write_results
 
-    rows, failed = [], {}
-    for setting in args.settings:
+    runs, failed = [], {}
+    for setting in [s for _ in range(args.repeat) for s in args.settings]:
+        if setting in failed:
+            continue
         env = {**os.environ, "XLA_FLAGS": SETTINGS[setting], xla_flags.OPT_OUT: "0"}
         cmd = [sys.executable, __file__, "--child", "--target", str(args.target), "--drafter", str(args.drafter),
                "--dtype", args.dtype, "--prompts", str(args.prompts), "--tokens", str(args.tokens),
@@ -136,14 +162,15 @@ def main() -> None:
             print(f"{setting}: FAILED: {failed[setting]}", flush=True)
             continue
         for row in json.loads(found[-1].removeprefix(CHILD_MARK)):
-            rows.append({**row, "setting": setting, "xla_flags": SETTINGS[setting]})
-            print({k: rows[-1][k] for k in ("setting", "stage", "wall_us", "ar_steps", "greedy_equals_ar")}, flush=True)
+            runs.append({**row, "setting": setting, "xla_flags": SETTINGS[setting]})
+            print({k: runs[-1][k] for k in ("setting", "stage", "wall_us", "ar_steps", "greedy_equals_ar")}, flush=True)
     settings = [s for s in args.settings if s not in failed]
+    rows = combine(runs)
     meta = metadata(target=str(args.target), drafter=str(args.drafter), dtype=args.dtype, prompts=args.prompts,
-                    tokens=args.tokens, iters=args.iters, budgets=args.budgets, settings=dict(SETTINGS),
-                    failed=failed, wall_after_cupti=False)
+                    tokens=args.tokens, iters=args.iters, repeat=args.repeat, budgets=args.budgets,
+                    settings=dict(SETTINGS), failed=failed, wall_after_cupti=False)
     text = markdown(meta, rows, settings) + "".join(f"\n\nNot measured: `{s}` ({why})." for s, why in failed.items())
-    write_results(args.out / f"xla_flags_{args.tag}", meta, {"rows": rows}, text,
+    write_results(args.out / f"xla_flags_{args.tag}", meta, {"rows": rows, "runs": runs}, text,
                   plot=lambda path: plot(path, meta, rows, settings))
     print(text)
 

@@ -52,7 +52,8 @@ def git_commit(root: Path = ROOT) -> tuple[str, bool | None, str]:
 
 def metadata(**extra: Any) -> dict:
     """The run's record: device kind, platform and count, JAX and jaxlib versions, date (UTC), git commit
-    with a dirty flag, the exact command line; then `extra` (the script's own settings)."""
+    with a dirty flag, the exact command line, XLA_FLAGS as the process holds them; then `extra` (the script's
+    own settings)."""
     import jax
     import jaxlib
 
@@ -61,7 +62,8 @@ def metadata(**extra: Any) -> dict:
     meta = {"device": getattr(device, "device_kind", device.platform), "platform": device.platform,
             "devices": jax.device_count(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "commit": commit, "dirty": dirty, "command": shlex.join(sys.orig_argv)}
+            "commit": commit, "dirty": dirty, "command": shlex.join(sys.orig_argv),
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}  # kdtree_jax adds its own (kdtree_jax/xla_flags.py)
     if source != "git":
         meta["commit_source"] = source
     clash = sorted(set(extra) & set(meta))
@@ -95,7 +97,7 @@ def record_line(meta: dict) -> str:
 # ----------------------------------------------------------------------------------------------- timer
 CUPTI_WINDOWS = 0  # CUPTI windows this process has opened (Timer counts them)
 WALL_AFTER_CUPTI_NOTE = ("Wall clocks taken after this process's first CUPTI window are inflated (H200, 2026-12-02: "
-                         "a generate call's wall per round 1.5x): this run's wall-clock figures, except each first "
+                         "a generate call's wall per round 1.4-1.7x): this run's wall-clock figures, except each first "
                          "measurement's, compare only with each other, not with a wall-clock-only run.")
 @dataclasses.dataclass(frozen=True)
 class Timing:
@@ -124,7 +126,7 @@ class Timer:
     run passes device=False.
 
     Once a process has opened a CUPTI window, its later wall clocks are inflated (measured on the H200,
-    2026-12-02, jax 0.11.2: a batch-1 generate call's wall per round 1.5x, the same call before and after one
+    2026-12-02, jax 0.11.2: a batch-1 generate call's wall per round 1.4-1.7x, the same call before and after one
     window). Each call's wall clock is taken before its own CUPTI windows, and Timing.wall_after_cupti says
     whether an earlier call had opened one; `write_results` then says so in the results. A benchmark whose
     wall clocks matter takes them all first (benchmarks/profile_round.py) or passes device=False."""

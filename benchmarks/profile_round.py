@@ -20,7 +20,6 @@ weights, a random drafter, a synthetic state at a long context from `synthetic_s
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -69,7 +68,7 @@ def add_kernel_times(pending: list, iters: int) -> None:
     summed kernel time, its kernel count and where the time goes, each divided by `per` (one GPU only: CUPTI
     sums every device's kernels). It runs after every wall clock of the run because wall-clock times taken
     after a CUPTI window in the same process are inflated (H200, 2026-12-02: a generate call's wall per round
-    1.5x; benchmarks/common.py Timer)."""
+    1.4-1.7x; benchmarks/common.py Timer)."""
     from benchmarks.common import Timer
 
     timer = Timer(iters, device=True)
@@ -254,7 +253,7 @@ def main() -> None:
                            "CUPTI window; kernel: CUPTI summed kernel time of the median call; in-the-loop rows: "
                            f"generate calls of {args.loop_prompts} prompt(s) at batch 1, summed wall over summed "
                            "rounds (kernel time and count: the first prompt's call over its rounds)",
-                    xla_flags=os.environ.get("XLA_FLAGS", ""), wall_after_cupti=False)
+                    wall_after_cupti=False)
     lines = [f"# One DDTree round, stage by stage ({meta['device']})", "", f"{meta['date']}, JAX {meta['jax']}; "
              f"{meta['timing']}; each stage jitted alone, so each pays one dispatch that the one-jit loop does "
              f"not. The last rows are the round as run: generate calls of {args.loop_tokens} tokens over their "

@@ -149,3 +149,29 @@ def test_masked_tree_slots_touch_no_expert():
         grouping = group_assignments(idx, masked_weights(w, live), 384, 8)
         assert int(grouping.touched) == np.unique(np.asarray(idx[:live])).size
         assert not np.asarray(grouping.keep[live:]).any()
+
+
+def test_xla_flags_rows_combine_repeats_and_render():
+    """bench_xla_flags: a row is the median over its setting's repeats with the spread, AR steps against the
+    same setting's AR step, and the greedy check fails if any repeat failed."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.bench_xla_flags import combine, markdown  # noqa: PLC0415
+
+    def run(setting, stage, method, wall, same=True):
+        return {"setting": setting, "stage": f"in the loop: {stage}", "method": method, "wall_us": wall,
+                "greedy_equals_ar": same}
+
+    runs = [run("none", "AR step", "ar", 1000), run("none", "ddtree budget 8 round", "ddtree", 1500),
+            run("recommended", "AR step", "ar", 800), run("recommended", "ddtree budget 8 round", "ddtree", 1200),
+            run("none", "AR step", "ar", 1100), run("none", "ddtree budget 8 round", "ddtree", 1700, same=False),
+            run("recommended", "AR step", "ar", 700), run("recommended", "ddtree budget 8 round", "ddtree", 1000)]
+    rows = {(r["setting"], r["stage"]): r for r in combine(runs)}
+    dd = rows[("none", "in the loop: ddtree budget 8 round")]
+    assert (dd["wall_us"], dd["wall_us_min"], dd["wall_us_max"], dd["repeats"]) == (1600, 1500, 1700, 2)
+    assert dd["ar_steps"] == pytest.approx(1600 / 1050) and not dd["greedy_equals_ar"]
+    assert rows[("recommended", "in the loop: ddtree budget 8 round")]["ar_steps"] == pytest.approx(1100 / 750)
+    meta = {"device": "cpu", "date": "d", "jax": "j", "dtype": "float32", "prompts": 1, "tokens": 8, "iters": 1,
+            "repeat": 2}
+    md = markdown(meta, list(rows.values()), ["none", "recommended"])
+    assert "| ddtree budget 8 round | 1600 (1500-1700; 1.52) | 1100 (1000-1200; 1.47) | NO |" in md
+    assert "AR step 1.40x" in md  # 1050 / 750 over the baseline
