@@ -99,6 +99,8 @@ CUPTI_WINDOWS = 0  # CUPTI windows this process has opened (Timer counts them)
 WALL_AFTER_CUPTI_NOTE = ("Wall clocks taken after this process's first CUPTI window are inflated (H200, 2026-12-02: "
                          "a generate call's wall per round 1.4-1.7x): this run's wall-clock figures, except each first "
                          "measurement's, compare only with each other, not with a wall-clock-only run.")
+
+
 @dataclasses.dataclass(frozen=True)
 class Timing:
     """One point: the last output, the median wall seconds per call (dispatch and sync included), and
@@ -108,7 +110,6 @@ class Timing:
     wall_s: float
     device_s: float | None = None
     kernels: tuple[tuple[str, float], ...] = ()  # (kernel name, seconds)
-    wall_after_cupti: bool = False  # wall_s was taken after a CUPTI window of this process: inflated
 
     @property
     def seconds(self) -> float:
@@ -127,9 +128,10 @@ class Timer:
 
     Once a process has opened a CUPTI window, its later wall clocks are inflated (measured on the H200,
     2026-12-02, jax 0.11.2: a batch-1 generate call's wall per round 1.4-1.7x, the same call before and after one
-    window). Each call's wall clock is taken before its own CUPTI windows, and Timing.wall_after_cupti says
-    whether an earlier call had opened one; `write_results` then says so in the results. A benchmark whose
-    wall clocks matter takes them all first (benchmarks/profile_round.py) or passes device=False."""
+    window). Each call's wall clock is taken before its own CUPTI windows; CUPTI_WINDOWS counts the windows
+    opened, and `write_results` of a process that opened any says so in the results (unless the script's
+    metadata says wall_after_cupti=False: it took every wall clock first, as benchmarks/profile_round.py does).
+    A benchmark whose wall clocks matter takes them all first or passes device=False."""
 
     def __init__(self, iters: int = 5, *, device: bool | None = None):
         if not isinstance(iters, int) or iters < 1:
@@ -151,7 +153,6 @@ class Timer:
         import jax
 
         global CUPTI_WINDOWS
-        after_cupti = CUPTI_WINDOWS > 0
         out = jax.block_until_ready(fn(*args))  # compile + warm-up
         walls = []
         for _ in range(self.iters):
@@ -159,7 +160,7 @@ class Timer:
             out = jax.block_until_ready(fn(*args))
             walls.append(time.perf_counter() - start)
         if not self.device:
-            return Timing(out, statistics.median(walls), wall_after_cupti=after_cupti)
+            return Timing(out, statistics.median(walls))
         from jax.experimental.mosaic.gpu import profiler
 
         runs = []
@@ -171,7 +172,7 @@ class Timer:
             runs.append(tuple((name, ms * 1e-3) for name, ms in launched))
         runs.sort(key=lambda run: sum(s for _, s in run))
         median = statistics.median(sum(s for _, s in run) for run in runs)
-        return Timing(out, statistics.median(walls), median, runs[(len(runs) - 1) // 2], after_cupti)
+        return Timing(out, statistics.median(walls), median, runs[(len(runs) - 1) // 2])
 
 
 def copy_bandwidth(timer: Timer, elements: int = 512 * 1024 * 1024) -> float:

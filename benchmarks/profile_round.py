@@ -74,9 +74,10 @@ def add_kernel_times(pending: list, iters: int) -> None:
     timer = Timer(iters, device=True)
     for row, fn, args, per in pending:
         timing = timer(fn, *args)
-        row.update(kernel_us=timing.device_s * 1e6 / per, kernels=len(timing.kernels) / per)
-        if per == 1:
-            row.update(kernels=len(timing.kernels), top_kernels=top_kernels(timing.kernels, 12))
+        count = len(timing.kernels)
+        row.update(kernel_us=timing.device_s * 1e6 / per, kernels=count if per == 1 else count / per)
+        if per == 1:  # a stage: where its time goes
+            row["top_kernels"] = top_kernels(timing.kernels, 12)
         print({k: v for k, v in row.items() if k != "top_kernels"}, flush=True)
 
 

@@ -175,3 +175,21 @@ def test_xla_flags_rows_combine_repeats_and_render():
     md = markdown(meta, list(rows.values()), ["none", "recommended"])
     assert "| ddtree budget 8 round | 1600 (1500-1700; 1.52) | 1100 (1000-1200; 1.47) | NO |" in md
     assert "AR step 1.40x" in md  # 1050 / 750 over the baseline
+
+
+def test_results_say_when_wall_clocks_followed_a_cupti_window(tmp_path, monkeypatch):
+    """write_results notes inflated wall clocks once the process opened a CUPTI window, unless the script's
+    metadata says it took every wall clock first (wall_after_cupti=False)."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import common  # noqa: PLC0415
+
+    meta = {"device": "cpu", "platform": "cpu", "devices": 1, "jax": "j", "jaxlib": "j", "date": "d",
+            "commit": "c", "dirty": False, "command": "x"}
+    common.write_results(tmp_path / "clean", meta, {"rows": []}, "# t")
+    assert common.WALL_AFTER_CUPTI_NOTE not in (tmp_path / "clean.md").read_text()
+    monkeypatch.setattr(common, "CUPTI_WINDOWS", 3)
+    common.write_results(tmp_path / "after", meta, {"rows": []}, "# t")
+    assert common.WALL_AFTER_CUPTI_NOTE in (tmp_path / "after.md").read_text()
+    assert json.loads((tmp_path / "after.json").read_text())["meta"]["wall_after_cupti"] is True
+    common.write_results(tmp_path / "first", {**meta, "wall_after_cupti": False}, {"rows": []}, "# t")
+    assert common.WALL_AFTER_CUPTI_NOTE not in (tmp_path / "first.md").read_text()

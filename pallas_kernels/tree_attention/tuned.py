@@ -42,7 +42,8 @@ TUNED: dict[tuple[int, int, int], list[tuple[int, int, BlockConfig]]] = {(512, 6
 #   S 4096:  T 1: XLA 23.3 (62), Mosaic 24.0 (118), Triton 34.0 (90);  T 33: Mosaic 58.5 (241), XLA 65.9 (230),
 #            Triton 94.8 (222);  T 129: Mosaic 188.7 (342), XLA 191.9 (293), Triton 311.8 (468).
 # So: the Mosaic kernel at S_max >= 32768 for T = 1 and T >= 33 (both timings agree); XLA at S_max < 32768 (there the
-# kernel time is at most XLA's but the wall clock per op is 5-17% above it: the kernel's XLA glue, more launches);
+# kernel time is at most XLA's but the wall clock per op is 5-17% above it: the kernel's XLA glue, more launches;
+# those wall clocks came after CUPTI windows of the same process, which inflate launches: to be re-measured);
 # T = 2..32 at S_max >= 32768 was not measured (the split count for so few row tiles is untuned): XLA. The Triton
 # kernel is behind the Mosaic kernel everywhere measured; it remains the T = 1, S_max >= 32768 choice of a GPU
 # without Mosaic support (it beat XLA there).
