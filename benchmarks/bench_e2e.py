@@ -56,15 +56,18 @@ def generate_kwargs(method, budget, temperature, new_tokens, drafter, costs=None
     return kwargs
 
 
-def run_config(cfg, params, drafter, prompts, batch, method, budget, temperature, new_tokens, repeats, costs=None):
-    """Time one (method, budget, batch, temperature) over all prompts. Returns (row dict, outputs per prompt)."""
+def run_config(cfg, params, drafter, prompts, batch, method, budget, temperature, new_tokens, repeats, costs=None,
+               seeds=1):
+    """Time one (method, budget, batch, temperature) over all prompts, sampled ones once per seed (every sum of the
+    row runs over the seeds). Returns (row dict, outputs per prompt: the first seed's)."""
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     kwargs = generate_kwargs(method, budget, temperature, new_tokens, drafter, costs)
     seconds, tokens, forwards, rounds, accept, outputs = 0.0, 0, 0, 0, [], []
     chosen = collections.Counter()
     timer = Timer(repeats, device=False)  # wall clock around one dispatch (compile + warm-up call first)
-    for g, group in enumerate(groups):
-        key = jax.random.key(1000 + g)
+    runs = [(g, group, seed) for seed in range(seeds if temperature > 0 else 1) for g, group in enumerate(groups)]
+    for g, group, seed in runs:
+        key = jax.random.key(1000 + g + 100_000 * seed)
         timing = timer(lambda group=group, key=key: kj.generate(cfg, params, group, key=key, **kwargs))
         out = timing.out
         seconds += timing.wall_s
@@ -75,7 +78,8 @@ def run_config(cfg, params, drafter, prompts, batch, method, budget, temperature
         acc = np.asarray(out.acceptance_lengths)
         accept.extend(acc[acc > 0].tolist())
         toks = np.asarray(out.tokens)
-        outputs.extend(toks[b, :lengths[b]].tolist() for b in range(len(group)))
+        if seed == 0:
+            outputs.extend(toks[b, :lengths[b]].tolist() for b in range(len(group)))
         if budget == "auto":  # which budget each round verified
             chosen.update(rounds_per_budget(out))
     row = dict(method=method, budget=budget, batch=batch, temperature=temperature,
@@ -126,7 +130,10 @@ def main() -> None:
                              "kj.generate uses when no budget_costs are given")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1, help="timed calls per generate call (median)")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="sampled points (temperature > 0) run every prompt group once per PRNG seed and sum: "
+                             "at batch 8 the slowest of the sampled rows sets a call's rounds, a noisy maximum")
     parser.add_argument("--matmul-precision", choices=("highest", "default"), default="highest",
                         help="jax_default_matmul_precision for the float32 models (default highest: on the H200 "
                              "'default' means TF32, whose rounding differs between AR and tree shapes and can "
@@ -158,6 +165,7 @@ def main() -> None:
     meta = metadata(host=f"{platform.machine()}, {os.cpu_count()} CPU cores", target=str(args.target),
                     drafter=str(args.drafter), num_prompts=args.num_prompts, dtype=args.dtype,
                     prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                    seeds=args.seeds,
                     block_size=dcfg.block_size, matmul_precision=args.matmul_precision,
                     kernels=kj.plan_summary(kj.kernel_plan(params, cfg)))  # what generate's "auto" runs here
     fixed = [(batch, temperature, method, budget, None) for batch in args.batches for temperature in args.temperatures
@@ -172,7 +180,7 @@ def main() -> None:
                 skipped.append(dict(batch=batch, temperature=temperature, method=method, budget=budget))
                 continue
             row, outs = run_config(cfg, params, drafter, prompts, batch, method, budget, temperature,
-                                   args.max_new_tokens, args.repeats, costs)
+                                   args.max_new_tokens, args.repeats, costs, args.seeds)
             if costs is not None:
                 row["budget_costs"] = dict(zip(map(str, costs.budgets), costs.costs, strict=True))
             rows.append(row)
@@ -264,11 +272,13 @@ def merge(paths: list[Path], stem: Path) -> None:
 
 def markdown(meta: dict, rows: list[dict]) -> str:
     merged = bool(meta.get("dates")) and all("run" in r for r in rows)
+    seeds = meta.get("seeds", 1)
+    seeds_note = f"; sampled points summed over {seeds} PRNG seeds per prompt group" if seeds > 1 else ""
     lines = [f"# End-to-end decode: AR vs DFlash vs DDTree ({meta['device']})", "",
              f"{meta['date']}, JAX {meta['jax']}, host {meta['host']}; {meta['num_prompts']} held-out prompts of "
              f"{meta['prompt_tokens']} tokens, {meta['max_new_tokens']} new tokens each, block size "
              f"{meta['block_size']}, median of {meta['repeats']} timed call(s) after a warm-up, one dispatch per "
-             f"generate call; float32 matmul precision {meta['matmul_precision']}; kernels: "
+             f"generate call{seeds_note}; float32 matmul precision {meta['matmul_precision']}; kernels: "
              f"{meta.get('kernels') or 'attention ' + meta.get('attention', '?')}."
              + (f" Joined from {len(meta['dates'])} runs ({', '.join(meta['dates'])})."
                                         if meta.get("dates") else ""), "",
