@@ -46,6 +46,15 @@ SHIPPED = REPO / "kdtree_jax" / "assets"
 DRAFTER = kj.DrafterConfig.for_target(SMALL, block_size=4)
 
 
+@pytest.fixture(autouse=True)
+def python_sigint():
+    """Python's own Ctrl-C handler during each test: the interrupt tests send real SIGINTs, and a run started in
+    the background by a non-interactive shell inherits SIGINT ignored (then no KeyboardInterrupt would come)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def drafter_params(seed: int) -> dict:
     """Made on the CPU, as the child processes below make theirs: random init is not bit-identical across
     platforms (a GPU's normal sampler rounds differently), and the tests compare bits."""
