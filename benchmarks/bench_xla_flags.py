@@ -28,11 +28,12 @@ from kdtree_jax import xla_flags  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parents[1] / "kdtree_jax" / "assets"
 # Named settings: the XLA_FLAGS each child process gets.
+WHILE = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"  # loops and conditionals inside CUDA graphs too
 SETTINGS = {
     "none": "",
     "recommended": " ".join(xla_flags.RECOMMENDED),
-    "while": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
-    "recommended+while": " ".join((*xla_flags.RECOMMENDED, "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL")),
+    "while": WHILE,
+    "recommended+while": " ".join((*xla_flags.RECOMMENDED, WHILE)),
 }
 CHILD_MARK = "XLA_FLAGS_ROWS "
 

@@ -50,10 +50,4 @@ def apply(environ: MutableMapping[str, str] | None = None, *, backends_started: 
     return added
 
 
-def applied() -> tuple[str, ...]:
-    """The RECOMMENDED flags XLA_FLAGS holds now (whoever put them there)."""
-    named = {f for f in os.environ.get("XLA_FLAGS", "").split()}
-    return tuple(f for f in RECOMMENDED if f in named)
-
-
 apply()  # on import: see the module docstring
