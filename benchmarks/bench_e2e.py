@@ -45,8 +45,8 @@ def load_prompts(count: int, prompt_tokens: int) -> list[list[int]]:
     return shipped_prompts(count, prompt_tokens)
 
 
-def generate_kwargs(method, budget, temperature, new_tokens, drafter, costs=None) -> dict:
-    kwargs = dict(max_new_tokens=new_tokens, method=method, temperature=temperature, stop_tokens=())
+def generate_kwargs(method, budget, temperature, new_tokens, drafter, costs=None, kernels=None) -> dict:
+    kwargs = dict(max_new_tokens=new_tokens, method=method, temperature=temperature, stop_tokens=(), kernels=kernels)
     if method != "ar":
         kwargs["drafter"] = drafter
     if method == "ddtree":
@@ -57,11 +57,11 @@ def generate_kwargs(method, budget, temperature, new_tokens, drafter, costs=None
 
 
 def run_config(cfg, params, drafter, prompts, batch, method, budget, temperature, new_tokens, repeats, costs=None,
-               seeds=1):
+               seeds=1, kernels=None):
     """Time one (method, budget, batch, temperature) over all prompts, sampled ones once per seed (every sum of the
     row runs over the seeds). Returns (row dict, outputs per prompt: the first seed's)."""
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
-    kwargs = generate_kwargs(method, budget, temperature, new_tokens, drafter, costs)
+    kwargs = generate_kwargs(method, budget, temperature, new_tokens, drafter, costs, kernels)
     seconds, tokens, forwards, rounds, accept, outputs = 0.0, 0, 0, 0, [], []
     chosen = collections.Counter()
     timer = Timer(repeats, device=False)  # wall clock around one dispatch (compile + warm-up call first)
@@ -141,6 +141,9 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="start no new (method, budget) point after this many seconds; the results so far "
                              "are written and marked incomplete")
+    parser.add_argument("--moe", choices=("auto", "triton", "mosaic_gpu", "xla"), default="auto",
+                        help="the routed experts' implementation (kj.Kernels(moe=...)); auto: what the dispatcher "
+                             "picks here")
     parser.add_argument("--tag", default=jax.devices()[0].platform)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
@@ -158,6 +161,7 @@ def main() -> None:
     if args.matmul_precision == "highest":
         jax.config.update("jax_default_matmul_precision", "highest")
 
+    kernels = kj.Kernels(moe=args.moe)
     cfg, params = kj.load_checkpoint(args.target, expect_kind="target", dtype=args.dtype)
     dcfg, dparams = kj.load_checkpoint(args.drafter, expect_kind="drafter", dtype=args.dtype)
     drafter = (dcfg, dparams)
@@ -167,7 +171,7 @@ def main() -> None:
                     prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                     seeds=args.seeds,
                     block_size=dcfg.block_size, matmul_precision=args.matmul_precision,
-                    kernels=kj.plan_summary(kj.kernel_plan(params, cfg)))  # what generate's "auto" runs here
+                    kernels=kj.plan_summary(kj.kernel_plan(params, cfg, kernels=kernels)))  # what generate runs
     fixed = [(batch, temperature, method, budget, None) for batch in args.batches for temperature in args.temperatures
              for method, budget in [("ar", None), ("dflash", None)] + [("ddtree", b) for b in args.budgets]
              if method in args.methods]
@@ -180,7 +184,7 @@ def main() -> None:
                 skipped.append(dict(batch=batch, temperature=temperature, method=method, budget=budget))
                 continue
             row, outs = run_config(cfg, params, drafter, prompts, batch, method, budget, temperature,
-                                   args.max_new_tokens, args.repeats, costs, args.seeds)
+                                   args.max_new_tokens, args.repeats, costs, args.seeds, kernels)
             if costs is not None:
                 row["budget_costs"] = dict(zip(map(str, costs.budgets), costs.costs, strict=True))
             rows.append(row)

@@ -46,7 +46,8 @@ def _moe_layout(experts: dict, act_dtype, cfg: ModelConfig, kernels: Kernels, de
         return None
     return dispatch.choose_moe_layout(act_dtype=act_dtype, scale_dtype=experts["gate"].scale.dtype,
                                       hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size, impl=kernels.moe,
-                                      device=device, interpret=kernels.interpret)
+                                      device=device, interpret=kernels.interpret,
+                                      num_experts=experts["gate"].lead_shape[0])
 
 
 def kernel_plan(params: dict, cfg: ModelConfig, device=None, kernels: Kernels | None = None) -> Plan:
@@ -89,10 +90,11 @@ def kernel_plan(params: dict, cfg: ModelConfig, device=None, kernels: Kernels | 
         if layout is not None and layout.impl == "mosaic_gpu":
             experts = jax.eval_shape(lambda e: {k: w.to_mosaic() for k, w in e.items()}, experts)
             note = "experts converted to the Mosaic layout once at load; "
-        elif layout is not None and layout.reason != "asked for" and dispatch.is_gpu(device):
-            note = f"Mosaic GPU kernel not used: {layout.reason}; "
         choice = dispatch.choose_moe(experts, act_dtype=act_dtype, impl=kernels.moe, device=device,
                                      interpret=kernels.interpret)
+        if (layout is not None and layout.impl != "mosaic_gpu" and layout.reason not in ("asked for", choice.reason)
+                and dispatch.is_gpu(device)):
+            note = f"Mosaic GPU kernel not used: {layout.reason}; "
         plan["moe"] = (choice.impl, note + choice.reason)
 
     # the DDTree tree build (every budget the engine accepts fits the kernel)

@@ -74,7 +74,8 @@ def mosaic_moe_unsupported(params: dict, cfg: ModelConfig, device=None) -> str |
     """Why the routed experts should not be converted to the Mosaic GPU layout here, or None when they
     should (what kj.prepare_params and `kdtree-jax generate --moe-kernel auto` do): the rule is
     pallas_kernels.dispatch.choose_moe_layout (a Hopper GPU `device`, default the first JAX device; bf16
-    activations; bf16 INT4 scales; expert dims multiples of 64), asked for canonical INT4 routed experts."""
+    activations; bf16 INT4 scales; expert dims multiples of 64; a stack too large for XLA's small-stack forms),
+    asked for canonical INT4 routed experts."""
     layers = _routed_experts(params, cfg)
     if not layers:
         return "the model has no MoE layers"
@@ -84,7 +85,8 @@ def mosaic_moe_unsupported(params: dict, cfg: ModelConfig, device=None) -> str |
                 return "the routed experts are not canonical INT4 weights (Int4Weight, the checkpoint layout)"
     scale_dtype = layers[0][1]["gate"].scale.dtype
     choice = dispatch.choose_moe_layout(act_dtype=params["embed_tokens"].dtype, scale_dtype=scale_dtype,
-                                        hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size, device=device)
+                                        hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size, device=device,
+                                        num_experts=layers[0][1]["gate"].lead_shape[0])
     return None if choice.impl == "mosaic_gpu" else choice.reason
 
 

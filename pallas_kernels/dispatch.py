@@ -13,7 +13,8 @@ Rules for impl="auto" (from backend, dtype, shape and weight type):
     measured_fastest) that can run here: the Mosaic kernel needs a Hopper GPU, bf16 / f16 and c a multiple of 64,
     the Triton kernel power-of-two latent and RoPE widths >= 16; else "xla";
   - the routed MoE kernel follows from the experts' type: Int4Weight -> "triton", MosaicInt4Weight ->
-    "mosaic_gpu" (a Hopper GPU, bf16 activations, expert dims multiples of 64).
+    "mosaic_gpu" (a Hopper GPU, bf16 activations, expert dims multiples of 64); a small expert stack, where XLA
+    measured faster (moe_w4a16.tuned.measured_fastest), runs "xla" on a GPU too.
 An explicit impl that cannot run where it is asked for raises KernelUnavailableError (never a fallback).
 Which layout the routed experts should be in (`choose_moe_layout`) is decided here too; the engine converts
 them once (kdtree_jax.kernels.prepare_params) and the kernel then follows from the weight type.
@@ -250,16 +251,22 @@ def _experts_type(experts: Any) -> type | None:
 
 
 def choose_moe_layout(*, act_dtype, scale_dtype, hidden: int, inter: int, impl: str = AUTO, device=None,
-                      interpret: bool = False) -> Choice:
+                      interpret: bool = False, num_experts: int | None = None) -> Choice:
     """Which layout canonical INT4 routed experts should run in: "mosaic_gpu" (convert once to
     MosaicInt4Weight) or "triton" (keep Int4Weight; also the layout of the "xla" path). impl: the
     requested moe kernel; "mosaic_gpu" raises when it cannot run. f32 scales stay canonical under "auto"
-    (the Mosaic layout rounds them to bf16: different numbers than the Triton path)."""
+    (the Mosaic layout rounds them to bf16: different numbers than the Triton path), and so does a small stack of
+    num_experts that auto runs on XLA (choose_moe)."""
     _check_impl("moe", impl)
     device = device or default_device()
     if impl in ("triton", "xla"):
         return Choice("triton", "asked for")
     why = _mosaic_runs(device, interpret, act_dtype, hidden, inter)
+    if why is None and impl == AUTO and num_experts is not None and is_gpu(device):
+        from pallas_kernels.moe_w4a16.tuned import measured_fastest  # noqa: PLC0415 (imports the kernels)
+
+        xla_faster, reason = measured_fastest(num_experts, hidden, inter)
+        why = reason if xla_faster else None
     if why is None and impl == AUTO and jnp.dtype(scale_dtype) != jnp.dtype(jnp.bfloat16):
         why = f"the INT4 scales are {jnp.dtype(scale_dtype).name}, not bfloat16"
     if impl == "mosaic_gpu":
@@ -273,7 +280,8 @@ def choose_moe_layout(*, act_dtype, scale_dtype, hidden: int, inter: int, impl: 
 
 def choose_moe(experts: Any, *, act_dtype, impl: str = AUTO, device=None, interpret: bool = False) -> Choice:
     """The routed experts' implementation from their weight type (experts: {"gate","up","down"} of
-    Int4Weight or MosaicInt4Weight, stacked [E, ...])."""
+    Int4Weight or MosaicInt4Weight, stacked [E, ...]); on a GPU, auto runs XLA for a stack small enough that it
+    measured faster than the kernels (moe_w4a16.tuned.measured_fastest)."""
     _check_impl("moe", impl)
     kind = _experts_type(experts)
     if kind is None:
@@ -293,6 +301,13 @@ def choose_moe(experts: Any, *, act_dtype, impl: str = AUTO, device=None, interp
     else:
         hidden, inter = experts["gate"].in_features, experts["gate"].out_features
         why = _pallas_runs(device, interpret) or _mosaic_runs(device, interpret, act_dtype, hidden, inter)
+    if why is None and impl == AUTO and is_gpu(device):
+        from pallas_kernels.moe_w4a16.tuned import measured_fastest  # noqa: PLC0415 (imports the kernels)
+
+        gate = experts["gate"]
+        xla_faster, reason = measured_fastest(gate.lead_shape[0], gate.in_features, gate.out_features)
+        if xla_faster:
+            return Choice("xla", reason)
     if why is None:
         return Choice(kernel, "asked for" if impl == kernel else
                       ("interpret mode" if interpret and not is_gpu(device) else "GPU"))

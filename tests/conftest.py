@@ -57,3 +57,13 @@ def small_params():
 def small_init_params():
     """kj.init_params(SMALL, key(0)), float32: unit norms, zero router bias (read-only)."""
     return kj.init_params(SMALL, jax.random.key(0))
+
+
+@pytest.fixture
+def kernel_moe_for_any_stack(monkeypatch):
+    """Under impl="auto" a GPU runs a small routed stack (every test model's) on XLA, where it measured faster
+    (pallas_kernels.moe_w4a16.tuned.XLA_FASTER_STACK_BYTES); tests of the kernel choice and the Mosaic layout
+    conversion set the bound below every stack, so that the tiny models take the kernels' path."""
+    from pallas_kernels.moe_w4a16 import tuned
+
+    monkeypatch.setattr(tuned, "XLA_FASTER_STACK_BYTES", -1)

@@ -192,6 +192,7 @@ def test_generate_prints_one_kernel_plan_line_and_takes_pinned_kernels(models, c
         assert rc == 2 and "moe impl='triton' cannot run: no GPU, this is cpu" in err
 
 
+@pytest.mark.usefixtures("kernel_moe_for_any_stack")  # the tiny model's stack takes the kernels' path
 def test_kernel_plan_on_a_faked_hopper_gpu(models, small_cfg, tmp_path, capsys, monkeypatch):
     """On an H200 (faked: the dispatcher's default device) `info` says where the routed experts run and what a
     user can do about it; a pinned flag gets a hint when auto would run something else."""

