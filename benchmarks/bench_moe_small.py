@@ -7,8 +7,9 @@
 Shapes: the shipped pair's routed experts (E 32, D 384, I 96, top-4) in float32 at HIGHEST matmul precision (how
 the engine runs it) and in bf16 (14 MiB as float32), and two wider bf16 stacks of E 64, top-6: D 512, I 128 (48 MiB,
 XLA's dense form still applies) and D 1024, I 256 (192 MiB, past reference.XLA_DEQUANT_BYTES: gather or loop).
-Random INT4 experts (bf16 scales), each token routed to top-k distinct random experts with random weights. Every implementation is first checked against the
-float32 reference (`grouped_moe_w4a16_reference`); one that disagrees is reported and not timed.
+Random INT4 experts (bf16 scales), each token routed to top-k distinct random experts with random weights. Every
+implementation is first checked against the float32 reference (`grouped_moe_w4a16_reference`); one that disagrees
+is reported and not timed.
 
 Timing, all wall clocks before any CUPTI window (a CUPTI window inflates later wall clocks): "loop wall" = one
 jitted `fori_loop` of --loop-calls calls, each call's input depending on the previous output, divided by the calls
