@@ -4,7 +4,8 @@
 oracle for small shapes. `moe_w4a16_xla` is the op's "xla" implementation (what runs without a GPU, and on a
 GPU where it measured faster than the kernels: pallas_kernels/moe_w4a16/tuned.py), in one of three forms
 (`xla_form` picks by size, every matmul a float32 HIGHEST dot rounded to x.dtype):
-  "gather": the T*k chosen experts' INT4 words gathered and dequantized, batched matmuls (T*k <= E);
+  "gather": the T*k chosen experts' INT4 words gathered and dequantized, batched matmuls (the least compute; on
+            the H200 XLA fuses it into 3-5 kernels, the fastest form at every T measured);
   "dense":  every expert dequantized, all T tokens through each, a combine matrix (a small expert stack);
   "loop":   a loop over the distinct touched experts, one dequantized at a time (any size, T-fold compute).
 """
@@ -55,8 +56,9 @@ def _expert_swiglu(x, experts, e):
 
 
 # The largest float32 intermediate the "gather" and "dense" forms may dequantize ([T*k | E, 3 matrices]): the
-# shipped pair's whole routed stack is 14 MB, one K2.6 expert 176 MB (there the loop form runs).
-XLA_DEQUANT_BYTES = 64 << 20
+# shipped pair's 33-token verify at batch 8 gathers 467 MB, its whole routed stack is 14 MB, and K2.6's 8 experts
+# of one token 1.4 GB (there the loop form runs).
+XLA_DEQUANT_BYTES = 512 << 20
 XLA_FORMS = ("auto", "gather", "dense", "loop")
 
 
@@ -67,11 +69,11 @@ def xla_form(num_tokens: int, top_k: int, experts: dict) -> str:
 
 
 def xla_form_for(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> str:
-    """The form for T tokens of top-k choices over E experts hidden -> inter -> hidden: "gather" when T*k <= E and
-    the gathered experts fit XLA_DEQUANT_BYTES (the least compute), else "dense" when every expert fits, else
-    "loop"."""
+    """The form for T tokens of top-k choices over E experts hidden -> inter -> hidden: "gather" when the T*k
+    gathered experts fit XLA_DEQUANT_BYTES (the least compute, one formula for every T: a token's output does not
+    depend on how many others share the call), else "dense" when every expert fits, else "loop"."""
     one = 4 * 3 * hidden * inter  # float32 bytes of one expert's gate, up and down
-    if num_tokens * top_k <= num_experts and num_tokens * top_k * one <= XLA_DEQUANT_BYTES:
+    if num_tokens * top_k * one <= XLA_DEQUANT_BYTES:
         return "gather"
     return "dense" if num_experts * one <= XLA_DEQUANT_BYTES else "loop"
 

@@ -35,10 +35,13 @@ def default_mosaic_config(k: int) -> MgpuConfig:
     return MgpuConfig(block_n=64, block_k=next(bk for bk in (256, 128, 64) if k % bk == 0))
 
 
-# Up to this many bytes of float32 dequantized routed experts (E * 3 * D * I * 4: the whole stack, what XLA's "dense"
-# form materializes) XLA measured faster than the grouped kernels at every token count; above it the kernels run.
-# Measured (benchmarks/results/moe_small_h200.md, H200): PROVISIONAL, filled in from the run.
-XLA_FASTER_STACK_BYTES = 64 << 20
+# Up to this many bytes of float32 dequantized routed experts (E * 3 * D * I * 4, the whole stack) XLA runs them under
+# impl="auto" on a GPU; above it the grouped kernels. Measured (benchmarks/results/moe_small_h200.md, H200,
+# 2026-12-02, per call in a jitted loop, us) on the shipped pair's stack (E 32, D 384, I 96, top-4: 14 MiB), XLA's
+# gather form against the Triton kernel: float32 T 1 / 9 / 33 / 264: 31.6 / 14.6 / 25.6 / 95.7 vs 139 / 157 / 169 /
+# 148; bf16: 31.1 / 23.4 / 27.1 / 113 vs 112 / 118 / 157 / 166. Wider stacks were not timed (the run's time ran out),
+# so the bound sits just above the one stack measured; K2.6's (384 experts, 7168 x 2048: 63 GiB) is the kernels'.
+XLA_FASTER_STACK_BYTES = 16 << 20
 
 
 def measured_fastest(num_experts: int, hidden: int, inter: int) -> tuple[bool, str]:

@@ -117,19 +117,17 @@ def test_xla_paths_match_numpy(form):
 
 
 def test_xla_form_follows_the_size_rule():
-    """gather while T*k <= E, dense while every expert fits the dequantization cap, the loop beyond it."""
-    from pallas_kernels.moe_w4a16.reference import XLA_DEQUANT_BYTES, xla_form
+    """gather while the T*k gathered experts fit the dequantization cap, dense while the whole stack fits, the loop
+    beyond both."""
+    from pallas_kernels.moe_w4a16.reference import XLA_DEQUANT_BYTES, xla_form_for
 
+    one = 4 * 3 * 64 * 32  # float32 bytes of one expert's three matrices (D 64, I 32)
+    fits = XLA_DEQUANT_BYTES // one  # gathered experts that fit
+    assert [xla_form_for(t, 2, 8, 64, 32) for t in (1, 5, fits // 2)] == ["gather"] * 3
+    assert xla_form_for(fits // 2 + 1, 2, 8, 64, 32) == "dense"
+    assert xla_form_for(1, 2, fits + 1, 64, 32) == "gather" and xla_form_for(fits, 2, fits + 1, 64, 32) == "loop"
     rng = np.random.default_rng(0)
     experts, _ = _experts(rng, 8, 64, 32)
-    assert [xla_form(t, 2, experts) for t in (1, 4, 5, 300)] == ["gather", "gather", "dense", "dense"]
-    one = 4 * 3 * 64 * 32  # float32 bytes of one expert's three matrices
-    big = jax.ShapeDtypeStruct((XLA_DEQUANT_BYTES // one + 1, 32, 16), jnp.int16)  # E just over the cap
-    scale = jax.ShapeDtypeStruct((big.shape[0], 32, 2), jnp.bfloat16)
-    wide = {n: Int4Weight(big if n != "down" else jax.ShapeDtypeStruct((big.shape[0], 64, 8), jnp.int16),
-                          scale if n != "down" else jax.ShapeDtypeStruct((big.shape[0], 64, 1), jnp.bfloat16))
-            for n in ("gate", "up", "down")}
-    assert xla_form(1, 8, wide) == "gather" and xla_form(big.shape[0], 8, wide) == "loop"
     with pytest.raises(ValueError, match="form must be one of"):
         moe_w4a16_xla(jnp.ones((1, 64)), experts, jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), form="fast")
 
