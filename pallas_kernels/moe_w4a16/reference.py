@@ -3,11 +3,12 @@
 `grouped_moe_w4a16_reference` dequantizes every expert and runs one einsum per (token, choice): the test
 oracle for small shapes. `moe_w4a16_xla` is the op's "xla" implementation (what runs without a GPU, and on a
 GPU where it measured faster than the kernels: pallas_kernels/moe_w4a16/tuned.py), in one of three forms
-(`xla_form` picks by size, every matmul a float32 HIGHEST dot rounded to x.dtype):
+(`xla_form` picks by platform and size, every matmul a float32 HIGHEST dot rounded to x.dtype):
   "gather": the T*k chosen experts' INT4 words gathered and dequantized, batched matmuls (the least compute; on
             the H200 XLA fuses it into 3-5 kernels, the fastest form at every T measured);
   "dense":  every expert dequantized, all T tokens through each, a combine matrix (a small expert stack);
-  "loop":   a loop over the distinct touched experts, one dequantized at a time (any size, T-fold compute).
+  "loop":   a loop over the distinct touched experts, one dequantized at a time (any size, T-fold compute; the
+            CPU's form: faster there than "gather").
 """
 
 from __future__ import annotations
@@ -62,16 +63,22 @@ XLA_DEQUANT_BYTES = 512 << 20
 XLA_FORMS = ("auto", "gather", "dense", "loop")
 
 
-def xla_form(num_tokens: int, top_k: int, experts: dict) -> str:
-    """Which form `moe_w4a16_xla` runs for T tokens of top-k choices over these experts (`xla_form_for`)."""
+def xla_form(num_tokens: int, top_k: int, experts: dict, platform: str | None = None) -> str:
+    """Which form `moe_w4a16_xla` runs for T tokens of top-k choices over these experts (`xla_form_for`) on
+    `platform` (default: JAX's default backend)."""
     gate = experts["gate"]
-    return xla_form_for(num_tokens, top_k, gate.lead_shape[0], gate.in_features, gate.out_features)
+    return xla_form_for(num_tokens, top_k, gate.lead_shape[0], gate.in_features, gate.out_features,
+                        platform or jax.default_backend())
 
 
-def xla_form_for(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> str:
-    """The form for T tokens of top-k choices over E experts hidden -> inter -> hidden: "gather" when the T*k
-    gathered experts fit XLA_DEQUANT_BYTES (the least compute, one formula for every T: a token's output does not
-    depend on how many others share the call), else "dense" when every expert fits, else "loop"."""
+def xla_form_for(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
+                 platform: str = "gpu") -> str:
+    """The form for T tokens of top-k choices over E experts hidden -> inter -> hidden. On a CPU "loop" (measured:
+    the shipped pair's CPU generate runs AR at 92-100 tokens/s with it, 66 with "gather"). Elsewhere "gather" when
+    the T*k gathered experts fit XLA_DEQUANT_BYTES (the least compute, one formula for every T: a token's output
+    does not depend on how many others share the call), else "dense" when every expert fits, else "loop"."""
+    if platform == "cpu":
+        return "loop"
     one = 4 * 3 * hidden * inter  # float32 bytes of one expert's gate, up and down
     if num_tokens * top_k * one <= XLA_DEQUANT_BYTES:
         return "gather"

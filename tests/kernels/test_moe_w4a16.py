@@ -117,8 +117,8 @@ def test_xla_paths_match_numpy(form):
 
 
 def test_xla_form_follows_the_size_rule():
-    """gather while the T*k gathered experts fit the dequantization cap, dense while the whole stack fits, the loop
-    beyond both."""
+    """Off a CPU: gather while the T*k gathered experts fit the dequantization cap, dense while the whole stack fits,
+    the loop beyond both; on a CPU the loop."""
     from pallas_kernels.moe_w4a16.reference import XLA_DEQUANT_BYTES, xla_form_for
 
     one = 4 * 3 * 64 * 32  # float32 bytes of one expert's three matrices (D 64, I 32)
@@ -126,6 +126,7 @@ def test_xla_form_follows_the_size_rule():
     assert [xla_form_for(t, 2, 8, 64, 32) for t in (1, 5, fits // 2)] == ["gather"] * 3
     assert xla_form_for(fits // 2 + 1, 2, 8, 64, 32) == "dense"
     assert xla_form_for(1, 2, fits + 1, 64, 32) == "gather" and xla_form_for(fits, 2, fits + 1, 64, 32) == "loop"
+    assert xla_form_for(1, 2, 8, 64, 32, platform="cpu") == "loop"  # measured faster on a CPU
     rng = np.random.default_rng(0)
     experts, _ = _experts(rng, 8, 64, 32)
     with pytest.raises(ValueError, match="form must be one of"):
