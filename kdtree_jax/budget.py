@@ -62,7 +62,11 @@ class BudgetCosts:
 # generate call per round over its wall time per AR step at the same temperature. sampled=False: greedy; True:
 # temperature 1 (used for every temperature > 0: a sampled round also samples every tree node and runs the
 # acceptance walk on samples, and its cost grows faster with the budget than a greedy round's).
-# H200: e2e_h200_b1_s9.json and e2e_h200_b8_s9.json (2026-12-02, the shipped pair with its retrained drafter,
+# H200, batch 1 greedy: e2e_h200_b1_gather.json (2026-12-02 12:19, the routed experts on XLA as auto runs them on a
+# GPU since; 8 prompts x 128 tokens, median of 3 calls). The other H200 rows are older, measured with the Triton MoE
+# (an AR step 992 us instead of 453), and not yet re-measured: with the cheaper AR step a round costs more AR steps,
+# so those rows understate the costs of larger budgets. H200, the rest: e2e_h200_b1_s9.json (greedy then: 1.51 /
+# 1.54 / 1.60) and e2e_h200_b8_s9.json (2026-12-02, the shipped pair with its retrained drafter,
 # attention on XLA, float32 precision highest; 8 prompts x 128 tokens, median of 3 calls; both temperatures in one
 # run per batch; without kdtree_jax.xla_flags, whose batch-1 run, e2e_h200_b1_flags.json, measured 1.44 / 1.49 /
 # 1.54 greedy and 1.38 / 1.43 / 1.47 sampled, and auto with those verified nearly the same budgets).
@@ -71,7 +75,7 @@ class BudgetCosts:
 # that run (nor of the 2026-12-01 run), and auto builds its tree at the largest candidate every round (at batch 8
 # its rounds cost 4.28 AR steps against fixed budget 8's 3.72 with 64 as the largest candidate, e2e_cpu.json).
 _MEASURED = {
-    ("gpu", 1, False): {8: 1.51, 16: 1.54, 32: 1.60},
+    ("gpu", 1, False): {8: 1.81, 16: 1.96, 32: 2.13},
     ("gpu", 8, False): {8: 1.40, 16: 1.59, 32: 1.76},
     ("gpu", 1, True): {8: 1.36, 16: 1.38, 32: 1.42},
     ("gpu", 8, True): {8: 1.33, 16: 1.52, 32: 1.70},
