@@ -116,7 +116,8 @@ def moe_w4a16_xla(x, experts, expert_ids, weights, *, out_dtype=None, form: str 
     """XLA, in the form `xla_form` picks (or `form`: "gather" | "dense" | "loop", see the module docstring).
     "loop" runs the distinct touched experts (ascending), each on all T tokens with its combine column (zero
     for tokens that did not choose it): it reads touched experts only, T-fold compute. Zero-weight choices
-    (other shards' experts) add nothing in every form. -> [T, D] in out_dtype (default x.dtype)."""
+    (other shards' experts) add nothing in every form ("gather" and "dense" multiply them by zero: exact for finite
+    activations; "loop" skips them). -> [T, D] in out_dtype (default x.dtype)."""
     if form not in XLA_FORMS:
         raise ValueError(f"form must be one of {XLA_FORMS}, got {form!r}")
     num_tokens, top_k = expert_ids.shape
