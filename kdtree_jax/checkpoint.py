@@ -236,7 +236,7 @@ class CheckpointWriter:
             with contextlib.suppress(Exception):
                 self._checkpointer.wait_until_finished()
             storage.wait_for_background_saves()
-            storage.remove_tree(self._tmp)
+            storage.remove_tree_settled(self._tmp)
             self._lock.release()
 
     def __enter__(self) -> CheckpointWriter:

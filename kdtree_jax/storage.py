@@ -323,6 +323,23 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(path)  # a third failure is reported
 
 
+def remove_tree_settled(path: Path, *, quiet_s: float = 0.5, limit_s: float = 5.0) -> None:
+    """remove_tree, then keep the path removed while a straggling background writer recreates it (Orbax's
+    metadata and commit threads, which a Ctrl-C in the main thread does not stop, write into a save's folder after
+    the save was abandoned: CI saw a `.X.tmp-ID` come back after an interrupted convert): done once the path has
+    stayed absent for quiet_s seconds, or after limit_s."""
+    deadline = time.monotonic() + limit_s
+    remove_tree(path)
+    absent_since = time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        if os.path.lexists(path):
+            remove_tree(path)
+            absent_since = time.monotonic()
+        elif time.monotonic() - absent_since >= quiet_s:
+            return
+
+
 @contextlib.contextmanager
 def deferred_interrupts() -> Iterator[None]:
     """Hold back SIGINT (Ctrl-C) in the main thread until the block is done, then raise it."""

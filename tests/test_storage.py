@@ -492,3 +492,22 @@ def test_quiet_tensor_io_drops_asyncio_and_absl_records_only_inside(caplog):
     assert caplog.records == []
     logging.getLogger("asyncio").error("after")
     assert [r.getMessage() for r in caplog.records] == ["after"]
+
+
+def test_remove_tree_settled_outlasts_a_straggling_writer(tmp_path):
+    """A background writer that recreates the folder after it was removed (what Orbax's threads did after an
+    interrupted convert in CI) finds it removed again: the path is gone once the call returns."""
+    from kdtree_jax import storage
+
+    target = tmp_path / ".X.tmp-0123abcd"
+    (target / "params").mkdir(parents=True)
+
+    def straggler():
+        time.sleep(0.15)
+        (target / "params" / "late").mkdir(parents=True, exist_ok=True)
+
+    thread = threading.Thread(target=straggler)
+    thread.start()
+    storage.remove_tree_settled(target, quiet_s=0.4, limit_s=3.0)
+    thread.join()
+    assert not target.exists()
