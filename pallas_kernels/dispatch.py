@@ -250,6 +250,14 @@ def _experts_type(experts: Any) -> type | None:
     return kind if kind in (Int4Weight, MosaicInt4Weight) else None
 
 
+def _xla_measured_faster(num_experts: int, hidden: int, inter: int) -> str | None:
+    """Why XLA runs this routed stack on a GPU under auto (measured faster than the kernels), or None."""
+    from pallas_kernels.moe_w4a16.tuned import measured_fastest  # noqa: PLC0415 (imports the kernels)
+
+    xla_faster, reason = measured_fastest(num_experts, hidden, inter)
+    return reason if xla_faster else None
+
+
 def choose_moe_layout(*, act_dtype, scale_dtype, hidden: int, inter: int, impl: str = AUTO, device=None,
                       interpret: bool = False, num_experts: int | None = None) -> Choice:
     """Which layout canonical INT4 routed experts should run in: "mosaic_gpu" (convert once to
@@ -263,10 +271,7 @@ def choose_moe_layout(*, act_dtype, scale_dtype, hidden: int, inter: int, impl: 
         return Choice("triton", "asked for")
     why = _mosaic_runs(device, interpret, act_dtype, hidden, inter)
     if why is None and impl == AUTO and num_experts is not None and is_gpu(device):
-        from pallas_kernels.moe_w4a16.tuned import measured_fastest  # noqa: PLC0415 (imports the kernels)
-
-        xla_faster, reason = measured_fastest(num_experts, hidden, inter)
-        why = reason if xla_faster else None
+        why = _xla_measured_faster(num_experts, hidden, inter)
     if why is None and impl == AUTO and jnp.dtype(scale_dtype) != jnp.dtype(jnp.bfloat16):
         why = f"the INT4 scales are {jnp.dtype(scale_dtype).name}, not bfloat16"
     if impl == "mosaic_gpu":
@@ -302,11 +307,9 @@ def choose_moe(experts: Any, *, act_dtype, impl: str = AUTO, device=None, interp
         hidden, inter = experts["gate"].in_features, experts["gate"].out_features
         why = _pallas_runs(device, interpret) or _mosaic_runs(device, interpret, act_dtype, hidden, inter)
     if why is None and impl == AUTO and is_gpu(device):
-        from pallas_kernels.moe_w4a16.tuned import measured_fastest  # noqa: PLC0415 (imports the kernels)
-
         gate = experts["gate"]
-        xla_faster, reason = measured_fastest(gate.lead_shape[0], gate.in_features, gate.out_features)
-        if xla_faster:
+        reason = _xla_measured_faster(gate.lead_shape[0], gate.in_features, gate.out_features)
+        if reason:
             return Choice("xla", reason)
     if why is None:
         return Choice(kernel, "asked for" if impl == kernel else

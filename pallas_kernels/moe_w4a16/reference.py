@@ -42,18 +42,18 @@ def grouped_moe_w4a16_reference(x, experts, expert_ids, weights):
     return jnp.einsum("tkd,tk->td", y, weights.astype(jnp.float32), precision=hp).astype(x.dtype)
 
 
-def _matmul(x: jax.Array, w_dense: jax.Array) -> jax.Array:
-    """x [M, K] @ W^T (W float32 [N, K]) at HIGHEST precision -> [M, N] in x.dtype."""
-    y = lax.dot_general(x.astype(jnp.float32), w_dense, (((1,), (1,)), ((), ())),
-                        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+def _dot(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
+    """einsum(spec, x, w) in float32 at HIGHEST precision (w float32), rounded to x.dtype."""
+    y = jnp.einsum(spec, x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
 
 
 def _expert_swiglu(x, experts, e):
     """SwiGLU of expert e (traced index) on x [M, D] -> [M, D] in x.dtype (each matmul rounded to x.dtype)."""
     dense = {n: dequantize_stack(jax.tree.map(lambda a: a[e][None], experts[n]))[0] for n in ("gate", "up", "down")}
-    h = jax.nn.silu(_matmul(x, dense["gate"])) * _matmul(x, dense["up"])  # [M, I] x.dtype
-    return _matmul(h, dense["down"])  # [M, D]
+    h = jax.nn.silu(_dot(x, dense["gate"], "mk,nk->mn")) * _dot(x, dense["up"], "mk,nk->mn")  # [M, I] x.dtype
+    return _dot(h, dense["down"], "mk,nk->mn")  # [M, D]
 
 
 # The largest float32 intermediate the "gather" and "dense" forms may dequantize ([T*k | E, 3 matrices]): the
@@ -83,13 +83,6 @@ def xla_form_for(num_tokens: int, top_k: int, num_experts: int, hidden: int, int
     if num_tokens * top_k * one <= XLA_DEQUANT_BYTES:
         return "gather"
     return "dense" if num_experts * one <= XLA_DEQUANT_BYTES else "loop"
-
-
-def _dot(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
-    """einsum(spec, x, w) in float32 at HIGHEST precision (w float32), rounded to x.dtype."""
-    y = jnp.einsum(spec, x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST,
-                   preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
 
 
 def _moe_gather(x, experts, expert_ids, weights):
