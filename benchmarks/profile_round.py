@@ -63,7 +63,7 @@ def top_kernels(kernels, count: int = 6) -> list[dict]:
     return [{"name": name[:100], "launches": n, "us": round(s * 1e6, 1)} for name, (n, s) in ranked]
 
 
-def add_kernel_times(pending: list, iters: int) -> None:
+def add_kernel_times(pending: list, iters: int, top: int = 12) -> None:
     """The CUPTI pass: for each (row, fn, args, per) that a wall-clock pass left in `pending`, the median call's
     summed kernel time, its kernel count and where the time goes, each divided by `per` (one GPU only: CUPTI
     sums every device's kernels). It runs after every wall clock of the run because wall-clock times taken
@@ -77,16 +77,17 @@ def add_kernel_times(pending: list, iters: int) -> None:
         count = len(timing.kernels)
         row.update(kernel_us=timing.device_s * 1e6 / per, kernels=count if per == 1 else count / per)
         if per == 1:  # a stage: where its time goes
-            row["top_kernels"] = top_kernels(timing.kernels, 12)
+            row["top_kernels"] = top_kernels(timing.kernels, top)
         print({k: v for k, v in row.items() if k != "top_kernels"}, flush=True)
 
 
 def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, iters: int,
-                   pending: list | None = None, label: str = "") -> list[dict]:
+                   pending: list | None = None, label: str = "", hlo_dir: Path | None = None) -> list[dict]:
     """Time the AR step and, for DFlash's chain and each DDTree budget, the round's stages (draft once,
     then build / verify / accept + compact + drafter context): wall clock. Call under `jax.set_mesh` for a mesh
     run. With a `pending` list, each stage is appended to it for `add_kernel_times` (CUPTI kernel time and
-    counts), to run once every wall clock of the run is taken."""
+    counts), to run once every wall clock of the run is taken. With `hlo_dir`, each stage's compiled
+    (optimized) HLO is written there as text, to map the profile's fusion names to the ops they hold."""
     import jax
     import jax.numpy as jnp
 
@@ -108,6 +109,10 @@ def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, i
             row["setting"] = label
         if pending is not None:
             pending.append((row, fn, a, 1))
+        if hlo_dir is not None:
+            hlo_dir.mkdir(parents=True, exist_ok=True)
+            slug = "".join(ch if ch.isalnum() else "_" for ch in name).strip("_")
+            (hlo_dir / f"{len(rows):02d}_{slug}.hlo.txt").write_text(fn.lower(*a).compile().as_text())
         print(row, flush=True)
         rows.append(row)
         return timing.out
@@ -207,6 +212,9 @@ def main() -> None:
     ap.add_argument("--loop-prompts", type=int, default=4, help="held-out prompts (batch 1, one call each) the "
                     "in-loop rows average over")
     ap.add_argument("--no-loop", action="store_true", help="the stages only, without the in-the-loop rows")
+    ap.add_argument("--top-kernels", type=int, default=12, help="kernels (by name) kept per stage in the JSON, "
+                    "the most expensive first (default %(default)s)")
+    ap.add_argument("--hlo-dir", type=Path, default=None, help="also write each stage's compiled HLO text here")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
     args = ap.parse_args()
 
@@ -243,12 +251,12 @@ def main() -> None:
     cache, dstate, bonus = setup(params, draft_model, tokens, lengths)
     pending = [] if jax.default_backend() == "gpu" else None  # the CUPTI pass, after every wall clock
     rows = profile_stages(cfg, params, draft_model, cache, dstate, bonus, args.budgets, iters=args.iters,
-                          pending=pending)
+                          pending=pending, hlo_dir=args.hlo_dir)
     if not args.no_loop:
         rows += profile_in_loop(cfg, params, (dcfg, dparams), loop_prompts, args.budgets,
                                 max_new_tokens=args.loop_tokens, iters=max(3, args.iters // 4), pending=pending)
     if pending is not None:
-        add_kernel_times(pending, args.iters)
+        add_kernel_times(pending, args.iters, args.top_kernels)
 
     meta = metadata(target=str(args.target), drafter=str(args.drafter), prompt_tokens=len(prompt),
                     timing="wall: median per jitted call incl. dispatch, every wall clock taken before the first "
