@@ -15,7 +15,7 @@ backend, dense or MoE (an MoE verify reads only the experts its tokens route to)
 
 The costs come from measurement: `default_costs` gives whole-`generate` timings of the shipped pair (rounds
 per second against AR steps per second at the same temperature, greedy and sampled apart: benchmarks/results/
-e2e_h200_b1_s9.json, e2e_h200_b8_s9.json, e2e_cpu.json);
+e2e_h200_b1_s11.json, e2e_h200_b8_s11.json, e2e_cpu.json);
 `kdtree_jax.calibrate_budget_costs` measures them for any model on the device at hand.
 """
 
@@ -62,23 +62,21 @@ class BudgetCosts:
 # generate call per round over its wall time per AR step at the same temperature. sampled=False: greedy; True:
 # temperature 1 (used for every temperature > 0: a sampled round also samples every tree node and runs the
 # acceptance walk on samples, and its cost grows faster with the budget than a greedy round's).
-# H200, batch 1 greedy: e2e_h200_b1_gather.json (2026-12-02 12:19, the routed experts on XLA as auto runs them on a
-# GPU since; 8 prompts x 128 tokens, median of 3 calls). The other H200 rows are older, measured with the Triton MoE
-# (an AR step 992 us instead of 453), and not yet re-measured: with the cheaper AR step a round costs more AR steps,
-# so those rows understate the costs of larger budgets. H200, the rest: e2e_h200_b1_s9.json (greedy then: 1.51 /
-# 1.54 / 1.60) and e2e_h200_b8_s9.json (2026-12-02, the shipped pair with its retrained drafter,
-# attention on XLA, float32 precision highest; 8 prompts x 128 tokens, median of 3 calls; both temperatures in one
-# run per batch; without kdtree_jax.xla_flags, whose batch-1 run, e2e_h200_b1_flags.json, measured 1.44 / 1.49 /
-# 1.54 greedy and 1.38 / 1.43 / 1.47 sampled, and auto with those verified nearly the same budgets).
+# H200: e2e_h200_b1_s11.json and e2e_h200_b8_s11.json (2026-12-02 17:49-17:53, merged as e2e_h200.json; the shipped
+# pair with its retrained drafter, float32 precision highest, attention and the routed experts on XLA as `auto` runs
+# them on a GPU, the engine's XLA flag; 8 prompts x 128 tokens, median of 3 calls, sampled points summed over 2
+# seeds; both temperatures in one run per batch). An AR step is 449 us at batch 1 and 570 us at batch 8: a batch-8
+# round at budget 32 verifies 264 tokens and costs 3.2 AR steps. The Triton-MoE tables they replace (an AR step
+# 992 us) are in e2e_h200_b1_s9.json / e2e_h200_b8_s9.json.
 # CPU: e2e_cpu.json (2026-12-02, the shipped pair, 2-core machine, batch 1 and 8, greedy and temperature 1, 8
 # prompts x 64 tokens). Candidates on a CPU stop at 16: no larger budget was the best fixed one in any setting of
 # that run (nor of the 2026-12-01 run), and auto builds its tree at the largest candidate every round (at batch 8
 # its rounds cost 4.28 AR steps against fixed budget 8's 3.72 with 64 as the largest candidate, e2e_cpu.json).
 _MEASURED = {
-    ("gpu", 1, False): {8: 1.81, 16: 1.96, 32: 2.13},
-    ("gpu", 8, False): {8: 1.40, 16: 1.59, 32: 1.76},
-    ("gpu", 1, True): {8: 1.36, 16: 1.38, 32: 1.42},
-    ("gpu", 8, True): {8: 1.33, 16: 1.52, 32: 1.70},
+    ("gpu", 1, False): {8: 1.77, 16: 1.97, 32: 2.10},
+    ("gpu", 8, False): {8: 2.01, 16: 2.43, 32: 3.17},
+    ("gpu", 1, True): {8: 1.72, 16: 1.87, 32: 2.02},
+    ("gpu", 8, True): {8: 1.92, 16: 2.34, 32: 3.06},
     ("cpu", 1, False): {4: 3.74, 8: 4.06, 16: 5.35},
     ("cpu", 8, False): {4: 4.11, 8: 3.72, 16: 5.72},
     ("cpu", 1, True): {4: 2.99, 8: 3.88, 16: 5.88},
