@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The tests a CPU CI cannot run, on a GPU host (the H200), from the repo root:
 #
-#   OUT=DIR [LIMIT_S=300] [RUNS="suite shipped"] bash tests/gpu_host.sh
+#   OUT=DIR [LIMIT_S=420] [RUNS="suite shipped"] bash tests/gpu_host.sh
 #
 # Two pytest runs side by side (RUNS picks them), each under LIMIT_S seconds, each streaming one line per finished test
 # (-v, so a run cut short still names every result it got) into OUT:
@@ -12,7 +12,7 @@
 # Each log ends with the run's exit status ("rc=124": cut at the limit).
 set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
-LIMIT_S=${LIMIT_S:-300}
+LIMIT_S=${LIMIT_S:-420}
 RUNS=${RUNS:-suite shipped}
 PY=${PYTHON:-python3}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
