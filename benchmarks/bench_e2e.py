@@ -103,7 +103,7 @@ def costs_from_rows(rows: list[dict], batch: int, temperature: float) -> kj.Budg
                          "of this run at that batch and temperature")
     step = ar["seconds"] / ar["rounds"]
     costs = tuple(sel[("ddtree", b)]["seconds"] / sel[("ddtree", b)]["rounds"] / step for b in budgets)
-    return kj.BudgetCosts(tuple(budgets), costs,
+    return kj.BudgetCosts(tuple(budgets), costs, ar_cost=1.0,
                           source=f"measured in this run (e2e), batch {batch}, temperature {temperature:g}")
 
 
@@ -300,8 +300,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     autos = [r for r in rows if r.get("auto_budgets")]
     if autos:
         picks = [f"batch {r['batch']} T={r['temperature']:g}: "
-                 + ", ".join(f"{b} x{n}" for b, n in r["auto_budgets"].items()) for r in autos]
-        lines += ["", "Budgets `auto` verified (budget x rounds): " + "; ".join(picks)]
+                 + ", ".join(f"{'AR' if str(b) == '0' else b} x{n}" for b, n in r["auto_budgets"].items())
+                 for r in autos]
+        lines += ["", "Budgets `auto` verified (budget x rounds; AR: rounds that drafted nothing): " + "; ".join(picks)]
     if meta["skipped_past_deadline"]:
         lines += ["", f"INCOMPLETE: {len(meta['skipped_past_deadline'])} points not run (past the deadline): "
                   + ", ".join(f"batch {p['batch']} T={p['temperature']:g} {p['method']} {p['budget'] or ''}".strip()

@@ -13,6 +13,12 @@ any unit, e.g. AR steps. The round verifies with the budget maximising sum_rows 
 candidates, one compiled verify per candidate (`lax.switch`): a smaller tree then costs less on every
 backend, dense or MoE (an MoE verify reads only the experts its tokens route to).
 
+A round may also draft nothing: with `BudgetCosts.ar_cost` (the defaults have it) a round whose predecessor
+expected fewer tokens per cost than one token per AR step skips the drafter and verifies only the bonus token,
+an AR step (every PROBE_EVERY-th such round drafts again, to see whether drafting pays again). Where the drafter
+cannot pay for itself (the shipped pair at temperature 1 on the H200, or any pair on a CPU), `auto` then decodes
+at about AR's speed instead of below it.
+
 The costs come from measurement: `default_costs` gives whole-`generate` timings of the shipped pair (rounds
 per second against AR steps per second at the same temperature, greedy and sampled apart: benchmarks/results/
 e2e_h200_b1_s11.json, e2e_h200_b8_s11.json, e2e_cpu.json);
@@ -38,6 +44,10 @@ class BudgetCosts:
     budgets: tuple[int, ...]
     costs: tuple[float, ...]
     source: str = "given"
+    # The cost, in the same unit, of a round that drafts nothing and verifies only the bonus token: an AR step.
+    # Given, `auto` skips the draft whenever the last drafted round expected fewer tokens per cost than such a
+    # round's one token (re-drafting every PROBE_EVERY rounds to look again); None: every round drafts.
+    ar_cost: float | None = None
 
     def __post_init__(self):
         budgets, costs = tuple(self.budgets), tuple(self.costs)
@@ -50,8 +60,11 @@ class BudgetCosts:
             raise ValueError(f"BudgetCosts.budgets must be strictly increasing, got {budgets}")
         if any(not (float(c) > 0 and float(c) < float("inf")) for c in costs):
             raise ValueError(f"BudgetCosts.costs must be finite and > 0, got {costs}")
+        if self.ar_cost is not None and not (float(self.ar_cost) > 0 and float(self.ar_cost) < float("inf")):
+            raise ValueError(f"BudgetCosts.ar_cost must be None or finite and > 0, got {self.ar_cost!r}")
         object.__setattr__(self, "budgets", budgets)
         object.__setattr__(self, "costs", tuple(float(c) for c in costs))
+        object.__setattr__(self, "ar_cost", None if self.ar_cost is None else float(self.ar_cost))
 
     @property
     def max_budget(self) -> int:
@@ -96,7 +109,7 @@ def default_costs(batch: int, device=None, *, temperature: float = 0.0) -> Budge
     table = _MEASURED[(platform, measured_batch, sampled)]
     budgets = tuple(sorted(table))
     kind = "temperature 1" if sampled else "greedy"
-    return BudgetCosts(budgets, tuple(table[b] for b in budgets),
+    return BudgetCosts(budgets, tuple(table[b] for b in budgets), ar_cost=1.0,
                        source=f"shipped pair on {_MEASURED_ON[platform]}, batch {measured_batch}, {kind}")
 
 
@@ -112,12 +125,33 @@ def expected_tokens(scores: jax.Array, live: jax.Array, budgets: tuple[int, ...]
 
 def choose(scores: jax.Array, live: jax.Array, costs: BudgetCosts) -> jax.Array:
     """Index into costs.budgets of the budget with the most expected tokens per cost (ties: the smaller)."""
+    return choose_with_rate(scores, live, costs)[0]
+
+
+def choose_with_rate(scores: jax.Array, live: jax.Array, costs: BudgetCosts) -> tuple[jax.Array, jax.Array]:
+    """`choose`, and the chosen budget's expected tokens per cost per live row (float32 []): what a drafted round
+    is expected to give, against 1 / costs.ar_cost for a round that drafts nothing."""
     rate = expected_tokens(scores, live, costs.budgets) / jnp.asarray(costs.costs, jnp.float32)
-    return jnp.argmax(rate).astype(jnp.int32)
+    best = jnp.argmax(rate).astype(jnp.int32)
+    return best, rate[best] / jnp.maximum(jnp.sum(live), 1).astype(jnp.float32)
+
+
+# With BudgetCosts.ar_cost, rounds that skip the draft (it is what they save) cannot see whether drafting would
+# pay again: every PROBE_EVERY-th consecutive such round drafts anyway, to refresh the estimate.
+PROBE_EVERY = 8
+
+
+def draft_pays(rate_per_row: jax.Array, rounds_since_draft: jax.Array, costs: BudgetCosts) -> jax.Array:
+    """Whether this round drafts: the last drafted round's expected tokens per cost per row beat an undrafted
+    round's 1 / ar_cost, or PROBE_EVERY rounds went by without a draft (always True when ar_cost is None)."""
+    if costs.ar_cost is None:
+        return jnp.bool_(True)
+    return (rate_per_row * costs.ar_cost > 1.0) | (rounds_since_draft >= PROBE_EVERY)
 
 
 def rounds_per_budget(out) -> dict[int, int]:
-    """{budget: rounds} of a speculative `generate` output: how many rounds verified each budget."""
+    """{budget: rounds} of a speculative `generate` output: how many rounds verified each budget (0: rounds of
+    `auto` that drafted nothing, AR steps)."""
     used: dict[int, int] = {}
     for b in np.asarray(out.tree_budgets)[: int(out.rounds)].tolist():
         used[b] = used.get(b, 0) + 1

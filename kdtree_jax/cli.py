@@ -520,12 +520,13 @@ def _run(cfg, params, prompts, method, drafter, args, first_token_mask=None):
 
 
 def _budget_note(budget, out) -> str:
-    """'32', or for auto which budgets the rounds verified: 'auto (8 x3, 32 x5)'."""
+    """'32', or for auto which budgets the rounds verified: 'auto (AR x6, 8 x3, 32 x5 rounds)' (AR: rounds that drafted
+    nothing)."""
     if budget != "auto":
         return str(budget)
     from kdtree_jax.budget import rounds_per_budget  # noqa: PLC0415
 
-    return "auto (" + ", ".join(f"{b} x{n}" for b, n in rounds_per_budget(out).items()) + " rounds)"
+    return "auto (" + ", ".join(f"{b or 'AR'} x{n}" for b, n in rounds_per_budget(out).items()) + " rounds)"
 
 
 def _rows(out) -> list[list[int]]:

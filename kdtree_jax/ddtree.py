@@ -166,6 +166,13 @@ def compact_cache(latent: jax.Array, start: jax.Array, path: jax.Array) -> jax.A
     return jax.vmap(one_layer)(latent)
 
 
+def root_only(bonus: jax.Array) -> Tree:
+    """The tree of no drafts: the bonus token [B] alone (T = 1). Verifying it is an AR step."""
+    batch = bonus.shape[0]
+    return Tree(bonus[:, None].astype(jnp.int32), jnp.full((batch, 1), -1, jnp.int32), jnp.zeros((batch, 1), jnp.int32),
+                jnp.ones((batch, 1), bool), jnp.ones((batch, 1, 1), bool), jnp.zeros((batch, 1), jnp.float32))
+
+
 def slice_tree(tree: Tree, budget: int) -> Tree:
     """The first `budget` drafts of a best-first tree: exactly the budget-`budget` tree (the heap's first pops;
     parents always come before their children)."""
@@ -184,7 +191,9 @@ class _State(NamedTuple):
     key: jax.Array
     rounds: jax.Array  # []
     accepted: jax.Array  # [B, N] tokens committed per round
-    budgets: jax.Array  # [N] the tree budget each round verified (tree_budget="auto" chooses it per round)
+    budgets: jax.Array  # [N] the tree budget each round verified (tree_budget="auto" chooses it per round; 0: no draft)
+    rate: jax.Array  # [] auto: the last drafted round's expected tokens per cost per row (budget.choose_with_rate)
+    since: jax.Array  # [] auto: rounds since the last drafted one
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "budget", "max_new_tokens", "max_len",
@@ -208,7 +217,8 @@ def _generate(params, draft_model, prompt_tokens, prompt_lengths, key, first_tok
     out, count, done, _ = emit(out, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool),
                                bonus[:, None], jnp.ones((batch,), jnp.int32), stop_tokens)
     state = _State(out, count, done, bonus, cache, draft_state, key, jnp.int32(0),
-                   jnp.zeros((batch, max_new_tokens), jnp.int32), jnp.zeros((max_new_tokens,), jnp.int32))
+                   jnp.zeros((batch, max_new_tokens), jnp.int32), jnp.zeros((max_new_tokens,), jnp.int32),
+                   jnp.float32(jnp.inf), jnp.int32(0))
 
     def verify(tree: Tree, cache: KVCache, start, key):
         """One target forward over the tree, the posterior, the accepted path and what it carries."""
@@ -227,23 +237,37 @@ def _generate(params, draft_model, prompt_tokens, prompt_lengths, key, first_tok
         """`verify` of the first tree_budget drafts: one compiled branch per candidate budget."""
         return lambda tree, cache, start, key: verify(slice_tree(tree, tree_budget), cache, start, key)
 
-    def body(s: _State) -> _State:
-        start = s.cache.lengths  # [B]
+    def draft(s: _State, start):
         draft_logits = draft_model.draft(s.draft_state, cfg, params, s.bonus, start)  # [B, L, V]
         # the tree builder and acceptance are tiny: they run replicated on every device
-        draft_logits = sharding.constrain(draft_logits, None, None, None)
+        return sharding.constrain(draft_logits, None, None, None)
+
+    def body(s: _State) -> _State:
+        start = s.cache.lengths  # [B]
         key, sub = jax.random.split(s.key)
+        rate, since = s.rate, s.since
         if method == "dflash":
-            tree = build_chain(draft_logits, root_tokens=s.bonus)
+            tree = build_chain(draft(s, start), root_tokens=s.bonus)
             used = jnp.int32(depth)
             result = verify(tree, s.cache, start, sub)
         elif isinstance(budget, BudgetCosts):  # "auto": one build at the largest budget, the verify it pays for
-            tree = build_tree(draft_logits, budget.max_budget, root_tokens=s.bonus, kernels=kernels)
-            choice = budget_lib.choose(tree.scores, ~s.done, budget)
-            used = jnp.asarray(budget.budgets, jnp.int32)[choice]
-            result = jax.lax.switch(choice, [verify_at(b) for b in budget.budgets], tree, s.cache, start, sub)
+
+            def drafted(s: _State):
+                tree = build_tree(draft(s, start), budget.max_budget, root_tokens=s.bonus, kernels=kernels)
+                choice, rate = budget_lib.choose_with_rate(tree.scores, ~s.done, budget)
+                result = jax.lax.switch(choice, [verify_at(b) for b in budget.budgets], tree, s.cache, start, sub)
+                return result, jnp.asarray(budget.budgets, jnp.int32)[choice], rate, jnp.int32(0)
+
+            def undrafted(s: _State):  # an AR step: the bonus token alone, the drafter not run
+                return verify(root_only(s.bonus), s.cache, start, sub), jnp.int32(0), s.rate, s.since + 1
+
+            if budget.ar_cost is None:
+                result, used, rate, since = drafted(s)
+            else:
+                result, used, rate, since = jax.lax.cond(budget_lib.draft_pays(s.rate, s.since, budget), drafted,
+                                                         undrafted, s)
         else:
-            tree = build_tree(draft_logits, budget, root_tokens=s.bonus, kernels=kernels)
+            tree = build_tree(draft(s, start), budget, root_tokens=s.bonus, kernels=kernels)
             used = jnp.int32(budget)
             result = verify(tree, s.cache, start, sub)
         path, length, next_bonus, new_tokens, cache, path_hidden = result
@@ -258,7 +282,8 @@ def _generate(params, draft_model, prompt_tokens, prompt_lengths, key, first_tok
         draft_state = draft_model.extend(s.draft_state, path_hidden, path_positions, advance)
         accepted = s.accepted.at[:, s.rounds].set(took)
         budgets = s.budgets.at[s.rounds].set(used)
-        return _State(out, count, done, next_bonus, cache, draft_state, key, s.rounds + 1, accepted, budgets)
+        return _State(out, count, done, next_bonus, cache, draft_state, key, s.rounds + 1, accepted, budgets, rate,
+                      since)
 
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     return GenerateOutput(tokens=state.out, lengths=state.count, num_target_forwards=state.rounds + 1,

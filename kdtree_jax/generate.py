@@ -180,5 +180,5 @@ def calibrate_budget_costs(cfg: ModelConfig, params: Params, prompts, *, drafter
     costs = tuple(per_round(method="ddtree", drafter=drafter, tree_budget=b) / step for b in budgets)
     device = dispatch.default_device()
     kind = f"temperature {temperature:g}" if temperature > 0 else "greedy"
-    return BudgetCosts(budgets, costs, source=f"calibrated on {getattr(device, 'device_kind', device.platform)}, "
-                                              f"batch {len(prompts)}, {kind}")
+    where = getattr(device, "device_kind", device.platform)
+    return BudgetCosts(budgets, costs, ar_cost=1.0, source=f"calibrated on {where}, batch {len(prompts)}, {kind}")

@@ -297,10 +297,10 @@ def test_auto_budget_keeps_the_greedy_invariant_and_follows_its_costs(tiny):
     drafter = make_drafter(TINY, seed=3)
     run = functools.partial(kj.generate, TINY, params, prompts, max_new_tokens=14, method="ddtree", drafter=drafter,
                             stop_tokens=())
-    default = run(tree_budget="auto")  # the CPU's measured costs (budgets 4..16)
+    default = run(tree_budget="auto")  # the CPU's measured costs (budgets 4..16; 0: rounds that drafted nothing)
     np.testing.assert_array_equal(np.asarray(default.tokens), np.asarray(ar.tokens))
     used = np.asarray(default.tree_budgets)[: int(default.rounds)]
-    assert set(used.tolist()) <= {4, 8, 16}
+    assert set(used.tolist()) <= {0, 4, 8, 16} and used[0] != 0  # the first round always drafts
     assert (np.asarray(default.tree_budgets)[int(default.rounds):] == 0).all()
     largest = run(tree_budget="auto", budget_costs=kj.BudgetCosts((2, 6, 12), (1.0, 0.9, 0.8)))
     fixed = run(tree_budget=12)
@@ -312,6 +312,35 @@ def test_auto_budget_keeps_the_greedy_invariant_and_follows_its_costs(tiny):
     np.testing.assert_array_equal(np.asarray(smallest.acceptance_lengths),
                                   np.asarray(run(tree_budget=2).acceptance_lengths))
     assert (np.asarray(smallest.tree_budgets)[: int(smallest.rounds)] == 2).all()
+
+
+def test_auto_skips_the_draft_when_it_cannot_pay(tiny):
+    """With BudgetCosts.ar_cost, a round after a drafted round that expected fewer tokens per cost than one per
+    AR step drafts nothing (an AR step, budget 0, one token), every PROBE_EVERY-th such round drafts again; greedy
+    tokens still equal AR's. Costs under which drafting always pays give the rounds of auto without ar_cost."""
+    params, prompts, _ = tiny
+    drafter = make_drafter(TINY, seed=3)
+    ar = kj.generate(TINY, params, prompts, max_new_tokens=24, stop_tokens=())
+    run = functools.partial(kj.generate, TINY, params, prompts, max_new_tokens=24, method="ddtree", drafter=drafter,
+                            stop_tokens=(), tree_budget="auto")
+    never = run(budget_costs=kj.BudgetCosts((2, 6), (1e6, 1e9), ar_cost=1.0))
+    np.testing.assert_array_equal(np.asarray(never.tokens), np.asarray(ar.tokens))
+    rounds = int(never.rounds)
+    used = np.asarray(never.tree_budgets)[:rounds]
+    probe = budget_lib.PROBE_EVERY
+    assert rounds > probe + 1
+    expected = np.where(np.arange(rounds) % (probe + 1) == 0, 2, 0)  # draft, PROBE_EVERY AR steps, draft, ...
+    np.testing.assert_array_equal(used, expected)
+    undrafted = np.asarray(never.acceptance_lengths)[:, :rounds][:, used == 0]
+    assert ((undrafted == 1) | (undrafted == 0)).all()  # one token per live row (0 once a row is done)
+    always = run(budget_costs=kj.BudgetCosts((2, 6), (1.0, 0.9), ar_cost=1e6))
+    plain = run(budget_costs=kj.BudgetCosts((2, 6), (1.0, 0.9)))
+    np.testing.assert_array_equal(np.asarray(always.tree_budgets), np.asarray(plain.tree_budgets))
+    np.testing.assert_array_equal(np.asarray(always.tokens), np.asarray(plain.tokens))
+    assert (np.asarray(always.tree_budgets)[: int(always.rounds)] == 6).all()
+    with pytest.raises(ValueError, match="ar_cost must be None or finite and > 0"):
+        kj.BudgetCosts((2,), (1.0,), ar_cost=0.0)
+    assert budget_lib.default_costs(batch=1, device=jax.devices()[0]).ar_cost == 1.0
 
 
 def test_auto_default_costs_follow_the_temperature(tiny, monkeypatch):
