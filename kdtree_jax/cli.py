@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 # the limits --help states (importing the package already loaded these modules)
+from kdtree_jax.budget import rounds_per_budget
 from kdtree_jax.ddtree import MAX_TREE_BUDGET
 from kdtree_jax.drafter import MAX_BLOCK_SIZE
 
@@ -144,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--budget", type=_budget, metavar="N|auto", help="DDTree tree budget: draft nodes verified "
                    f"per round, 1 to {MAX_TREE_BUDGET}, or auto: each round verifies the budget with the most expected "
                    "tokens per unit of round cost, from the drafter's scores and round costs measured for this "
-                   f"device kind (docs/ddtree.md, 'Auto budget'; default: {DEFAULT_BUDGET})")
+                   "device kind, and rounds skip the draft (an AR step) while drafting cannot pay for itself "
+                   f"(docs/ddtree.md, 'Auto budget'; default: {DEFAULT_BUDGET})")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     g.add_argument("--top-k", type=int, metavar="K", help="sample only from the K most likely tokens")
     g.add_argument("--top-p", type=float, metavar="P", help="sample only from the smallest set of tokens "
@@ -524,8 +526,6 @@ def _budget_note(budget, out) -> str:
     nothing)."""
     if budget != "auto":
         return str(budget)
-    from kdtree_jax.budget import rounds_per_budget  # noqa: PLC0415
-
     return "auto (" + ", ".join(f"{b or 'AR'} x{n}" for b, n in rounds_per_budget(out).items()) + " rounds)"
 
 
@@ -597,8 +597,10 @@ def cmd_generate(args) -> None:
             print(f"  tokens: {' '.join(map(str, row))}")
             if tokenizer is not None:
                 print(f"  text: {tokenizer.decode(prompt + row)!r}")
-        step = "one decode step" if method == "ar" else "draft + verify"
-        print(f"  {new} new tokens in {int(out.rounds)} rounds ({step} each); {int(out.num_target_forwards)} "
+        undrafted = rounds_per_budget(out).get(0, 0) if method == "ddtree" else 0
+        step = ("one decode step each" if method == "ar" else "draft + verify each" if not undrafted else
+                f"draft + verify, or an AR step where drafting could not pay: {undrafted} of them")
+        print(f"  {new} new tokens in {int(out.rounds)} rounds ({step}); {int(out.num_target_forwards)} "
               "target forwards (the rounds + the prompt's prefill)")
         timed = "compilation included: --no-warmup" if args.no_warmup else "compilation excluded"
         print(f"  mean acceptance length {_mean_acceptance(out):.2f} (tokens committed per round); "
