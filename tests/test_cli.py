@@ -279,6 +279,16 @@ def test_generate_says_what_it_is_doing_and_what_the_numbers_mean(models, capsys
     assert re.search(r"  mean acceptance length \d\.\d\d \(tokens committed per round\); [\d.]+ tokens/s "
                      r"\(compilation excluded\)", out)
 
+    # auto: rounds that skipped the draft (AR steps) are named, as many as generate's tree_budgets record
+    rc, out, err = run([*common[:-5], "auto", *common[-4:]], capsys)
+    assert rc == 0, err
+    direct = kj.generate(*kj.load_checkpoint(models / "target"), [[1, 2, 3]], max_new_tokens=6, method="ddtree",
+                         drafter=kj.load_checkpoint(models / "drafter"), tree_budget="auto")
+    undrafted = int((np.asarray(direct.tree_budgets)[: int(direct.rounds)] == 0).sum())
+    assert undrafted > 0  # the test models' random drafter cannot pay at the CPU's costs
+    assert (f"  {int(direct.lengths[0])} new tokens in {int(direct.rounds)} rounds (draft + verify, or an AR step "
+            f"where drafting could not pay: {undrafted} of them); ") in out
+
     rc, out, err = run(["generate", "--checkpoint", models / "target", "--prompt", "1 2 3", "--max-new-tokens", "2",
                         "--no-warmup"], capsys)
     assert rc == 0, err
