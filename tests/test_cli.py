@@ -162,7 +162,7 @@ def test_generate_all_methods_compares_them(models, capsys):
     rc, auto, _ = run(["generate", "--checkpoint", models / "target", "--drafter", models / "drafter", "--method",
                        "ddtree", "--prompt", "1 2 3", "--prompt", "7 8", "--max-new-tokens", "4", "--no-warmup"],
                       capsys)  # the default budget: auto, with how many rounds verified each budget
-    assert rc == 0 and re.search(r"budget auto \((\d+ x\d+(, )?)+ rounds\)", auto), auto
+    assert rc == 0 and re.search(r"budget auto \(((AR|\d+) x\d+(, )?)+ rounds\)", auto), auto
     assert token_lines(auto) == token_lines(out)[:2]
     ar = token_lines(out)[:2]
     params = kj.load_checkpoint(models / "target")
