@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import platform
@@ -103,7 +104,7 @@ def costs_from_rows(rows: list[dict], batch: int, temperature: float) -> kj.Budg
                          "of this run at that batch and temperature")
     step = ar["seconds"] / ar["rounds"]
     costs = tuple(sel[("ddtree", b)]["seconds"] / sel[("ddtree", b)]["rounds"] / step for b in budgets)
-    return kj.BudgetCosts(tuple(budgets), costs, ar_cost=1.0,
+    return kj.BudgetCosts(tuple(budgets), costs,
                           source=f"measured in this run (e2e), batch {batch}, temperature {temperature:g}")
 
 
@@ -128,6 +129,10 @@ def main() -> None:
                              "step, at the auto row's batch and temperature; needs those rows); default: "
                              "kdtree_jax.budget.default_costs for this device, batch and temperature, what "
                              "kj.generate uses when no budget_costs are given")
+    parser.add_argument("--auto-skip-draft", choices=("default", "on", "off"), default="default",
+                        help="whether auto's rounds may skip the draft (an AR step) while drafting cannot pay "
+                             "(BudgetCosts.ar_cost = 1 AR step, or None); default: as kj.generate's default costs "
+                             "do on this platform (kdtree_jax.budget.SKIP_DRAFT_AR_COST)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--repeats", type=int, default=1, help="timed calls per generate call (median)")
@@ -169,7 +174,7 @@ def main() -> None:
     meta = metadata(host=f"{platform.machine()}, {os.cpu_count()} CPU cores", target=str(args.target),
                     drafter=str(args.drafter), num_prompts=args.num_prompts, dtype=args.dtype,
                     prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                    seeds=args.seeds,
+                    seeds=args.seeds, auto_skip_draft=args.auto_skip_draft,
                     block_size=dcfg.block_size, matmul_precision=args.matmul_precision,
                     kernels=kj.plan_summary(kj.kernel_plan(params, cfg, kernels=kernels)))  # what generate runs
     fixed = [(batch, temperature, method, budget, None) for batch in args.batches for temperature in args.temperatures
@@ -200,6 +205,9 @@ def main() -> None:
                 try:
                     costs = (costs_from_rows(rows, batch, t) if args.auto_costs == "run"
                              else default_costs(batch, temperature=t))
+                    skip = {"on": 1.0, "off": None}.get(args.auto_skip_draft,
+                                                       default_costs(batch, temperature=t).ar_cost)
+                    costs = dataclasses.replace(costs, ar_cost=skip)
                 except ValueError as e:  # a point it needs was past the deadline
                     print(f"no auto at batch {batch}, temperature {t:g}: {e}", flush=True)
                     skipped.append(dict(batch=batch, temperature=t, method="ddtree", budget="auto"))

@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--budget", type=_budget, metavar="N|auto", help="DDTree tree budget: draft nodes verified "
                    f"per round, 1 to {MAX_TREE_BUDGET}, or auto: each round verifies the budget with the most expected "
                    "tokens per unit of round cost, from the drafter's scores and round costs measured for this "
-                   "device kind, and rounds skip the draft (an AR step) while drafting cannot pay for itself "
+                   "device kind; on a CPU rounds also skip the draft (an AR step) while drafting cannot pay "
                    f"(docs/ddtree.md, 'Auto budget'; default: {DEFAULT_BUDGET})")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     g.add_argument("--top-k", type=int, metavar="K", help="sample only from the K most likely tokens")
