@@ -203,10 +203,9 @@ def main() -> None:
         for batch in args.batches:
             for t in args.temperatures:
                 try:
-                    costs = (costs_from_rows(rows, batch, t) if args.auto_costs == "run"
-                             else default_costs(batch, temperature=t))
-                    skip = {"on": 1.0, "off": None}.get(args.auto_skip_draft,
-                                                       default_costs(batch, temperature=t).ar_cost)
+                    defaults = default_costs(batch, temperature=t)
+                    costs = costs_from_rows(rows, batch, t) if args.auto_costs == "run" else defaults
+                    skip = {"on": 1.0, "off": None}.get(args.auto_skip_draft, defaults.ar_cost)
                     costs = dataclasses.replace(costs, ar_cost=skip)
                 except ValueError as e:  # a point it needs was past the deadline
                     print(f"no auto at batch {batch}, temperature {t:g}: {e}", flush=True)

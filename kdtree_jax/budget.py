@@ -145,12 +145,11 @@ def choose_with_rate(scores: jax.Array, live: jax.Array, costs: BudgetCosts) -> 
 PROBE_EVERY = 8
 
 
-def draft_pays(rate_per_row: jax.Array, rounds_since_draft: jax.Array, costs: BudgetCosts) -> jax.Array:
+def draft_pays(rate_per_row: jax.Array, rounds_since_draft: jax.Array, ar_cost: float) -> jax.Array:
     """Whether this round drafts: the last drafted round's expected tokens per cost per row beat an undrafted
-    round's 1 / ar_cost, or PROBE_EVERY rounds went by without a draft (always True when ar_cost is None)."""
-    if costs.ar_cost is None:
-        return jnp.bool_(True)
-    return (rate_per_row * costs.ar_cost > 1.0) | (rounds_since_draft >= PROBE_EVERY)
+    round's 1 / ar_cost, or PROBE_EVERY rounds went by without a draft. (Costs without an ar_cost always draft:
+    the decode loop then compiles no undrafted branch.)"""
+    return (rate_per_row * ar_cost > 1.0) | (rounds_since_draft >= PROBE_EVERY)
 
 
 def rounds_per_budget(out) -> dict[int, int]:

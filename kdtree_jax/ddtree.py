@@ -264,8 +264,8 @@ def _generate(params, draft_model, prompt_tokens, prompt_lengths, key, first_tok
             if budget.ar_cost is None:
                 result, used, rate, since = drafted(s)
             else:
-                result, used, rate, since = jax.lax.cond(budget_lib.draft_pays(s.rate, s.since, budget), drafted,
-                                                         undrafted, s)
+                pays = budget_lib.draft_pays(s.rate, s.since, budget.ar_cost)
+                result, used, rate, since = jax.lax.cond(pays, drafted, undrafted, s)
         else:
             tree = build_tree(draft(s, start), budget, root_tokens=s.bonus, kernels=kernels)
             used = jnp.int32(budget)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax import sharding
-from kdtree_jax.budget import SKIP_DRAFT_AR_COST, BudgetCosts
+from kdtree_jax.budget import BudgetCosts, default_costs
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.ddtree import generate_speculative
 from kdtree_jax.decoding import (
@@ -181,5 +181,5 @@ def calibrate_budget_costs(cfg: ModelConfig, params: Params, prompts, *, drafter
     device = dispatch.default_device()
     kind = f"temperature {temperature:g}" if temperature > 0 else "greedy"
     where = getattr(device, "device_kind", device.platform)
-    ar_cost = SKIP_DRAFT_AR_COST["gpu" if dispatch.is_gpu(device) else "cpu"]  # skip drafts where the defaults do
+    ar_cost = default_costs(len(prompts), device, temperature=temperature).ar_cost  # skip drafts where they do
     return BudgetCosts(budgets, costs, ar_cost=ar_cost, source=f"calibrated on {where}, batch {len(prompts)}, {kind}")
