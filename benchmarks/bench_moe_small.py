@@ -1,6 +1,7 @@
-"""The routed MoE of a small model on the H200: the grouped Triton kernel against XLA's three forms
-(pallas_kernels/moe_w4a16/reference.py: "gather", "dense", "loop"), per token count, in one run; what decides
-`pallas_kernels.moe_w4a16.tuned.measured_fastest` (which of kernel and XLA `impl="auto"` runs on a GPU).
+"""The routed MoE of a small model on the H200: the grouped Triton kernel and the one-launch pair kernel
+(pallas_kernels/moe_w4a16/triton_pairs.py) against XLA's three forms (pallas_kernels/moe_w4a16/reference.py:
+"gather", "dense", "loop"), per token count, in one run; what decides `pallas_kernels.moe_w4a16.tuned.measured_fastest`
+(which implementation `impl="auto"` runs on a GPU for a small stack).
 
   python benchmarks/bench_moe_small.py --out DIR
 
@@ -33,7 +34,7 @@ SHAPES = {  # name: (E, D, I, top_k, activation dtype)
     "mid bf16": (64, 512, 128, 6, "bfloat16"),
     "wide bf16": (64, 1024, 256, 6, "bfloat16"),
 }
-IMPLS = ("triton", "xla gather", "xla dense", "xla loop")
+IMPLS = ("triton", "triton pairs", "xla gather", "xla dense", "xla loop")
 
 
 def main() -> None:
@@ -41,6 +42,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"), help="folder for moe_small_h200.*")
     ap.add_argument("--ts", default="1,8,9,33,264", help="token counts T, comma-separated")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}")
+    ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, of: {', '.join(IMPLS)}")
     ap.add_argument("--iters", type=int, default=7, help="CUPTI windows per point (median)")
     ap.add_argument("--loop-calls", type=int, default=50, help="calls per timed fori_loop (loop wall)")
     args = ap.parse_args()
@@ -62,14 +64,18 @@ def main() -> None:
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         raise SystemExit(f"unknown --shapes {unknown}; choose from {list(SHAPES)}")
+    impls = [s.strip() for s in args.impls.split(",")]
+    if not set(impls) <= set(IMPLS):
+        raise SystemExit(f"unknown --impls {sorted(set(impls) - set(IMPLS))}; choose from {list(IMPLS)}")
     timer = Timer(args.iters)
     meta = metadata(timing=f"loop wall: one jitted fori_loop of {args.loop_calls} dependent calls / calls, every wall "
                     "clock before any CUPTI window; kernel: " + timer.method,
                     shapes={s: SHAPES[s] for s in shapes}, wall_after_cupti=False, matmul_precision="highest")
 
     def fn_for(impl, experts):
-        if impl == "triton":
-            return lambda x, ids, w: grouped_moe_w4a16(x, experts, ids, w, impl="triton")
+        if impl in ("triton", "triton pairs"):
+            kernel = impl.replace(" ", "_")
+            return lambda x, ids, w: grouped_moe_w4a16(x, experts, ids, w, impl=kernel)
         form = impl.split()[1]
         return lambda x, ids, w: moe_w4a16_xla(x, experts, ids, w, form=form)
 
@@ -98,7 +104,7 @@ def main() -> None:
             ids = jnp.argsort(jax.random.uniform(kr, (t, e)), axis=1)[:, :k].astype(jnp.int32)
             w = jax.random.uniform(kw, (t, k), minval=0.05)
             want = np.asarray(grouped_moe_w4a16_reference(x, experts, ids, w).astype(jnp.float32), np.float64)
-            for impl in IMPLS:
+            for impl in impls:
                 row = dict(shape=shape, experts=e, hidden=d, inter=inter, top_k=k, dtype=dtype, T=t, impl=impl,
                            auto_form=xla_form(t, k, experts))
                 try:
@@ -131,12 +137,12 @@ def main() -> None:
         row["kernels"] = len(timing.kernels)
         row["top_kernels"] = [(n[:50], s * 1e6) for n, s in sorted(timing.kernels, key=lambda ns: -ns[1])[:3]]
         print({k: row[k] for k in ("shape", "T", "impl", "loop_wall_us", "kernel_us", "kernels")}, flush=True)
-    write_results(os.path.join(args.out, "moe_small_h200"), meta, {"rows": rows}, markdown(rows, ts, shapes))
-    print(markdown(rows, ts, shapes))
+    write_results(os.path.join(args.out, "moe_small_h200"), meta, {"rows": rows}, markdown(rows, ts, shapes, impls))
+    print(markdown(rows, ts, shapes, impls))
 
 
-def markdown(rows, ts, shapes) -> str:
-    lines = ["# Routed MoE of a small model: Triton kernel vs XLA (H200)", "",
+def markdown(rows, ts, shapes, impls=IMPLS) -> str:
+    lines = ["# Routed MoE of a small model: Triton kernels vs XLA (H200)", "",
              "Per call, microseconds: loop wall (in a jitted loop, no dispatch) / CUPTI kernel time (kernel count). "
              "`auto form` = the XLA form `moe_w4a16_xla` picks; **bold** = the fastest loop wall.", ""]
     for shape in shapes:
@@ -145,13 +151,13 @@ def markdown(rows, ts, shapes) -> str:
             continue
         e, d, inter, k = sel[0]["experts"], sel[0]["hidden"], sel[0]["inter"], sel[0]["top_k"]
         lines += [f"## {shape}: E {e}, D {d}, I {inter}, top-{k}", "",
-                  "| T | auto form | " + " | ".join(IMPLS) + " |", "|---|---|" + "---|" * len(IMPLS)]
+                  "| T | auto form | " + " | ".join(impls) + " |", "|---|---|" + "---|" * len(impls)]
         for t in ts:
             cells = {r["impl"]: r for r in sel if r["T"] == t}
             timed = [r for r in cells.values() if "loop_wall_us" in r]
             best = min(timed, key=lambda r: r["loop_wall_us"])["impl"] if timed else None
             out = []
-            for impl in IMPLS:
+            for impl in impls:
                 r = cells.get(impl)
                 if r is None:
                     out.append("-")

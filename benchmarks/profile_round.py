@@ -76,27 +76,43 @@ def add_kernel_times(pending: list, iters: int, top: int = 12) -> None:
         timing = timer(fn, *args)
         count = len(timing.kernels)
         row.update(kernel_us=timing.device_s * 1e6 / per, kernels=count if per == 1 else count / per)
-        if per == 1:  # a stage: where its time goes
-            row["top_kernels"] = top_kernels(timing.kernels, top)
+        tops = top_kernels(timing.kernels, top)  # where the time goes (in-loop rows: per round)
+        row["top_kernels"] = tops if per == 1 else [
+            {**k, "launches": round(k["launches"] / per, 2), "us": round(k["us"] / per, 2)} for k in tops]
         print({k: v for k, v in row.items() if k != "top_kernels"}, flush=True)
 
 
+def write_hlo(hlo_dir: Path | None, index: int, name: str, fn, *args) -> None:
+    """fn's compiled (optimized) HLO as text in hlo_dir (nothing when hlo_dir is None)."""
+    if hlo_dir is None:
+        return
+    hlo_dir.mkdir(parents=True, exist_ok=True)
+    slug = "".join(ch if ch.isalnum() else "_" for ch in name).strip("_")
+    (hlo_dir / f"{index:02d}_{slug}.hlo.txt").write_text(fn.lower(*args).compile().as_text())
+
+
 def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, iters: int,
-                   pending: list | None = None, label: str = "", hlo_dir: Path | None = None) -> list[dict]:
+                   pending: list | None = None, label: str = "", hlo_dir: Path | None = None,
+                   kernels=None) -> list[dict]:
     """Time the AR step and, for DFlash's chain and each DDTree budget, the round's stages (draft once,
     then build / verify / accept + compact + drafter context): wall clock. Call under `jax.set_mesh` for a mesh
     run. With a `pending` list, each stage is appended to it for `add_kernel_times` (CUPTI kernel time and
     counts), to run once every wall clock of the run is taken. With `hlo_dir`, each stage's compiled
-    (optimized) HLO is written there as text, to map the profile's fusion names to the ops they hold."""
+    (optimized) HLO is written there as text, to map the profile's fusion names to the ops they hold.
+    kernels: the kj.Kernels every forward runs with; params are folded (kdtree_jax.model.fold_params) as
+    `generate` folds them with these kernels, once, outside the timed calls."""
     import jax
     import jax.numpy as jnp
 
     from benchmarks.common import Timer
+    from kdtree_jax import sharding
     from kdtree_jax.ddtree import accept_path, compact_cache
-    from kdtree_jax.model import KVCache, forward_with_cache
+    from kdtree_jax.model import KVCache, fold_params, forward_with_cache
     from kdtree_jax.tree import build_chain, build_tree
-    from pallas_kernels.dispatch import Kernels
+    from pallas_kernels.dispatch import Kernels, as_kernels
 
+    kernels = as_kernels(kernels)
+    params = jax.jit(lambda p: fold_params(p, cfg, kernels, sharded=sharding.active_mesh() is not None))(params)
     timer = Timer(iters, device=False)
     depth = draft_model.block_size - 1
     layers = draft_model.hidden_layers
@@ -109,15 +125,12 @@ def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, i
             row["setting"] = label
         if pending is not None:
             pending.append((row, fn, a, 1))
-        if hlo_dir is not None:
-            hlo_dir.mkdir(parents=True, exist_ok=True)
-            slug = "".join(ch if ch.isalnum() else "_" for ch in name).strip("_")
-            (hlo_dir / f"{len(rows):02d}_{slug}.hlo.txt").write_text(fn.lower(*a).compile().as_text())
+        write_hlo(hlo_dir, len(rows), name, fn, *a)
         print(row, flush=True)
         rows.append(row)
         return timing.out
 
-    ar = jax.jit(lambda p, b, c: forward_with_cache(p, cfg, b[:, None], c.lengths[:, None], c)[0])
+    ar = jax.jit(lambda p, b, c: forward_with_cache(p, cfg, b[:, None], c.lengths[:, None], c, kernels=kernels)[0])
     measure("AR step (1-token cached forward)", ar, params, bonus, cache)
     draft = jax.jit(lambda dm, s, p, b, st: dm.draft(s, cfg, p, b, st))
     logits = measure(f"draft (drafter forward, block of {draft_model.block_size})", draft, draft_model, dstate,
@@ -125,7 +138,8 @@ def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, i
 
     def verify_fn(p, tree, c):
         pos = c.lengths[:, None] + tree.depths
-        return forward_with_cache(p, cfg, tree.tokens, pos, c, visibility=tree.visible, hidden_layers=layers)
+        return forward_with_cache(p, cfg, tree.tokens, pos, c, visibility=tree.visible, hidden_layers=layers,
+                                  kernels=kernels)
 
     def finish_fn(dm, s, tree, logits, hidden, c):
         posterior = jnp.argmax(logits, -1).astype(jnp.int32)
@@ -136,7 +150,8 @@ def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, i
         return KVCache(latent, c.lengths + length), dm.extend(s, path_hidden, path_pos, length), nb
 
     for name, build in [("dflash chain", lambda lg, b: build_chain(lg, root_tokens=b))] + [
-            (f"ddtree budget {b}", lambda lg, bn, b=b: build_tree(lg, b, root_tokens=bn)) for b in budgets]:
+            (f"ddtree budget {b}", lambda lg, bn, b=b: build_tree(lg, b, root_tokens=bn, kernels=kernels))
+            for b in budgets]:
         tree = measure(f"{name}: build", jax.jit(build), logits, bonus)
         if name.startswith("ddtree"):  # the jnp builder, for comparison (what the kernel replaced on a GPU)
             b = tree.tokens.shape[1] - 1
@@ -151,12 +166,15 @@ def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, i
 
 
 def profile_in_loop(cfg, params, drafter, prompts, budgets, *, max_new_tokens: int, iters: int,
-                    pending: list | None = None) -> list[dict]:
+                    pending: list | None = None, kernels=None, hlo_dir: Path | None = None,
+                    first_index: int = 0) -> list[dict]:
     """The round as it runs: per method, one `kj.generate` call (the one-jit loop) per prompt at batch 1, the
     summed wall time (each prompt's median of `iters` calls after a warm-up) over the summed rounds (target
     forwards after the prefill; an AR step is a round of one token), and whether every prompt's tokens equal
     AR's (the greedy invariant; `drafter` methods only). With `pending`, the first prompt's call is left for
-    `add_kernel_times` (summed kernel time and kernel count, per round)."""
+    `add_kernel_times` (summed kernel time, kernel count and the top kernels, per round). With `hlo_dir`, each
+    method's whole compiled generate program (the loop) is written there, numbered from first_index."""
+    import jax
     import numpy as np
 
     import kdtree_jax as kj
@@ -166,7 +184,7 @@ def profile_in_loop(cfg, params, drafter, prompts, budgets, *, max_new_tokens: i
     rows, ar_outputs = [], []
     methods = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in budgets]
     for method, budget in methods:
-        extra = {} if method == "ar" else {"drafter": drafter, "method": method}
+        extra = {"kernels": kernels} if method == "ar" else {"drafter": drafter, "method": method, "kernels": kernels}
         if budget is not None:
             extra["tree_budget"] = budget
 
@@ -189,9 +207,11 @@ def profile_in_loop(cfg, params, drafter, prompts, budgets, *, max_new_tokens: i
         row = {"stage": f"in the loop: {name}", "method": method, "budget": budget, "rounds": rounds,
                "prompts": len(prompts), "tokens": max_new_tokens * len(prompts), "wall_us": wall * 1e6 / rounds,
                "greedy_equals_ar": all(np.array_equal(a, b) for a, b in zip(outputs, ar_outputs, strict=True))}
+        # no arguments: CUPTI's measure jits the call, and generate takes the prompt as Python ints
+        whole = jax.jit(lambda run=run, prompt=prompts[0]: run(params, prompt))
         if pending is not None:
-            # no arguments: CUPTI's measure jits the call, and generate takes the prompt as Python ints
-            pending.append((row, lambda run=run, prompt=prompts[0]: run(params, prompt), (), first_rounds))
+            pending.append((row, whole, (), first_rounds))
+        write_hlo(hlo_dir, first_index + len(rows), row["stage"], whole)
         print(row, flush=True)
         rows.append(row)
     ar_wall = rows[0]["wall_us"]
@@ -214,7 +234,12 @@ def main() -> None:
     ap.add_argument("--no-loop", action="store_true", help="the stages only, without the in-the-loop rows")
     ap.add_argument("--top-kernels", type=int, default=12, help="kernels (by name) kept per stage in the JSON, "
                     "the most expensive first (default %(default)s)")
-    ap.add_argument("--hlo-dir", type=Path, default=None, help="also write each stage's compiled HLO text here")
+    ap.add_argument("--hlo-dir", type=Path, default=None, help="also write each stage's and each in-loop "
+                    "method's compiled HLO text here")
+    ap.add_argument("--moe", choices=("auto", "triton", "triton_pairs", "xla"), default="auto",
+                    help="the routed experts' implementation (kj.Kernels(moe=...)); auto: what the dispatcher picks")
+    ap.add_argument("--mla", choices=("auto", "folded", "separate"), default="auto",
+                    help="the cached MLA's projections (kj.Kernels(mla=...)); auto: what the dispatcher picks")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
     args = ap.parse_args()
 
@@ -249,16 +274,20 @@ def main() -> None:
         return cache, state, jnp.argmax(logits, -1).astype(jnp.int32)
 
     cache, dstate, bonus = setup(params, draft_model, tokens, lengths)
+    kernels = kj.Kernels(moe=args.moe, mla=args.mla)
     pending = [] if jax.default_backend() == "gpu" else None  # the CUPTI pass, after every wall clock
     rows = profile_stages(cfg, params, draft_model, cache, dstate, bonus, args.budgets, iters=args.iters,
-                          pending=pending, hlo_dir=args.hlo_dir)
+                          pending=pending, hlo_dir=args.hlo_dir, kernels=kernels)
     if not args.no_loop:
         rows += profile_in_loop(cfg, params, (dcfg, dparams), loop_prompts, args.budgets,
-                                max_new_tokens=args.loop_tokens, iters=max(3, args.iters // 4), pending=pending)
+                                max_new_tokens=args.loop_tokens, iters=max(3, args.iters // 4), pending=pending,
+                                kernels=kernels, hlo_dir=args.hlo_dir, first_index=len(rows))
     if pending is not None:
         add_kernel_times(pending, args.iters, args.top_kernels)
 
+    plan = kj.kernel_plan(params, cfg, kernels=kernels)
     meta = metadata(target=str(args.target), drafter=str(args.drafter), prompt_tokens=len(prompt),
+                    kernels={op: list(choice) for op, choice in plan.items()},
                     timing="wall: median per jitted call incl. dispatch, every wall clock taken before the first "
                            "CUPTI window; kernel: CUPTI summed kernel time of the median call; in-the-loop rows: "
                            f"generate calls of {args.loop_prompts} prompt(s) at batch 1, summed wall over summed "
@@ -267,7 +296,8 @@ def main() -> None:
     lines = [f"# One DDTree round, stage by stage ({meta['device']})", "", f"{meta['date']}, JAX {meta['jax']}; "
              f"{meta['timing']}; each stage jitted alone, so each pays one dispatch that the one-jit loop does "
              f"not. The last rows are the round as run: generate calls of {args.loop_tokens} tokens over their "
-             f"rounds (AR steps = wall per round / wall per AR step). XLA_FLAGS: `{meta['xla_flags'] or 'none'}`.", "",
+             f"rounds (AR steps = wall per round / wall per AR step). XLA_FLAGS: `{meta['xla_flags'] or 'none'}`. "
+             f"Kernels: {'; '.join(f'{op} {impl} ({why})' for op, (impl, why) in plan.items())}.", "",
              "| stage | wall us | kernel us | kernels | AR steps |", "|---|---|---|---|---|"]
     for r in rows:
         kernels = r.get("kernels", "-")

@@ -40,7 +40,8 @@ DEFAULT_BUDGET = "auto"
 MAX_SEED = 2**32 - 1
 # The implementations `--moe-kernel` etc. accept: pallas_kernels.dispatch.IMPLS (not imported here: start-up time).
 KERNEL_CHOICES = {"attention": ("mosaic_gpu", "triton", "xla"), "linear": ("triton", "xla"),
-                  "moe": ("triton", "mosaic_gpu", "xla"), "tree": ("triton", "xla")}
+                  "moe": ("triton", "triton_pairs", "mosaic_gpu", "xla"), "tree": ("triton", "xla"),
+                  "mla": ("folded", "separate")}
 # The trained pair shipped in the package (training/, docs/training.md): target, drafter, tokenizer.
 SHIPPED = Path(__file__).resolve().parent / "assets"
 
@@ -171,9 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-kernel", choices=("auto", *KERNEL_CHOICES["moe"]), default="auto",
                    help="kernel for the INT4 routed experts. mosaic_gpu: the Mosaic GPU grouped MoE kernel "
                    "(Hopper, bf16 params; the experts' layout is converted once after loading); triton: the "
-                   "Triton grouped kernel on the checkpoint layout (any GPU, also float32 models); xla: the "
-                   "plain-JAX reference. auto (default): mosaic_gpu where it can run, else triton on a GPU, "
-                   "else xla. A kernel that cannot run here is an error (docs/kernels.md)")
+                   "Triton grouped kernel on the checkpoint layout (any GPU, also float32 models); triton_pairs: "
+                   "one Triton launch a layer, a program per (token, choice), for small expert stacks; xla: the "
+                   "plain-JAX reference. auto (default): mosaic_gpu where it can run, a small stack on what "
+                   "measured fastest for it, else triton on a GPU, else xla. A kernel that cannot run here is "
+                   "an error (docs/kernels.md)")
     g.add_argument("--attention-kernel", choices=("auto", *KERNEL_CHOICES["attention"]), default="auto",
                    help="kernel for the tree attention: mosaic_gpu (a Hopper GPU, bf16), triton (a GPU) or xla "
                    "(the plain-JAX reference); auto (default): on a GPU the one measured fastest at each call "
@@ -185,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DDTree tree build: triton (one kernel launch per round, a GPU) or xla (the jnp builder, "
                    "about five XLA kernels per draft depth); both build the same tree. auto (default): triton on a "
                    "GPU, else xla")
+    g.add_argument("--mla-weights", choices=("auto", *KERNEL_CHOICES["mla"]), default="auto",
+                   help="the cached attention's projections: folded (W_UK pre-multiplied into q_b and W_UV into o "
+                   "once per call: three matmuls a layer instead of five, a few MiB more weights) or separate "
+                   "(the checkpoint's matrices). auto (default): folded when that adds at most 4 MiB a layer (a "
+                   "small model, whose decode is launch-bound), separate otherwise (K2.6) and on a mesh")
     g.add_argument("--matmul-precision", choices=("highest", "default"), default="highest",
                    help="float32 matmul precision (default: %(default)s). On NVIDIA GPUs 'default' is TF32, "
                    "whose rounding differs between the AR step and the tree-shaped verify, so greedy DDTree "
@@ -414,11 +422,11 @@ def _kernels(args):
     from kdtree_jax.kernels import Kernels  # noqa: PLC0415
 
     return Kernels(attention=args.attention_kernel, linear=args.linear_kernel, moe=args.moe_kernel,
-                   tree=args.tree_kernel)
+                   tree=args.tree_kernel, mla=args.mla_weights)
 
 
 _FLAGS = {"attention": "--attention-kernel", "linear": "--linear-kernel", "moe": "--moe-kernel",
-          "tree": "--tree-kernel"}
+          "tree": "--tree-kernel", "mla": "--mla-weights"}
 
 
 def kernel_plan_line(params, cfg, kernels=None) -> str:

@@ -44,7 +44,7 @@ from kdtree_jax.drafter import (
     drafter_forward,
     init_drafter_cache,
 )
-from kdtree_jax.model import KVCache, Params, forward_with_cache, init_cache, write_rows
+from kdtree_jax.model import KVCache, Params, fold_params, forward_with_cache, init_cache, write_rows
 from kdtree_jax.tree import Tree, build_chain, build_tree
 from pallas_kernels.int4 import Int4Weight
 
@@ -204,6 +204,7 @@ def _generate(params, draft_model, prompt_tokens, prompt_lengths, key, first_tok
     dtype = params["embed_tokens"].dtype
     depth = draft_model.block_size - 1
     hidden_layers = draft_model.hidden_layers
+    params = fold_params(params, cfg, kernels, sharded=sharding.active_mesh() is not None)  # once, before the loop
 
     cache = init_cache(cfg, batch, max_len, dtype)
     last_logits, hidden, cache = prefill(params, cfg, prompt_tokens, prompt_lengths, cache, hidden_layers,

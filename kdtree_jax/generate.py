@@ -37,7 +37,7 @@ from kdtree_jax.decoding import (
     resolve_stop_tokens,
     sample,
 )
-from kdtree_jax.model import KVCache, Params, forward_with_cache, init_cache
+from kdtree_jax.model import KVCache, Params, fold_params, forward_with_cache, init_cache
 from pallas_kernels import dispatch
 from pallas_kernels.dispatch import Kernels, as_kernels
 
@@ -63,6 +63,7 @@ class _ARState(NamedTuple):
 def _generate_ar(params, prompt_tokens, prompt_lengths, key, first_token_mask, *, cfg, max_new_tokens, max_len,
                  sampling, stop_tokens, kernels=None):
     batch = prompt_tokens.shape[0]
+    params = fold_params(params, cfg, kernels, sharded=sharding.active_mesh() is not None)  # once, before the loop
     cache = init_cache(cfg, batch, max_len, params["embed_tokens"].dtype)
     last_logits, _, cache = prefill(params, cfg, prompt_tokens, prompt_lengths, cache, kernels=kernels)
     key, sub = jax.random.split(key)

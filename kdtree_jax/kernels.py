@@ -7,7 +7,8 @@ pallas_kernels.dispatch (the one place that decides), and the one-time conversio
     out = kj.generate(cfg, params, prompts, kernels=kernels)
 
 Ops: "attention" (tree-masked MLA over the latent cache), "linear" (dense INT4 linears), "moe" (routed
-experts). Kernel names: those of pallas_kernels.dispatch.IMPLS, or "none" when the model has no such op.
+experts), "tree" (the DDTree tree build), "mla" (the cached MLA's projections: folded or separate). Kernel names:
+those of pallas_kernels.dispatch.IMPLS, or "none" when the model has no such op.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from typing import Any
 import jax
 
 from kdtree_jax.config import ModelConfig
+from kdtree_jax.model import mla_choice
 from kdtree_jax.quantize import to_mosaic_experts
 from pallas_kernels import dispatch
 from pallas_kernels.dispatch import Kernels
 from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight, is_quantized
 
-OPS = ("attention", "linear", "moe", "tree")
+OPS = ("attention", "linear", "moe", "tree", "mla")
 Plan = dict[str, tuple[str, str]]
 
 
@@ -100,6 +102,8 @@ def kernel_plan(params: dict, cfg: ModelConfig, device=None, kernels: Kernels | 
     # the DDTree tree build (every budget the engine accepts fits the kernel)
     tree = dispatch.choose_tree(budget=1, depth_count=1, impl=kernels.tree, device=device, interpret=kernels.interpret)
     plan["tree"] = (tree.impl, tree.reason)
+    mla = mla_choice(cfg, params, kernels)  # inside generate; a mesh keeps them separate (model.fold_params)
+    plan["mla"] = (mla.impl, mla.reason)
     return plan
 
 

@@ -7,11 +7,15 @@ Two attention forms share one set of weights:
   plain causal forward and as the independent check of the absorbed form;
 - absorbed MLA (`forward_with_cache`): the query is folded into latent space and attends to the latent
   cache of `kv_lora_rank + qk_rope_head_dim` values per token (MQA with one 576-wide key per token),
-  the form every decode, prefill-into-cache and tree-verification step uses.
+  the form every decode, prefill-into-cache and tree-verification step uses. Its projections run either
+  separate (the checkpoint's matrices: q_b, then W_UK per head; W_UV per head, then o) or folded
+  (`fold_params`, which `generate` applies for a small model: W_UK pre-multiplied into q_b, W_UV into o, q_a and
+  kv_a concatenated, so a layer's projections are three matmuls; same function, other rounding).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple, cast, overload
 
@@ -27,6 +31,7 @@ from kdtree_jax.config import ModelConfig
 from kdtree_jax.layers import apply_rope, rms_norm, swiglu, yarn_inv_freq
 from kdtree_jax.linear import linear as _linear
 from kdtree_jax.weights import declare
+from pallas_kernels import dispatch
 from pallas_kernels.dispatch import Kernels, as_kernels
 from pallas_kernels.int4 import is_quantized
 from pallas_kernels.moe_w4a16 import grouped_moe_w4a16
@@ -58,6 +63,64 @@ def write_rows(latent: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Arra
     slots = start[:, None] + jnp.arange(steps, dtype=start.dtype)[None, :]  # [B, T]
     batch_index = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, steps))
     return latent.at[batch_index, slots].set(rows.astype(latent.dtype), mode="drop")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FoldedMLA:
+    """One layer's MLA projections folded for the absorbed (cached) form (`fold_params`), in the params dtype:
+    proj_a [D, A]: x's one projection, [q_a | kv_a] (A = q_lora + c + r), or [q folded | kv_a] without a q_lora
+      (A = H (c + r) + c + r);
+    q_b [q_lora, H (c + r)] or None: per head, W_qb_nope @ W_UK^T (the latent query) then W_qb_rope;
+    o [H c, D]: per head, W_UV @ W_o (the output straight from the latent attention output)."""
+
+    proj_a: Any
+    q_b: Any
+    o: Any
+
+
+def mla_choice(cfg: ModelConfig, params: Params, kernels: Kernels | None = None, sharded: bool = False):
+    """Whether `fold_params` folds this model's MLA projections (pallas_kernels.dispatch.choose_mla)."""
+    kernels = as_kernels(kernels)
+    extra = dispatch.mla_fold_extra_bytes(
+        hidden=cfg.hidden_size, q_lora_rank=cfg.q_lora_rank, num_heads=cfg.num_attention_heads,
+        qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+        kv_lora_rank=cfg.kv_lora_rank, itemsize=jnp.dtype(params["embed_tokens"].dtype).itemsize)
+    return dispatch.choose_mla(extra_bytes=extra, impl=kernels.mla, sharded=sharded)
+
+
+def _fold_layer(cfg: ModelConfig, attn: dict) -> FoldedMLA:
+    """FoldedMLA from one layer's attention weights (products in float32 at HIGHEST precision)."""
+    heads, nope, rope, vdim, c = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                                  cfg.v_head_dim, cfg.kv_lora_rank)
+    dtype = attn["kv_a"].dtype
+    hp, f32 = jax.lax.Precision.HIGHEST, jnp.float32
+    kv_b = attn["kv_b"].astype(f32).reshape(c, heads, nope + vdim)
+    w_uk, w_uv = kv_b[..., :nope], kv_b[..., nope:]  # [c, H, n], [c, H, v]
+    q_w = attn["q" if cfg.q_lora_rank is None else "q_b"].astype(f32)
+    q_w = q_w.reshape(q_w.shape[0], heads, nope + rope)  # [q_in, H, n+r]
+    q_latent = jnp.einsum("ihn,chn->ihc", q_w[..., :nope], w_uk, precision=hp)  # [q_in, H, c]
+    query = jnp.concatenate([q_latent, q_w[..., nope:]], axis=-1).reshape(q_w.shape[0], heads * (c + rope))
+    w_o = attn["o"].astype(f32).reshape(heads, vdim, cfg.hidden_size)
+    out = jnp.einsum("chv,hvd->hcd", w_uv, w_o, precision=hp).reshape(heads * c, cfg.hidden_size)
+    if cfg.q_lora_rank is None:
+        return FoldedMLA(jnp.concatenate([query.astype(dtype), attn["kv_a"]], axis=1), None, out.astype(dtype))
+    return FoldedMLA(jnp.concatenate([attn["q_a"], attn["kv_a"]], axis=1), query.astype(dtype), out.astype(dtype))
+
+
+def fold_params(params: Params, cfg: ModelConfig, kernels: Kernels | None = None, sharded: bool = False) -> Params:
+    """params with each layer's attention also holding its FoldedMLA (attn/"folded"), which the cached forward
+    then runs, when `mla_choice` folds (else params unchanged). Traceable: `generate` calls it inside its jit, once
+    per call, before the decode loop. The naive (cache-free) forward keeps using the separate matrices."""
+    if mla_choice(cfg, params, kernels, sharded).impl != "folded":
+        return params
+    out = dict(params)
+    for layer in range(cfg.num_hidden_layers):
+        name = f"layers_{layer}"
+        attn = dict(params[name]["attn"])
+        attn["folded"] = _fold_layer(cfg, attn)
+        out[name] = {**params[name], "attn": attn}
+    return out
 
 
 # ------------------------------------------------------------------------------------------ modules
@@ -95,6 +158,9 @@ class MLA(nn.Module):
                                       cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank)
         batch, steps, _ = x.shape
         inv_freq, attention_factor = yarn_inv_freq(cfg)
+        if latent_cache is not None and self.has_variable("params", "folded"):
+            folded = cast(FoldedMLA, self.get_variable("params", "folded"))
+            return self._folded(folded, x, positions, latent_cache, start, visibility)
 
         if cfg.q_lora_rank is None:
             q = linear(x, _weight(self, "q"))
@@ -135,18 +201,47 @@ class MLA(nn.Module):
         latent_cache = write_rows(latent_cache, new_rows, start)
         q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w_uk.astype(q_nope.dtype))  # [B, T, H, c]
         query = jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1)  # [B, T, H, c+r]
+        out_latent = self._attend(query, latent_cache, start, visibility)  # [B, T, H, c]
+        out = jnp.einsum("bthc,chv->bthv", out_latent.astype(x.dtype), w_uv.astype(x.dtype))
+        return linear(out.reshape(batch, steps, heads * vdim), w_o), latent_cache
+
+    def _attend(self, query, latent_cache, start, visibility):
+        """The absorbed attention over the latent cache: query [B, T, H, c+r] -> [B, T, H, c] (both forms)."""
+        cfg = self.cfg
+        steps = query.shape[1]
         if visibility is None:
-            visibility = jnp.broadcast_to(jnp.tril(jnp.ones((steps, steps), bool)), (batch, steps, steps))
-        attend = functools.partial(attention.mla_attention, scale=cfg.softmax_scale, value_dim=c,
+            visibility = jnp.broadcast_to(jnp.tril(jnp.ones((steps, steps), bool)), (query.shape[0], steps, steps))
+        attend = functools.partial(attention.mla_attention, scale=cfg.softmax_scale, value_dim=cfg.kv_lora_rank,
                                    kernels=self.kernels)
         mesh = sharding.active_mesh()
         if mesh is not None:  # heads split over "tensor": each shard runs the kernel on its own heads
             by_head = sharding.spec(None, None, "heads", None)
             attend = jax.shard_map(attend, mesh=mesh, in_specs=(by_head, P(), P(), P()), out_specs=by_head,
                                    check_vma=False)
-        out_latent = attend(query.astype(latent_cache.dtype), latent_cache, start, visibility)  # [B, T, H, c]
-        out = jnp.einsum("bthc,chv->bthv", out_latent.astype(x.dtype), w_uv.astype(x.dtype))
-        return linear(out.reshape(batch, steps, heads * vdim), w_o), latent_cache
+        return attend(query.astype(latent_cache.dtype), latent_cache, start, visibility)
+
+    def _folded(self, folded: FoldedMLA, x, positions, latent_cache, start, visibility):
+        """The absorbed form on folded projections (FoldedMLA): x [B, T, D] -> (out [B, T, D], latent_cache)."""
+        assert start is not None  # Transformer passes start [B] whenever it passes a latent cache
+        cfg = self.cfg
+        heads, rope, c = cfg.num_attention_heads, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        batch, steps, _ = x.shape
+        inv_freq, attention_factor = yarn_inv_freq(cfg)
+        a = x @ folded.proj_a.astype(x.dtype)  # [B, T, A]
+        if cfg.q_lora_rank is None:
+            q, kv_a = a[..., :-(c + rope)], a[..., -(c + rope):]
+        else:
+            c_q = rms_norm(a[..., :cfg.q_lora_rank], _weight(self, "q_a_norm"), cfg.latent_norm_eps)
+            q, kv_a = c_q @ folded.q_b.astype(x.dtype), a[..., cfg.q_lora_rank:]
+        q = q.reshape(batch, steps, heads, c + rope)  # [B, T, H, c+r]: latent query, then its RoPE part
+        query = jnp.concatenate([q[..., :c], apply_rope(q[..., c:], positions, inv_freq, attention_factor)], axis=-1)
+        c_kv = rms_norm(kv_a[..., :c], _weight(self, "kv_a_norm"), cfg.latent_norm_eps)
+        k_pe = apply_rope(kv_a[..., c:], positions, inv_freq, attention_factor)  # [B, T, r]
+        new_rows = jnp.concatenate([c_kv, k_pe], axis=-1).astype(latent_cache.dtype)  # [B, T, c+r]
+        latent_cache = write_rows(latent_cache, new_rows, start)
+        out_latent = self._attend(query, latent_cache, start, visibility)  # [B, T, H, c]
+        out = out_latent.astype(x.dtype).reshape(batch, steps, heads * c) @ folded.o.astype(x.dtype)
+        return out, latent_cache
 
 
 class DenseMLP(nn.Module):

@@ -3,8 +3,11 @@
 Ops and their implementations:
   attention (tree-masked absorbed MLA):     "mosaic_gpu" | "triton" | "xla"
   linear    (dense W4A16 GEMM, Int4Weight): "triton" | "xla"
-  moe       (routed INT4 experts):           "triton" (Int4Weight) | "mosaic_gpu" (MosaicInt4Weight) | "xla"
+  moe       (routed INT4 experts):           "triton" | "triton_pairs" (Int4Weight) | "mosaic_gpu" (MosaicInt4Weight)
+                                             | "xla"
   tree      (DDTree best-first tree build):  "triton" (one launch) | "xla" (kdtree_jax/tree.py's jnp builder)
+  mla       (the cached MLA's projections):  "folded" (W_UK pre-multiplied into q_b, W_UV into o, q_a and kv_a one
+                                             matrix: fewer, larger matmuls) | "separate" (the checkpoint's matrices)
 "xla" is the op's plain-jnp path run by XLA: correct everywhere, not fast.
 
 Rules for impl="auto" (from backend, dtype, shape and weight type):
@@ -12,6 +15,9 @@ Rules for impl="auto" (from backend, dtype, shape and weight type):
   - tree attention on a GPU: the implementation measured fastest at the call shape (tree_attention.tuned.
     measured_fastest) that can run here: the Mosaic kernel needs a Hopper GPU, bf16 / f16 and c a multiple of 64,
     the Triton kernel power-of-two latent and RoPE widths >= 16; else "xla";
+  - the MLA projections are folded when the folded matrices add at most FOLD_MAX_EXTRA_BYTES a layer (a small
+    model, whose decode step is launch-bound: one matmul instead of three saves launches that cost more than
+    reading the extra bytes), separate otherwise (K2.6: folding would add 411 MB of bf16 weights a layer);
   - the routed MoE kernel follows from the experts' type: Int4Weight -> "triton", MosaicInt4Weight ->
     "mosaic_gpu" (a Hopper GPU, bf16 activations, expert dims multiples of 64); a small expert stack, where XLA
     measured faster (moe_w4a16.tuned.measured_fastest), runs "xla" on a GPU too.
@@ -35,8 +41,9 @@ AUTO = "auto"
 IMPLS = {
     "attention": ("mosaic_gpu", "triton", "xla"),
     "linear": ("triton", "xla"),
-    "moe": ("triton", "mosaic_gpu", "xla"),
+    "moe": ("triton", "triton_pairs", "mosaic_gpu", "xla"),
     "tree": ("triton", "xla"),
+    "mla": ("folded", "separate"),
 }
 MOSAIC_DIM_MULTIPLE = 64  # Mosaic MoE: hidden and intermediate are N of one launch (wgmma M) and K of another
 
@@ -50,14 +57,17 @@ class Kernels:
     """Per-call kernel choice, passed statically through forward / generate (hashable).
 
     attention: "auto" | "mosaic_gpu" | "triton" | "xla"; linear: "auto" | "triton" | "xla";
-    moe: "auto" | "triton" | "mosaic_gpu" | "xla" (also which layout prepare_params gives the routed experts);
+    moe: "auto" | "triton" | "triton_pairs" | "mosaic_gpu" | "xla" (also which layout prepare_params gives the
+    routed experts);
     tree: "auto" | "triton" | "xla" (the DDTree tree build);
+    mla: "auto" | "folded" | "separate" (the cached MLA's projections inside `generate`: choose_mla);
     interpret: run the Pallas kernels in interpret mode (CPU simulation; tests only, slow)."""
 
     attention: str = AUTO
     linear: str = AUTO
     moe: str = AUTO
     tree: str = AUTO
+    mla: str = AUTO
     interpret: bool = False
 
     def __post_init__(self):
@@ -181,6 +191,41 @@ def choose_attention(*, latent_dim: int, rope_dim: int, impl: str = AUTO, device
     raise AssertionError("measured_fastest always ends in xla")
 
 
+# ------------------------------------------------------------------------------------------- MLA projections
+# At most this many more bytes of weights a layer may the folded MLA projections read than the separate ones: 4 MiB
+# is 1.3 us at the H200's 3.3 TB/s, under the two to four kernel launches folding saves (each about 2 us there).
+FOLD_MAX_EXTRA_BYTES = 4 << 20
+
+
+def mla_fold_extra_bytes(*, hidden: int, q_lora_rank: int | None, num_heads: int, qk_nope_head_dim: int,
+                         qk_rope_head_dim: int, v_head_dim: int, kv_lora_rank: int, itemsize: int) -> int:
+    """Bytes a layer's folded projections (query [q_in, H*(c+r)], output [H*c, D]) read beyond the separate
+    ones they replace (q_b or q [q_in, H*(n+r)], kv_b [c, H*(n+v)], o [H*v, D]); q_in = q_lora_rank or D."""
+    h, n, r, v, c = num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank
+    q_in = q_lora_rank or hidden
+    folded = q_in * h * (c + r) + h * c * hidden
+    separate = q_in * h * (n + r) + c * h * (n + v) + h * v * hidden
+    return (folded - separate) * itemsize
+
+
+def choose_mla(*, extra_bytes: int, impl: str = AUTO, sharded: bool = False) -> Choice:
+    """The cached MLA's projections: "folded" when they add at most FOLD_MAX_EXTRA_BYTES a layer (extra_bytes:
+    mla_fold_extra_bytes) on one device; "separate" on a mesh (the folded matrices have no declared sharding)."""
+    _check_impl("mla", impl)
+    if impl == "separate":
+        return Choice("separate", "asked for")
+    if sharded:
+        if impl == "folded":
+            raise _unavailable("mla", impl, "the folded projections have no sharding (a device mesh is in use)",
+                               "use the separate projections (impl 'separate')")
+        return Choice("separate", "sharded over a mesh")
+    if impl == "folded":
+        return Choice("folded", "asked for")
+    if extra_bytes <= FOLD_MAX_EXTRA_BYTES:
+        return Choice("folded", f"small model: {max(extra_bytes, 0) / 2**20:.1f} MiB more a layer, fewer launches")
+    return Choice("separate", f"folding would add {extra_bytes / 2**20:.0f} MiB of weights a layer")
+
+
 # ------------------------------------------------------------------------------------------- tree build
 def choose_tree(*, budget: int, depth_count: int, impl: str = AUTO, device=None, interpret: bool = False) -> Choice:
     """The DDTree tree build of `budget` drafts over `depth_count` draft positions: the one-launch Triton
@@ -229,6 +274,13 @@ def mosaic_moe_shape_unsupported(hidden: int, inter: int) -> str | None:
     return f"{' and '.join(bad)} not a multiple of {MOSAIC_DIM_MULTIPLE}" if bad else None
 
 
+def pairs_shape_unsupported(hidden: int, inter: int) -> str | None:
+    """Why experts hidden -> inter -> hidden cannot run the pair kernel (moe_w4a16/triton_pairs.py), or None: it
+    tiles both dims in whole scale groups of 32."""
+    bad = [f"{name} {dim}" for name, dim in (("hidden", hidden), ("intermediate", inter)) if dim % 32]
+    return f"{' and '.join(bad)} not a multiple of 32" if bad else None
+
+
 def _mosaic_runs(device, interpret: bool, act_dtype, hidden: int, inter: int) -> str | None:
     """Why the Mosaic GPU MoE kernel cannot run here, or None."""
     if not interpret and not is_hopper(device):
@@ -267,7 +319,7 @@ def choose_moe_layout(*, act_dtype, scale_dtype, hidden: int, inter: int, impl: 
     num_experts that auto runs on XLA (choose_moe)."""
     _check_impl("moe", impl)
     device = device or default_device()
-    if impl in ("triton", "xla"):
+    if impl in ("triton", "triton_pairs", "xla"):
         return Choice("triton", "asked for")
     why = _mosaic_runs(device, interpret, act_dtype, hidden, inter)
     if why is None and impl == AUTO and num_experts is not None and is_gpu(device):
@@ -296,6 +348,15 @@ def choose_moe(experts: Any, *, act_dtype, impl: str = AUTO, device=None, interp
     kernel = "mosaic_gpu" if kind is MosaicInt4Weight else "triton"
     if impl == "xla":
         return Choice("xla", "asked for")
+    if impl == "triton_pairs":
+        if kind is not Int4Weight:
+            raise KernelUnavailableError("moe impl='triton_pairs' needs experts in the checkpoint layout (Int4Weight), "
+                                         f"got {kind.__name__}")
+        why = _pallas_runs(device, interpret) or pairs_shape_unsupported(experts["gate"].in_features,
+                                                                         experts["gate"].out_features)
+        if why:
+            raise _unavailable("moe", impl, why, "use the XLA reference (impl 'xla') or interpret mode")
+        return Choice("triton_pairs", "asked for")
     if impl not in (AUTO, kernel):
         layout = {"triton": "the checkpoint layout (Int4Weight)", "mosaic_gpu": "the Mosaic layout (MosaicInt4Weight)"}
         raise KernelUnavailableError(f"moe impl={impl!r} needs experts in {layout[impl]}, got {kind.__name__}: "

@@ -180,7 +180,8 @@ def test_generate_prints_one_kernel_plan_line_and_takes_pinned_kernels(models, c
     assert len(plan_lines) == 1
     if jax.default_backend() == "cpu":
         assert plan_lines[0] == ("kernels: attention xla (no GPU, this is cpu), linear none (no INT4 dense weights), "
-                                 "moe xla (no GPU, this is cpu), tree xla (no GPU, this is cpu)")
+                                 "moe xla (no GPU, this is cpu), tree xla (no GPU, this is cpu), mla folded (small "
+                                 "model: 0.1 MiB more a layer, fewer launches)")
     rc, pinned, err = run(["generate", *common, "--moe-kernel", "xla", "--attention-kernel", "xla"], capsys)
     assert rc == 0, err
     assert "attention xla (asked for)" in pinned and "moe xla (asked for)" in pinned
@@ -204,7 +205,8 @@ def test_kernel_plan_on_a_faked_hopper_gpu(models, small_cfg, tmp_path, capsys, 
     assert rc == 0
     assert ("kernels: attention xla (float32: the kernel measured slower than XLA), linear none (no INT4 dense "
             "weights), moe triton (Mosaic GPU kernel "
-            "not used: needs bf16 activations, the model runs in float32; GPU), tree triton (GPU); hint: a bfloat16 "
+            "not used: needs bf16 activations, the model runs in float32; GPU), tree triton (GPU), mla folded (small "
+            "model: 0.1 MiB more a layer, fewer launches); hint: a bfloat16 "
             "model runs the routed experts on the Mosaic GPU kernel (--dtype bfloat16, or 'convert --dtype bfloat16') "
             "(on this machine)") in out
     tiny = small_cfg

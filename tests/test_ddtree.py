@@ -50,6 +50,18 @@ def test_greedy_ddtree_equals_autoregressive(tiny, budget):
     assert np.asarray(out.acceptance_lengths).sum(axis=1).tolist() == [13, 13, 13]  # + 1 from prefill
 
 
+def test_greedy_invariant_with_the_separate_mla_projections(tiny):
+    """generate folds a small model's MLA projections (model.fold_params); on the checkpoint's separate matrices
+    (kj.Kernels(mla="separate")) greedy DDTree equals greedy AR too, and the tokens are the folded run's."""
+    params, prompts, ar = tiny
+    separate = kj.Kernels(mla="separate")
+    ar_separate = kj.generate(TINY, params, prompts, max_new_tokens=14, stop_tokens=(), kernels=separate)
+    out = kj.generate(TINY, params, prompts, max_new_tokens=14, method="ddtree", kernels=separate,
+                      drafter=make_drafter(TINY, seed=3), tree_budget=7, stop_tokens=())
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar_separate.tokens))
+    np.testing.assert_array_equal(np.asarray(ar_separate.tokens), np.asarray(ar.tokens))
+
+
 def test_greedy_dflash_equals_autoregressive(tiny):
     params, prompts, ar = tiny
     out = kj.generate(TINY, params, prompts, max_new_tokens=14, method="dflash",

@@ -96,6 +96,50 @@ def test_prefill_then_token_by_token_decode_equals_full_forward(tiny_params):
     assert rel_err(np.concatenate(got), full[0]) <= 1e-5
 
 
+@pytest.mark.parametrize("name", ["tiny", "no_q_lora_no_yarn"])
+def test_folded_mla_projections_match_the_separate_ones_and_the_reference(name):
+    """fold_params (W_UK in q_b, W_UV in o, q_a | kv_a one matrix; without a q_lora the folded query in that one
+    matrix): a prefill and a decode step on the folded projections match the separate ones and the float64
+    reference, write the same cache rows, and the separate path is what runs without the fold."""
+    cfg = VARIANTS[name]
+    params = random_params(cfg, seed=8)
+    folded = model.fold_params(params, cfg)
+    layer = folded["layers_0"]["attn"]["folded"]
+    assert isinstance(layer, model.FoldedMLA) and (layer.q_b is None) == (cfg.q_lora_rank is None)
+    assert "folded" not in params["layers_0"]["attn"]  # params themselves untouched
+    seq = np.random.default_rng(9).integers(0, cfg.vocab_size, (2, 10))
+    step = jax.jit(lambda p, t, pos, c: kj.forward_with_cache(p, cfg, t, pos, c))
+    got = {}
+    for label, p in (("separate", params), ("folded", folded)):
+        cache = kj.init_cache(cfg, 2, 16)
+        logits, _, cache = step(p, jnp.asarray(seq[:, :9]), jnp.broadcast_to(jnp.arange(9), (2, 9)), cache)
+        cache = cache._replace(lengths=jnp.array([9, 9], jnp.int32))
+        last, _, cache = step(p, jnp.asarray(seq[:, 9:]), jnp.full((2, 1), 9), cache)
+        got[label] = (np.concatenate([np.asarray(logits), np.asarray(last)], axis=1), np.asarray(cache.latent))
+    assert rel_err(got["folded"][0], got["separate"][0]) <= 1e-5
+    assert rel_err(got["folded"][1], got["separate"][1]) <= 1e-5
+    assert not np.array_equal(got["folded"][0], got["separate"][0])  # really another computation
+    assert rel_err(got["folded"][0], ref.forward(params, cfg, seq)) <= 1e-5
+
+
+def test_folding_rule_follows_the_extra_bytes():
+    """auto folds a small model's projections, not K2.6's (411 MB more a layer) and never on a mesh; an explicit
+    choice wins, and 'folded' on a mesh is an error."""
+    from pallas_kernels import dispatch
+
+    abstract = {"embed_tokens": jax.ShapeDtypeStruct((1, 1), jnp.bfloat16)}
+    assert model.mla_choice(TINY, abstract).impl == "folded"
+    k26 = model.mla_choice(kj.ModelConfig.kimi_k26(), abstract)
+    assert k26 == dispatch.Choice("separate", "folding would add 392 MiB of weights a layer")
+    assert model.mla_choice(TINY, abstract, sharded=True) == dispatch.Choice("separate", "sharded over a mesh")
+    assert model.mla_choice(TINY, abstract, kj.Kernels(mla="separate")).reason == "asked for"
+    assert model.mla_choice(kj.ModelConfig.kimi_k26(), abstract, kj.Kernels(mla="folded")).impl == "folded"
+    with pytest.raises(dispatch.KernelUnavailableError, match="mla impl='folded' cannot run: the folded"):
+        model.mla_choice(TINY, abstract, kj.Kernels(mla="folded"), sharded=True)
+    params = random_params(TINY, seed=0)
+    assert model.fold_params(params, TINY, kj.Kernels(mla="separate")) is params
+
+
 def test_bf16_forward_runs_and_tracks_float32(tiny_params):
     tokens = np.random.default_rng(6).integers(0, TINY.vocab_size, (1, 8))
     bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 and a.ndim and

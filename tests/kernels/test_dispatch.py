@@ -32,8 +32,8 @@ def _mosaic(experts):
 
 def test_kernels_dataclass_is_static_and_checked():
     assert hash(Kernels()) == hash(Kernels()) and Kernels(attention="xla") != Kernels()
-    with pytest.raises(ValueError, match=r"Kernels.moe must be one of \('auto', 'triton', 'mosaic_gpu', 'xla'\), "
-                                         r"got 'mosaic'"):
+    with pytest.raises(ValueError, match=r"Kernels.moe must be one of \('auto', 'triton', 'triton_pairs', "
+                                         r"'mosaic_gpu', 'xla'\), got 'mosaic'"):
         Kernels(moe="mosaic")
     with pytest.raises(ValueError, match="Kernels.attention must be one of"):
         Kernels(attention="pallas")
@@ -178,9 +178,11 @@ def test_kernel_plan_on_this_cpu_and_a_faked_h200(small_cfg):
     on_cpu = kj.kernel_plan(params, cfg, device=CPU)
     assert on_cpu == {"attention": ("xla", "no GPU, this is cpu"),
                       "linear": ("xla", "no GPU, this is cpu; 6 INT4 weights"),  # layer 0 MLP + layer 1 shared
-                      "moe": ("xla", "no GPU, this is cpu"), "tree": ("xla", "no GPU, this is cpu")}
+                      "moe": ("xla", "no GPU, this is cpu"), "tree": ("xla", "no GPU, this is cpu"),
+                      "mla": ("folded", "small model: 0.1 MiB more a layer, fewer launches")}
     assert kj.plan_summary(on_cpu) == ("attention xla (no GPU, this is cpu), linear xla (no GPU, this is cpu; "
-                                       "6 INT4 weights), moe xla (no GPU, this is cpu), tree xla (no GPU, this is cpu)")
+                                       "6 INT4 weights), moe xla (no GPU, this is cpu), tree xla (no GPU, this is "
+                                       "cpu), mla folded (small model: 0.1 MiB more a layer, fewer launches)")
     on_h200 = kj.kernel_plan(params, cfg, device=H200)
     assert on_h200["attention"] == ("xla", f"not measured faster than XLA at H={cfg.num_attention_heads}, "
                                     f"c={cfg.kv_lora_rank}, r={cfg.qk_rope_head_dim}, bfloat16")
@@ -194,7 +196,7 @@ def test_kernel_plan_on_this_cpu_and_a_faked_h200(small_cfg):
     assert kj.kernel_plan(jax.eval_shape(lambda: kj.init_params(cfg, jax.random.key(0))), cfg, device=H200) == {
         "attention": ("xla", "float32: the kernel measured slower than XLA"),
         "linear": ("none", "no INT4 dense weights"), "moe": ("xla", "dense experts (not INT4)"),
-        "tree": ("triton", "GPU")}
+        "tree": ("triton", "GPU"), "mla": ("folded", "small model: 0.1 MiB more a layer, fewer launches")}
     with pytest.raises(ValueError, match="kernels must be a kdtree_jax.Kernels, got dict"):
         kj.kernel_plan(params, cfg, kernels={"moe": "xla"})
 

@@ -93,6 +93,91 @@ def test_kernel_interpret_matches_numpy_and_reference(T, E, k, D, I, crowd, act_
     assert _rel(got, np.asarray(reference.astype(jnp.float32), np.float64)) < tol
 
 
+# The pair kernel's shapes: the shipped pair's (E 32, D 384: three 128-column tiles, I 96: three 32-row chunks,
+# top-4) and D 160 / 96 (32- and 32-column tiles), I 32 / 64, k 1 / 2 / 8, T 1 ... 17.
+PAIR_CASES = [(1, 32, 4, 384, 96), (9, 32, 4, 384, 96), (5, 8, 2, 160, 64), (17, 16, 8, 96, 32), (3, 4, 1, 64, 32)]
+
+
+@pytest.mark.parametrize("T,E,k,D,I", PAIR_CASES)
+@pytest.mark.parametrize("act_dtype", [jnp.float32, jnp.bfloat16])
+def test_pair_kernel_interpret_matches_numpy(T, E, k, D, I, act_dtype):  # noqa: E741
+    """The one-launch pair kernel (moe_w4a16/triton_pairs.py) against float64 NumPy, in interpret mode."""
+    rng = np.random.default_rng(T * 10 + E + k + D + I)
+    experts, dense = _experts(rng, E, D, I)
+    ids, weights = _routing(rng, T, k, E, crowd=T > 4)
+    x = jnp.asarray(rng.standard_normal((T, D)), act_dtype)
+    got = grouped_moe_w4a16(x, experts, ids, weights, impl="triton_pairs", interpret=True)
+    assert got.shape == (T, D) and got.dtype == act_dtype
+    assert _rel(got, _numpy_moe(x, dense, ids, weights)) < (1e-5 if act_dtype == jnp.float32 else 3e-2)
+
+
+def test_pair_kernel_zero_weights_repeated_expert_and_one_token_as_in_a_batch():
+    """A zero-weight pair reads nothing and adds nothing, a repeated expert counts twice, and a token's output is
+    bitwise the same alone as among other tokens (an AR step and a tree verify compute a token alike)."""
+    rng = np.random.default_rng(12)
+    experts, dense = _experts(rng, 8, 96, 64)
+    ids = jnp.asarray([[1, 1, 2], [5, 0, 0], [7, 6, 5], [3, 2, 1]], jnp.int32)
+    weights = jnp.asarray([[0.5, 0.25, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.3, 0.2, 0.1]], jnp.float32)
+    x = jnp.asarray(rng.standard_normal((4, 96)), jnp.float32)
+    got = grouped_moe_w4a16(x, experts, ids, weights, impl="triton_pairs", interpret=True)
+    assert _rel(got, _numpy_moe(x, dense, ids, weights)) < 1e-5
+    assert np.all(np.asarray(got[2]) == 0.0)
+    alone = grouped_moe_w4a16(x[3:], experts, ids[3:], weights[3:], impl="triton_pairs", interpret=True)
+    assert np.array_equal(np.asarray(alone[0]), np.asarray(got[3]))
+
+
+def test_pair_kernel_dispatch_rules():
+    """triton_pairs: the checkpoint layout only, dims in whole groups of 32, a GPU or interpret mode."""
+    rng = np.random.default_rng(4)
+    experts, _ = _experts(rng, 4, 64, 32)
+    assert dispatch.choose_moe(experts, act_dtype=jnp.float32, impl="triton_pairs", interpret=True).impl == \
+        "triton_pairs"
+    assert dispatch.pairs_shape_unsupported(64, 32) is None
+    assert dispatch.pairs_shape_unsupported(48, 96) == "hidden 48 not a multiple of 32"
+    with pytest.raises(dispatch.KernelUnavailableError, match="needs experts in the checkpoint layout"):
+        dispatch.choose_moe({n: w.to_mosaic() for n, w in experts.items()}, act_dtype=jnp.bfloat16,
+                            impl="triton_pairs", interpret=True)
+    assert dispatch.choose_moe_layout(act_dtype=jnp.bfloat16, scale_dtype=jnp.bfloat16, hidden=64, inter=64,
+                                      impl="triton_pairs", interpret=True).impl == "triton"  # stays canonical
+    if not ON_GPU:
+        with pytest.raises(dispatch.KernelUnavailableError, match="moe impl='triton_pairs' cannot run: no GPU"):
+            dispatch.choose_moe(experts, act_dtype=jnp.float32, impl="triton_pairs")
+
+
+def test_pair_kernel_lowers_for_cuda():
+    """The pair kernel's Triton lowering runs on CPU against an abstract H200: one launch at the shipped stack's
+    shape for an AR step, a budget-32 verify and batch 8 of them, float32 and bf16."""
+    from jax._src.mesh import AbstractDevice
+    from jax.sharding import AbstractMesh
+
+    from pallas_kernels.moe_w4a16 import moe_w4a16_pairs
+
+    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
+                                                               num_cores=132))
+    E, D, I = 32, 384, 96  # noqa: E741 (I: intermediate size)
+    S = jax.ShapeDtypeStruct
+    leaf = lambda n, k: Int4Weight(S((E, n, k // 4), jnp.int16), S((E, n, k // 32), jnp.bfloat16))  # noqa: E731
+    experts = {"gate": leaf(I, D), "up": leaf(I, D), "down": leaf(D, I)}
+    for T, dtype in ((1, jnp.float32), (33, jnp.float32), (264, jnp.bfloat16)):
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(moe_w4a16_pairs).trace(S((T, D), dtype), experts, S((T, 4), jnp.int32),
+                                                  S((T, 4), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("xla.gpu.triton") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 9, 33, 264])
+@pytest.mark.parametrize("act_dtype", [jnp.float32, jnp.bfloat16])
+def test_pair_kernel_native_gpu_shipped_shape(T, act_dtype):
+    """The pair kernel natively at the shipped pair's stack (E 32, D 384, I 96, top-4) against float64 NumPy."""
+    rng = np.random.default_rng(T)
+    experts, dense = _experts(rng, 32, 384, 96)
+    ids, weights = _routing(rng, T, 4, 32)
+    x = jnp.asarray(rng.standard_normal((T, 384)), act_dtype)
+    got = grouped_moe_w4a16(x, experts, ids, weights, impl="triton_pairs")
+    assert _rel(got, _numpy_moe(x, dense, ids, weights)) < (1e-5 if act_dtype == jnp.float32 else 3e-2)
+
+
 @pytest.mark.parametrize("form", ["auto", "gather", "dense", "loop"])
 def test_xla_paths_match_numpy(form):
     """Every form of the XLA path (and the reference) against float64 NumPy, on both weight layouts; a repeated
