@@ -34,7 +34,7 @@ SHAPES = {  # name: (E, D, I, top_k, activation dtype)
     "mid bf16": (64, 512, 128, 6, "bfloat16"),
     "wide bf16": (64, 1024, 256, 6, "bfloat16"),
 }
-IMPLS = ("triton", "triton pairs", "xla gather", "xla dense", "xla loop")
+IMPLS = ("triton", "triton pairs", "triton pairs w4", "xla gather", "xla dense", "xla loop")
 
 
 def main() -> None:
@@ -53,7 +53,7 @@ def main() -> None:
 
     from benchmarks.common import Timer, metadata, write_results
     from pallas_kernels.int4 import Int4Weight
-    from pallas_kernels.moe_w4a16 import grouped_moe_w4a16, grouped_moe_w4a16_reference, moe_w4a16_xla
+    from pallas_kernels.moe_w4a16 import grouped_moe_w4a16, grouped_moe_w4a16_reference, moe_w4a16_pairs, moe_w4a16_xla
     from pallas_kernels.moe_w4a16.reference import xla_form
 
     if jax.default_backend() != "gpu":
@@ -76,6 +76,8 @@ def main() -> None:
         if impl in ("triton", "triton pairs"):
             kernel = impl.replace(" ", "_")
             return lambda x, ids, w: grouped_moe_w4a16(x, experts, ids, w, impl=kernel)
+        if impl == "triton pairs w4":  # the pair kernel at 4 warps a program (its default is 8)
+            return lambda x, ids, w: moe_w4a16_pairs(x, experts, ids, w, num_warps=4)
         form = impl.split()[1]
         return lambda x, ids, w: moe_w4a16_xla(x, experts, ids, w, form=form)
 

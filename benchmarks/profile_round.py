@@ -207,11 +207,12 @@ def profile_in_loop(cfg, params, drafter, prompts, budgets, *, max_new_tokens: i
         row = {"stage": f"in the loop: {name}", "method": method, "budget": budget, "rounds": rounds,
                "prompts": len(prompts), "tokens": max_new_tokens * len(prompts), "wall_us": wall * 1e6 / rounds,
                "greedy_equals_ar": all(np.array_equal(a, b) for a, b in zip(outputs, ar_outputs, strict=True))}
-        # no arguments: CUPTI's measure jits the call, and generate takes the prompt as Python ints
-        whole = jax.jit(lambda run=run, prompt=prompts[0]: run(params, prompt))
+        # CUPTI's measure jits the call: the params go in as arguments (as the wall-clock pass passes them; closed
+        # over they would be constants, another program), the prompt stays closed over (generate takes Python ints)
+        whole = jax.jit(lambda p, run=run, prompt=prompts[0]: run(p, prompt))
         if pending is not None:
-            pending.append((row, whole, (), first_rounds))
-        write_hlo(hlo_dir, first_index + len(rows), row["stage"], whole)
+            pending.append((row, whole, (params,), first_rounds))
+        write_hlo(hlo_dir, first_index + len(rows), row["stage"], whole, params)
         print(row, flush=True)
         rows.append(row)
     ar_wall = rows[0]["wall_us"]

@@ -9,10 +9,13 @@ top-4) the grouped kernel's device-side grouping (a sort, tile tables, gathers: 
 "gather" form (3-5 kernels a layer, each (token, choice) pair a matvec over gathered, dequantized words) cost more
 launches than the arithmetic is worth. Here nothing is grouped:
   grid (T * k,): program p owns pair (t, j) = (p // k, p % k); it loads x[t] and its expert's words once, in
-  [block_i, block_k] tiles (I in 32-row chunks, D in block_k-column chunks), dequantizes in registers (int16
+  [32, block_k] tiles (I in 32-row chunks, D in block_k-column chunks), dequantizes in registers (int16
   nibbles -> float32, times the group scale) and does the three matvecs as multiply + row sums on the CUDA cores
   (one token: nothing for a tensor core to do), SwiGLU between them; it writes weights[t, j] * y [D] as float32
-  row p. XLA sums the k rows of each token (one fusion with the residual add that follows).
+  row p. XLA sums the k rows of each token (one fusion with the residual add that follows). All loops are
+  unrolled (Python loops over static tiles): a program's loads are independent and can all be in flight at once.
+  A first version with lax.fori_loop steps ran each program as a chain of dependent loads: 33 us a call at any T
+  on the H200 (benchmarks/results/moe_small_h200.md), 8x XLA's gather form at T = 1.
 A pair of weight exactly 0 (another shard's expert in `moe_sharded`) reads nothing and writes zeros.
 Every token's output is computed the same way whatever T is (no tile of one pair mixes tokens), so an AR step and
 a tree verify compute a token's experts alike. Rounding as the per-expert W4A16 matmuls of the other paths:
@@ -26,7 +29,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -50,59 +52,42 @@ def _pair_kernel(ids_ref, w_ref, x_ref, gq_ref, gs_ref, uq_ref, us_ref, dq_ref, 
     token = p // top_k
     bk = block_k_for(hidden)
     f32 = jnp.float32
+    k_steps, i_chunks = range(0, hidden, bk), range(0, inter, BLOCK_I)
 
     def rounded(v):  # a matmul's output as the other paths round it: to the activation dtype
         return v.astype(act_dtype).astype(f32)
 
-    def matvec_rows(q_ref, s_ref, i0, k0, vec):  # sum_k W[e, i0:i0+32, k0:k0+bk] * vec[k] -> [32]
-        words = pltriton.load(q_ref.at[expert, pl.ds(i0, BLOCK_I), pl.ds(k0 // 4, bk // 4)])  # [32, bk/4]
-        scale = pltriton.load(s_ref.at[expert, pl.ds(i0, BLOCK_I), pl.ds(k0 // GROUP_SIZE, bk // GROUP_SIZE)])
-        w = _dequant_tile(words, scale, method="convert", out_dtype=f32)  # [32, bk]
-        return jnp.sum(w * vec[None, :], axis=1)
+    def tile(q_ref, s_ref, r0, rows, c0, cols):  # W[e, r0:r0+rows, c0:c0+cols] dequantized, float32
+        words = pltriton.load(q_ref.at[expert, pl.ds(r0, rows), pl.ds(c0 // 4, cols // 4)])  # [rows, cols/4]
+        scale = pltriton.load(s_ref.at[expert, pl.ds(r0, rows), pl.ds(c0 // GROUP_SIZE, cols // GROUP_SIZE)])
+        return _dequant_tile(words, scale, method="convert", out_dtype=f32)  # [rows, cols]
 
     @pl.when(weight != 0)
     def _():
-        # gate / up: I in 32-row chunks (a Python loop: h's chunks feed the down loop), D in bk-column steps
+        # Every loop is unrolled and no load depends on a computed value, so all of the pair's words can be in
+        # flight at once (a pair's work is a few microseconds of load latency, not of bandwidth or arithmetic).
+        x = [pltriton.load(x_ref.at[token, pl.ds(k0, bk)]).astype(f32) for k0 in k_steps]  # D in [bk] pieces
         hidden_chunks = []
-        for i0 in range(0, inter, BLOCK_I):
-            def k_step(step, accs, i0=i0):
-                k0 = pl.multiple_of(step * bk, bk)
-                x = pltriton.load(x_ref.at[token, pl.ds(k0, bk)]).astype(f32)  # [bk]
-                return (accs[0] + matvec_rows(gq_ref, gs_ref, i0, k0, x),
-                        accs[1] + matvec_rows(uq_ref, us_ref, i0, k0, x))
-
-            zeros = jnp.zeros((BLOCK_I,), f32)
-            g, u = lax.fori_loop(0, hidden // bk, k_step, (zeros, zeros))
+        for i0 in i_chunks:  # gate / up: 32 rows of I at a time, D in bk-column tiles
+            g = sum(jnp.sum(tile(gq_ref, gs_ref, i0, BLOCK_I, k0, bk) * xk[None, :], axis=1)
+                    for k0, xk in zip(k_steps, x, strict=True))
+            u = sum(jnp.sum(tile(uq_ref, us_ref, i0, BLOCK_I, k0, bk) * xk[None, :], axis=1)
+                    for k0, xk in zip(k_steps, x, strict=True))
             g, u = rounded(g), rounded(u)
             hidden_chunks.append(rounded(g / (1.0 + jnp.exp(-g)) * u))  # [32] silu(g) * u
-
-        # down: D in bk-row steps; each row a sum over the I chunks (down's K = I, one scale group per chunk)
-        def d_step(step, carry):
-            d0 = pl.multiple_of(step * bk, bk)
-            y = jnp.zeros((bk,), f32)
-            for c, h in enumerate(hidden_chunks):
-                i0 = c * BLOCK_I
-                words = pltriton.load(dq_ref.at[expert, pl.ds(d0, bk), pl.ds(i0 // 4, BLOCK_I // 4)])  # [bk, 8]
-                scale = pltriton.load(ds_ref.at[expert, pl.ds(d0, bk), pl.ds(i0 // GROUP_SIZE, 1)])  # [bk, 1]
-                w = _dequant_tile(words, scale, method="convert", out_dtype=f32)  # [bk, 32]
-                y = y + jnp.sum(w * h[None, :], axis=1)
+        for d0 in k_steps:  # down: D in bk-row tiles, each a sum over the I chunks (one scale group each)
+            y = sum(jnp.sum(tile(dq_ref, ds_ref, d0, bk, i0, BLOCK_I) * h[None, :], axis=1)
+                    for i0, h in zip(i_chunks, hidden_chunks, strict=True))
             pltriton.store(y_ref.at[p, pl.ds(d0, bk)], rounded(y) * weight)
-            return carry
-
-        lax.fori_loop(0, hidden // bk, d_step, 0)
 
     @pl.when(weight == 0)
     def _():
-        def zero_step(step, carry):
-            d0 = pl.multiple_of(step * bk, bk)
+        for d0 in k_steps:
             pltriton.store(y_ref.at[p, pl.ds(d0, bk)], jnp.zeros((bk,), f32))
-            return carry
-
-        lax.fori_loop(0, hidden // bk, zero_step, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "out_dtype", "num_warps"))
-def moe_w4a16_pairs(x, experts, expert_ids, weights, *, interpret: bool = False, out_dtype=None, num_warps: int = 4):
+def moe_w4a16_pairs(x, experts, expert_ids, weights, *, interpret: bool = False, out_dtype=None, num_warps: int = 8):
     """The one-launch pair kernel. x [T, D] bf16|f32; experts {"gate","up","down"} of stacked Int4Weight;
     expert_ids int32 / weights [T, k]. Returns [T, D] in out_dtype (default x.dtype): the k weighted rows of each
     token summed in float32. Shapes are checked by the public wrapper (`grouped_moe_w4a16`)."""

@@ -1,0 +1,114 @@
+"""How XLA runs a small model's matvecs on the GPU: y = x @ W for one token (an AR step) and a few (a verify).
+
+  python benchmarks/probe_matvec.py --out DIR
+
+At one token XLA rewrites a float32 dot with a vector operand into an elementwise multiply and a reduction (its
+dot strength reduction); in the shipped pair's compiled AR step that is two kernels per matvec (a loop fusion that
+writes the whole x * W product, then a reduction over K: benchmarks/results/round_profile.md's HLO). This probe
+times, at the shipped pair's matvec shapes (K x N), three forms of the same product:
+  "dot"        x @ W, W [K, N] (what the model writes);
+  "dot_nt"     the same dot with W stored transposed, [N, K] (contracting both operands' last dim);
+  "row_reduce" sum(x[:, None, :] * W^T[None], -1), W^T [N, K]: a reduction over the minor dim, the form XLA fuses
+               with its elementwise producer.
+Each form is checked against a float64 NumPy product first. Timing: loop wall = one jitted fori_loop of
+--loop-calls dependent calls / calls (every wall clock first), then CUPTI summed kernel time per call and the kernel
+count. float32 at HIGHEST precision, as the engine runs the shipped pair. Writes DIR/matvec_h200.json / .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# (K, N) of the shipped pair's dense matvecs: folded q_a|kv_a, folded q_b, folded o, router|shared gate|up,
+# shared down, lm_head
+SHAPES = ((384, 352), (192, 960), (768, 384), (384, 224), (96, 384), (384, 4096))
+FORMS = ("dot", "dot_nt", "row_reduce")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"), help="folder for matvec_h200.*")
+    ap.add_argument("--ms", default="1,9,33", help="token counts M, comma-separated")
+    ap.add_argument("--iters", type=int, default=5, help="CUPTI windows per point (median)")
+    ap.add_argument("--loop-calls", type=int, default=50, help="calls per timed fori_loop (loop wall)")
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.common import Timer, metadata, write_results
+
+    if jax.default_backend() != "gpu":
+        raise SystemExit("probe_matvec times GPU kernels: CPU timings prove nothing")
+    jax.config.update("jax_default_matmul_precision", "highest")
+    hp = jax.lax.Precision.HIGHEST
+    fns = {
+        "dot": lambda x, w, wt: x @ w,
+        "dot_nt": lambda x, w, wt: jax.lax.dot_general(x, wt, (((1,), (1,)), ((), ())), precision=hp),
+        "row_reduce": lambda x, w, wt: jnp.sum(x[:, None, :] * wt[None], axis=-1),
+    }
+
+    def looped(f, n):
+        def body(_, carry):
+            x, w, wt = carry
+            y = f(x, w, wt)
+            return (x + (jnp.sum(y) * 1e-30).astype(x.dtype), w, wt)
+        return jax.jit(lambda x, w, wt: jax.lax.fori_loop(0, n, body, (x, w, wt))[0])
+
+    timer = Timer(args.iters)
+    meta = metadata(timing=f"loop wall: one jitted fori_loop of {args.loop_calls} dependent calls / calls, every wall "
+                    "clock before any CUPTI window; kernel: " + timer.method, wall_after_cupti=False,
+                    matmul_precision="highest")
+    rows, points = [], []
+    key = jax.random.key(0)
+    for k, n in SHAPES:
+        for m in (int(v) for v in args.ms.split(",")):
+            key, kx, kw = jax.random.split(key, 3)
+            x = jax.random.normal(kx, (m, k), jnp.float32)
+            w = jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)
+            wt = jnp.asarray(w.T)
+            want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+            for form in FORMS:
+                f = jax.jit(fns[form])
+                got = np.asarray(f(x, w, wt), np.float64)
+                row = {"K": k, "N": n, "M": m, "form": form,
+                       "rel_err": float(np.linalg.norm(got - want) / np.linalg.norm(want))}
+                rows.append(row)
+                if row["rel_err"] < 1e-5:
+                    points.append((row, fns[form], f, (x, w, wt)))
+                else:
+                    row["error"] = f"rel err {row['rel_err']:.2e}"
+    for row, raw, _, a in points:  # every wall clock first
+        loop = looped(raw, args.loop_calls)
+        jax.block_until_ready(loop(*a))
+        walls = []
+        for _ in range(5):
+            start = time.perf_counter()
+            jax.block_until_ready(loop(*a))
+            walls.append(time.perf_counter() - start)
+        row["loop_wall_us"] = float(np.median(walls)) / args.loop_calls * 1e6
+    for row, _, f, a in points:
+        timing = timer(f, *a)
+        row.update(kernel_us=timing.device_s * 1e6, kernels=len(timing.kernels))
+        print(row, flush=True)
+    lines = ["# A small model's matvecs on the GPU: dot vs transposed dot vs row reduction (H200)", "",
+             "Per call, us: loop wall (in a jitted loop) / CUPTI kernel time (kernels). float32, HIGHEST.", "",
+             "| K x N | M | " + " | ".join(FORMS) + " |", "|---|---|" + "---|" * len(FORMS)]
+    for k, n in SHAPES:
+        for m in sorted({r["M"] for r in rows}):
+            cells = {r["form"]: r for r in rows if (r["K"], r["N"], r["M"]) == (k, n, m)}
+            out = [f"{c['loop_wall_us']:.1f} / {c['kernel_us']:.1f} ({c['kernels']})" if "kernel_us" in c
+                   else c.get("error", "-") for c in (cells[f] for f in FORMS)]
+            lines.append(f"| {k} x {n} | {m} | " + " | ".join(out) + " |")
+    write_results(os.path.join(args.out, "matvec_h200"), meta, {"rows": rows}, "\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
