@@ -20,14 +20,16 @@ def _masked_attention(q, cache, start, tree_mask, *, scale: float, value_dim: in
     tree_visible = jnp.take_along_axis(
         tree_mask, jnp.broadcast_to(jnp.clip(offset, 0, T - 1)[:, None, :], (B, T, S_max)), axis=2)
     visible = (offset < 0)[:, None, :] | (in_tree[:, None, :] & tree_visible)  # [B, T, S_max]
-    # Garbage rows may hold NaN/Inf; 0 * NaN would poison the value sum, so zero them first.
-    rows_ok = (offset < T)[:, :, None]  # [B, S_max, 1]
-    kv = jnp.where(rows_ok, cache.astype(compute_dtype), jnp.zeros((), compute_dtype))  # [B, S_max, c+r]
     dot = dict(precision=precision, preferred_element_type=jnp.float32)
-    scores = jnp.einsum("bthd,bsd->bths", q.astype(compute_dtype), kv, **dot) * scale
+    # Garbage rows may hold NaN/Inf. Their scores are replaced by -inf below whatever they are, so the score einsum
+    # reads the cache as it is; 0 * NaN would poison the value sum, so the value einsum reads them zeroed (its own
+    # select on its own slice: a separate operand XLA can fuse into that einsum, no masked copy of the cache).
+    scores = jnp.einsum("bthd,bsd->bths", q.astype(compute_dtype), cache.astype(compute_dtype), **dot) * scale
     scores = jnp.where(visible[:, :, None, :], scores, -jnp.inf)  # [B, T, H, S_max]
     probs = jax.nn.softmax(scores, axis=-1).astype(compute_dtype)
-    out = jnp.einsum("bths,bsc->bthc", probs, kv[..., :value_dim], **dot)
+    rows_ok = (offset < T)[:, :, None]  # [B, S_max, 1]
+    values = jnp.where(rows_ok, cache[..., :value_dim].astype(compute_dtype), jnp.zeros((), compute_dtype))
+    out = jnp.einsum("bths,bsc->bthc", probs, values, **dot)
     return out.astype(q.dtype)
 
 
