@@ -146,7 +146,7 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="start no new (method, budget) point after this many seconds; the results so far "
                              "are written and marked incomplete")
-    parser.add_argument("--moe", choices=("auto", "triton", "triton_pairs", "mosaic_gpu", "xla"), default="auto",
+    parser.add_argument("--moe", choices=("auto", "triton", "mosaic_gpu", "xla"), default="auto",
                         help="the routed experts' implementation (kj.Kernels(moe=...)); auto: what the dispatcher "
                              "picks here")
     parser.add_argument("--tag", default=jax.devices()[0].platform)

@@ -1,7 +1,6 @@
-"""The routed MoE of a small model on the H200: the grouped Triton kernel and the one-launch pair kernel
-(pallas_kernels/moe_w4a16/triton_pairs.py) against XLA's three forms (pallas_kernels/moe_w4a16/reference.py:
-"gather", "dense", "loop"), per token count, in one run; what decides `pallas_kernels.moe_w4a16.tuned.measured_fastest`
-(which implementation `impl="auto"` runs on a GPU for a small stack).
+"""The routed MoE of a small model on the H200: the grouped Triton kernel against XLA's three forms
+(pallas_kernels/moe_w4a16/reference.py: "gather", "dense", "loop"), per token count, in one run; what decides
+`pallas_kernels.moe_w4a16.tuned.measured_fastest` (which of kernel and XLA `impl="auto"` runs on a GPU).
 
   python benchmarks/bench_moe_small.py --out DIR
 
@@ -34,7 +33,7 @@ SHAPES = {  # name: (E, D, I, top_k, activation dtype)
     "mid bf16": (64, 512, 128, 6, "bfloat16"),
     "wide bf16": (64, 1024, 256, 6, "bfloat16"),
 }
-IMPLS = ("triton", "triton pairs", "triton pairs w4", "xla gather", "xla dense", "xla loop")
+IMPLS = ("triton", "xla gather", "xla dense", "xla loop")
 
 
 def main() -> None:
@@ -53,7 +52,7 @@ def main() -> None:
 
     from benchmarks.common import Timer, metadata, write_results
     from pallas_kernels.int4 import Int4Weight
-    from pallas_kernels.moe_w4a16 import grouped_moe_w4a16, grouped_moe_w4a16_reference, moe_w4a16_pairs, moe_w4a16_xla
+    from pallas_kernels.moe_w4a16 import grouped_moe_w4a16, grouped_moe_w4a16_reference, moe_w4a16_xla
     from pallas_kernels.moe_w4a16.reference import xla_form
 
     if jax.default_backend() != "gpu":
@@ -73,11 +72,8 @@ def main() -> None:
                     shapes={s: SHAPES[s] for s in shapes}, wall_after_cupti=False, matmul_precision="highest")
 
     def fn_for(impl, experts):
-        if impl in ("triton", "triton pairs"):
-            kernel = impl.replace(" ", "_")
-            return lambda x, ids, w: grouped_moe_w4a16(x, experts, ids, w, impl=kernel)
-        if impl == "triton pairs w4":  # the pair kernel at 4 warps a program (its default is 8)
-            return lambda x, ids, w: moe_w4a16_pairs(x, experts, ids, w, num_warps=4)
+        if impl == "triton":
+            return lambda x, ids, w: grouped_moe_w4a16(x, experts, ids, w, impl="triton")
         form = impl.split()[1]
         return lambda x, ids, w: moe_w4a16_xla(x, experts, ids, w, form=form)
 
@@ -144,7 +140,7 @@ def main() -> None:
 
 
 def markdown(rows, ts, shapes, impls=IMPLS) -> str:
-    lines = ["# Routed MoE of a small model: Triton kernels vs XLA (H200)", "",
+    lines = ["# Routed MoE of a small model: Triton kernel vs XLA (H200)", "",
              "Per call, microseconds: loop wall (in a jitted loop, no dispatch) / CUPTI kernel time (kernel count). "
              "`auto form` = the XLA form `moe_w4a16_xla` picks; **bold** = the fastest loop wall.", ""]
     for shape in shapes:

@@ -237,7 +237,7 @@ def main() -> None:
                     "the most expensive first (default %(default)s)")
     ap.add_argument("--hlo-dir", type=Path, default=None, help="also write each stage's and each in-loop "
                     "method's compiled HLO text here")
-    ap.add_argument("--moe", choices=("auto", "triton", "triton_pairs", "xla"), default="auto",
+    ap.add_argument("--moe", choices=("auto", "triton", "xla"), default="auto",
                     help="the routed experts' implementation (kj.Kernels(moe=...)); auto: what the dispatcher picks")
     ap.add_argument("--mla", choices=("auto", "folded", "separate"), default="auto",
                     help="the cached MLA's projections (kj.Kernels(mla=...)); auto: what the dispatcher picks")

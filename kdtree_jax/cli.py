@@ -40,7 +40,7 @@ DEFAULT_BUDGET = "auto"
 MAX_SEED = 2**32 - 1
 # The implementations `--moe-kernel` etc. accept: pallas_kernels.dispatch.IMPLS (not imported here: start-up time).
 KERNEL_CHOICES = {"attention": ("mosaic_gpu", "triton", "xla"), "linear": ("triton", "xla"),
-                  "moe": ("triton", "triton_pairs", "mosaic_gpu", "xla"), "tree": ("triton", "xla"),
+                  "moe": ("triton", "mosaic_gpu", "xla"), "tree": ("triton", "xla"),
                   "mla": ("folded", "separate")}
 # The trained pair shipped in the package (training/, docs/training.md): target, drafter, tokenizer.
 SHIPPED = Path(__file__).resolve().parent / "assets"
@@ -172,11 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-kernel", choices=("auto", *KERNEL_CHOICES["moe"]), default="auto",
                    help="kernel for the INT4 routed experts. mosaic_gpu: the Mosaic GPU grouped MoE kernel "
                    "(Hopper, bf16 params; the experts' layout is converted once after loading); triton: the "
-                   "Triton grouped kernel on the checkpoint layout (any GPU, also float32 models); triton_pairs: "
-                   "one Triton launch a layer, a program per (token, choice), for small expert stacks; xla: the "
-                   "plain-JAX reference. auto (default): mosaic_gpu where it can run, a small stack on what "
-                   "measured fastest for it, else triton on a GPU, else xla. A kernel that cannot run here is "
-                   "an error (docs/kernels.md)")
+                   "Triton grouped kernel on the checkpoint layout (any GPU, also float32 models); xla: the "
+                   "plain-JAX reference. auto (default): mosaic_gpu where it can run, on a GPU xla for a small "
+                   "expert stack (measured faster there), else triton on a GPU, else xla. A kernel that cannot "
+                   "run here is an error (docs/kernels.md)")
     g.add_argument("--attention-kernel", choices=("auto", *KERNEL_CHOICES["attention"]), default="auto",
                    help="kernel for the tree attention: mosaic_gpu (a Hopper GPU, bf16), triton (a GPU) or xla "
                    "(the plain-JAX reference); auto (default): on a GPU the one measured fastest at each call "

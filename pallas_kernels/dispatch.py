@@ -3,8 +3,7 @@
 Ops and their implementations:
   attention (tree-masked absorbed MLA):     "mosaic_gpu" | "triton" | "xla"
   linear    (dense W4A16 GEMM, Int4Weight): "triton" | "xla"
-  moe       (routed INT4 experts):           "triton" | "triton_pairs" (Int4Weight) | "mosaic_gpu" (MosaicInt4Weight)
-                                             | "xla"
+  moe       (routed INT4 experts):           "triton" (Int4Weight) | "mosaic_gpu" (MosaicInt4Weight) | "xla"
   tree      (DDTree best-first tree build):  "triton" (one launch) | "xla" (kdtree_jax/tree.py's jnp builder)
   mla       (the cached MLA's projections):  "folded" (W_UK pre-multiplied into q_b, W_UV into o, q_a and kv_a one
                                              matrix: fewer, larger matmuls) | "separate" (the checkpoint's matrices)
@@ -41,7 +40,7 @@ AUTO = "auto"
 IMPLS = {
     "attention": ("mosaic_gpu", "triton", "xla"),
     "linear": ("triton", "xla"),
-    "moe": ("triton", "triton_pairs", "mosaic_gpu", "xla"),
+    "moe": ("triton", "mosaic_gpu", "xla"),
     "tree": ("triton", "xla"),
     "mla": ("folded", "separate"),
 }
@@ -57,8 +56,7 @@ class Kernels:
     """Per-call kernel choice, passed statically through forward / generate (hashable).
 
     attention: "auto" | "mosaic_gpu" | "triton" | "xla"; linear: "auto" | "triton" | "xla";
-    moe: "auto" | "triton" | "triton_pairs" | "mosaic_gpu" | "xla" (also which layout prepare_params gives the
-    routed experts);
+    moe: "auto" | "triton" | "mosaic_gpu" | "xla" (also which layout prepare_params gives the routed experts);
     tree: "auto" | "triton" | "xla" (the DDTree tree build);
     mla: "auto" | "folded" | "separate" (the cached MLA's projections inside `generate`: choose_mla);
     interpret: run the Pallas kernels in interpret mode (CPU simulation; tests only, slow)."""
@@ -274,13 +272,6 @@ def mosaic_moe_shape_unsupported(hidden: int, inter: int) -> str | None:
     return f"{' and '.join(bad)} not a multiple of {MOSAIC_DIM_MULTIPLE}" if bad else None
 
 
-def pairs_shape_unsupported(hidden: int, inter: int) -> str | None:
-    """Why experts hidden -> inter -> hidden cannot run the pair kernel (moe_w4a16/triton_pairs.py), or None: it
-    tiles both dims in whole scale groups of 32."""
-    bad = [f"{name} {dim}" for name, dim in (("hidden", hidden), ("intermediate", inter)) if dim % 32]
-    return f"{' and '.join(bad)} not a multiple of 32" if bad else None
-
-
 def _mosaic_runs(device, interpret: bool, act_dtype, hidden: int, inter: int) -> str | None:
     """Why the Mosaic GPU MoE kernel cannot run here, or None."""
     if not interpret and not is_hopper(device):
@@ -319,7 +310,7 @@ def choose_moe_layout(*, act_dtype, scale_dtype, hidden: int, inter: int, impl: 
     num_experts that auto runs on XLA (choose_moe)."""
     _check_impl("moe", impl)
     device = device or default_device()
-    if impl in ("triton", "triton_pairs", "xla"):
+    if impl in ("triton", "xla"):
         return Choice("triton", "asked for")
     why = _mosaic_runs(device, interpret, act_dtype, hidden, inter)
     if why is None and impl == AUTO and num_experts is not None and is_gpu(device):
@@ -348,15 +339,6 @@ def choose_moe(experts: Any, *, act_dtype, impl: str = AUTO, device=None, interp
     kernel = "mosaic_gpu" if kind is MosaicInt4Weight else "triton"
     if impl == "xla":
         return Choice("xla", "asked for")
-    if impl == "triton_pairs":
-        if kind is not Int4Weight:
-            raise KernelUnavailableError("moe impl='triton_pairs' needs experts in the checkpoint layout (Int4Weight), "
-                                         f"got {kind.__name__}")
-        why = _pallas_runs(device, interpret) or pairs_shape_unsupported(experts["gate"].in_features,
-                                                                         experts["gate"].out_features)
-        if why:
-            raise _unavailable("moe", impl, why, "use the XLA reference (impl 'xla') or interpret mode")
-        return Choice("triton_pairs", "asked for")
     if impl not in (AUTO, kernel):
         layout = {"triton": "the checkpoint layout (Int4Weight)", "mosaic_gpu": "the Mosaic layout (MosaicInt4Weight)"}
         raise KernelUnavailableError(f"moe impl={impl!r} needs experts in {layout[impl]}, got {kind.__name__}: "

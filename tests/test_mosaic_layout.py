@@ -123,7 +123,8 @@ def test_prepare_params_and_kernel_plan_follow_the_dispatcher(int4_params, mosai
     assert kj.prepare_params(int4_params, CFG, device=cpu) is int4_params
     assert kj.kernel_plan(int4_params, CFG, device=cpu) == {
         "attention": ("xla", "no GPU, this is cpu"), "linear": ("none", "no INT4 dense weights"),
-        "moe": ("xla", "no GPU, this is cpu"), "tree": ("xla", "no GPU, this is cpu")}
+        "moe": ("xla", "no GPU, this is cpu"), "tree": ("xla", "no GPU, this is cpu"),
+        "mla": ("folded", "small model: 0.1 MiB more a layer, fewer launches")}
     # an A100: the Triton kernel, and why not the Mosaic one
     ampere = _FakeDevice(compute_capability="8.0", device_kind="A100")
     assert kj.prepare_params(int4_params, CFG, device=ampere) is int4_params

@@ -2,8 +2,7 @@
 
 `grouped_moe_w4a16(x, experts, expert_ids, weights)` is the public entry: it checks shapes/dtypes and asks
 `pallas_kernels.dispatch.choose_moe` which implementation runs; the kernel follows from the experts' type:
-  Int4Weight stacks       -> "triton"     (`triton.py`, the Pallas Triton grouped kernels), or "triton_pairs"
-                             (`triton_pairs.py`: one launch, a program per (token, choice), for small stacks);
+  Int4Weight stacks       -> "triton"     (`triton.py`, the Pallas Triton grouped kernels);
   MosaicInt4Weight stacks -> "mosaic_gpu" (`mosaic_gpu.py`, Hopper + bf16 activations);
   either, impl="xla", no GPU, or on a GPU a small expert stack where XLA measured faster (`tuned.measured_fastest`)
                           -> "xla"   (`reference.moe_w4a16_xla`: gathered, dense or looped over touched experts).
@@ -22,13 +21,11 @@ from pallas_kernels.moe_w4a16.grouping import Grouping, group_assignments, max_r
 from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_moe_w4a16_mgpu, interpret_configs
 from pallas_kernels.moe_w4a16.reference import grouped_moe_w4a16_reference, moe_w4a16_xla
 from pallas_kernels.moe_w4a16.triton import MoEBlockConfig, grouped_moe_w4a16_pallas
-from pallas_kernels.moe_w4a16.triton_pairs import moe_w4a16_pairs
 from pallas_kernels.moe_w4a16.tuned import default_config, default_mosaic_config
 
 __all__ = [
     "Grouping", "MoEBlockConfig", "default_config", "default_mosaic_config", "group_assignments",
-    "grouped_moe_w4a16", "grouped_moe_w4a16_mgpu", "grouped_moe_w4a16_reference", "max_row_tiles", "moe_w4a16_pairs",
-    "moe_w4a16_xla",
+    "grouped_moe_w4a16", "grouped_moe_w4a16_mgpu", "grouped_moe_w4a16_reference", "max_row_tiles", "moe_w4a16_xla",
 ]
 
 _ACT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -91,16 +88,13 @@ def grouped_moe_w4a16(x: jax.Array, experts: dict, expert_ids: jax.Array, weight
     x [T, D] bf16|f32 (the Mosaic kernel: bf16 only); experts {"gate","up"}: [E, I, D], {"down"}: [E, D, I]
     as stacked Int4Weight or MosaicInt4Weight; expert_ids [T, k] int32 in [0, E) (checked when concrete;
     under jit an out-of-range id is undefined behaviour); weights [T, k] float (accumulated in float32).
-    impl: "auto" | "triton" | "triton_pairs" | "mosaic_gpu" | "xla" (pallas_kernels.dispatch; a kernel that cannot
-    run here, or whose layout the experts are not in, raises KernelUnavailableError).
+    impl: "auto" | "triton" | "mosaic_gpu" | "xla" (pallas_kernels.dispatch; a kernel that cannot run here,
+    or whose layout the experts are not in, raises KernelUnavailableError).
     config: tiles for the Triton kernel (default: `default_config`)."""
     _, hidden, inter = _check_inputs(x, experts, expert_ids, weights)
     choice = dispatch.choose_moe(experts, act_dtype=x.dtype, impl=impl, interpret=interpret)
     if choice.impl == "xla":
         return moe_w4a16_xla(x, experts, expert_ids, weights, out_dtype=out_dtype)
-    if choice.impl == "triton_pairs":
-        return moe_w4a16_pairs(x, experts, expert_ids, weights, interpret=interpret,
-                               out_dtype=None if out_dtype is None else jnp.dtype(out_dtype))
     if choice.impl == "mosaic_gpu":
         kwargs = interpret_configs() if interpret else {}
         return grouped_moe_w4a16_mgpu(x, experts, expert_ids, weights,
