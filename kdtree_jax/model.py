@@ -79,7 +79,8 @@ class FoldedMLA:
     o: Any
 
 
-def mla_choice(cfg: ModelConfig, params: Params, kernels: Kernels | None = None, sharded: bool = False):
+def mla_choice(cfg: ModelConfig, params: Params, kernels: Kernels | None = None,
+               sharded: bool = False) -> dispatch.Choice:
     """Whether `fold_params` folds this model's MLA projections (pallas_kernels.dispatch.choose_mla)."""
     kernels = as_kernels(kernels)
     extra = dispatch.mla_fold_extra_bytes(

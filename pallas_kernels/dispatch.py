@@ -16,7 +16,7 @@ Rules for impl="auto" (from backend, dtype, shape and weight type):
     the Triton kernel power-of-two latent and RoPE widths >= 16; else "xla";
   - the MLA projections are folded when the folded matrices add at most FOLD_MAX_EXTRA_BYTES a layer (a small
     model, whose decode step is launch-bound: one matmul instead of three saves launches that cost more than
-    reading the extra bytes), separate otherwise (K2.6: folding would add 411 MB of bf16 weights a layer);
+    reading the extra bytes), separate otherwise (K2.6: folding would add 392 MiB of bf16 weights a layer);
   - the routed MoE kernel follows from the experts' type: Int4Weight -> "triton", MosaicInt4Weight ->
     "mosaic_gpu" (a Hopper GPU, bf16 activations, expert dims multiples of 64); a small expert stack, where XLA
     measured faster (moe_w4a16.tuned.measured_fastest), runs "xla" on a GPU too.
@@ -190,8 +190,8 @@ def choose_attention(*, latent_dim: int, rope_dim: int, impl: str = AUTO, device
 
 
 # ------------------------------------------------------------------------------------------- MLA projections
-# At most this many more bytes of weights a layer may the folded MLA projections read than the separate ones: 4 MiB
-# is 1.3 us at the H200's 3.3 TB/s, under the two to four kernel launches folding saves (each about 2 us there).
+# The folded MLA projections may read at most this many more bytes a layer than the separate ones: 4 MiB is 1.3 us at
+# the H200's 3.3 TB/s, under the two to four kernel launches folding saves (each about 2 us there).
 FOLD_MAX_EXTRA_BYTES = 4 << 20
 
 
