@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -50,7 +49,7 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from benchmarks.common import Timer, metadata, write_results
+    from benchmarks.common import Timer, loop_wall_us, metadata, write_results
     from pallas_kernels.int4 import Int4Weight
     from pallas_kernels.moe_w4a16 import grouped_moe_w4a16, grouped_moe_w4a16_reference, moe_w4a16_xla
     from pallas_kernels.moe_w4a16.reference import xla_form
@@ -76,13 +75,6 @@ def main() -> None:
             return lambda x, ids, w: grouped_moe_w4a16(x, experts, ids, w, impl="triton")
         form = impl.split()[1]
         return lambda x, ids, w: moe_w4a16_xla(x, experts, ids, w, form=form)
-
-    def looped(f, n):
-        def body(_, x_ids_w):
-            x, ids, w = x_ids_w
-            y = f(x, ids, w)
-            return (x + (y * 1e-30).astype(x.dtype), ids, w)
-        return jax.jit(lambda x, ids, w: jax.lax.fori_loop(0, n, body, (x, ids, w))[0])
 
     points, rows = [], []
     for shape in shapes:
@@ -121,14 +113,7 @@ def main() -> None:
                 print(row, flush=True)
 
     for row, raw, _, a in points:  # every wall clock first
-        loop = looped(raw, args.loop_calls)
-        jax.block_until_ready(loop(*a))
-        walls = []
-        for _ in range(5):
-            start = time.perf_counter()
-            jax.block_until_ready(loop(*a))
-            walls.append(time.perf_counter() - start)
-        row["loop_wall_us"] = float(np.median(walls)) / args.loop_calls * 1e6
+        row["loop_wall_us"] = loop_wall_us(raw, a, args.loop_calls)
     for row, _, f, a in points:
         timing = timer(f, *a)
         row["kernel_us"] = timing.device_s * 1e6

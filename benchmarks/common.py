@@ -175,6 +175,30 @@ class Timer:
         return Timing(out, statistics.median(walls), median, runs[(len(runs) - 1) // 2])
 
 
+def loop_wall_us(fn: Callable, args: tuple, calls: int, repeats: int = 5) -> float:
+    """Microseconds per call of fn(*args) inside one jitted fori_loop of `calls` dependent calls (each call's first
+    argument takes a negligible term of the previous output: x + 1e-30 * y, or of its sum when the shapes differ, so
+    XLA can neither hoist nor drop a call), median of `repeats` timed loops after a compile: the per-call cost as
+    inside a decode loop, without the dispatch. Take it before any CUPTI window (Timer)."""
+    import jax
+    import jax.numpy as jnp
+
+    def body(_, carry):
+        y = fn(*carry)
+        x = carry[0]
+        nudge = y if y.shape == x.shape else jnp.sum(y)
+        return (x + (nudge * 1e-30).astype(x.dtype), *carry[1:])
+
+    loop = jax.jit(lambda *a: jax.lax.fori_loop(0, calls, body, a)[0])
+    jax.block_until_ready(loop(*args))
+    walls = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(loop(*args))
+        walls.append(time.perf_counter() - start)
+    return statistics.median(walls) / calls * 1e6
+
+
 def copy_bandwidth(timer: Timer, elements: int = 512 * 1024 * 1024) -> float:
     """Bytes per second of a device copy in this run (x + 1 over `elements` bf16 values: one read and one
     write each), timed by `timer`; the denominator of the memory floors. Prints it."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -42,7 +41,7 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from benchmarks.common import Timer, metadata, write_results
+    from benchmarks.common import Timer, loop_wall_us, metadata, write_results
 
     if jax.default_backend() != "gpu":
         raise SystemExit("probe_matvec times GPU kernels: CPU timings prove nothing")
@@ -53,13 +52,6 @@ def main() -> None:
         "dot_nt": lambda x, w, wt: jax.lax.dot_general(x, wt, (((1,), (1,)), ((), ())), precision=hp),
         "row_reduce": lambda x, w, wt: jnp.sum(x[:, None, :] * wt[None], axis=-1),
     }
-
-    def looped(f, n):
-        def body(_, carry):
-            x, w, wt = carry
-            y = f(x, w, wt)
-            return (x + (jnp.sum(y) * 1e-30).astype(x.dtype), w, wt)
-        return jax.jit(lambda x, w, wt: jax.lax.fori_loop(0, n, body, (x, w, wt))[0])
 
     timer = Timer(args.iters)
     meta = metadata(timing=f"loop wall: one jitted fori_loop of {args.loop_calls} dependent calls / calls, every wall "
@@ -85,14 +77,7 @@ def main() -> None:
                 else:
                     row["error"] = f"rel err {row['rel_err']:.2e}"
     for row, raw, _, a in points:  # every wall clock first
-        loop = looped(raw, args.loop_calls)
-        jax.block_until_ready(loop(*a))
-        walls = []
-        for _ in range(5):
-            start = time.perf_counter()
-            jax.block_until_ready(loop(*a))
-            walls.append(time.perf_counter() - start)
-        row["loop_wall_us"] = float(np.median(walls)) / args.loop_calls * 1e6
+        row["loop_wall_us"] = loop_wall_us(raw, a, args.loop_calls)
     for row, _, f, a in points:
         timing = timer(f, *a)
         row.update(kernel_us=timing.device_s * 1e6, kernels=len(timing.kernels))

@@ -111,6 +111,14 @@ def test_timer_on_cpu_returns_positive_wall_times_and_the_output():
     assert timing.seconds == timing.wall_s and float(timing.out) == float(np.sum(np.arange(64.0) ** 2))
 
 
+def test_loop_wall_feeds_each_call_the_last_output_and_times_per_call():
+    """loop_wall_us: positive, finite per-call microseconds of a fori_loop whose calls depend on each other, for an
+    output shaped like the first argument (fed back elementwise) and for another shape (fed back through its sum)."""
+    matvec = common.loop_wall_us(lambda x, w: x @ w, (jnp.ones((2, 64)), jnp.ones((64, 8))), calls=20)
+    same = common.loop_wall_us(lambda x, w: x * w, (jnp.ones((2, 64)), jnp.ones((2, 64))), calls=20)
+    assert 0 < matvec < 1e6 and 0 < same < 1e6
+
+
 def test_copy_bandwidth_on_cpu_is_positive_and_finite(capsys):
     bandwidth = common.copy_bandwidth(common.Timer(2), elements=1 << 16)
     assert 0 < bandwidth < float("inf") and "copy bandwidth" in capsys.readouterr().out
