@@ -173,9 +173,7 @@ class MLA(nn.Module):
         q_nope = q[..., :nope]  # [B, T, H, n]
         q_pe = apply_rope(q[..., nope:], positions, inv_freq, attention_factor)  # [B, T, H, r]
 
-        kv_a = linear(x, _weight(self, "kv_a"))  # [B, T, c+r]
-        c_kv = rms_norm(kv_a[..., :c], _weight(self, "kv_a_norm"), cfg.latent_norm_eps)
-        k_pe = apply_rope(kv_a[..., c:], positions, inv_freq, attention_factor)  # [B, T, r]
+        c_kv, k_pe = self._latent(linear(x, _weight(self, "kv_a")), positions)  # [B, T, c], [B, T, r]
         kv_b = _weight(self, "kv_b").reshape(c, heads, nope + vdim)
         w_uk, w_uv = kv_b[..., :nope], kv_b[..., nope:]  # [c, H, n], [c, H, v]
         w_o = _weight(self, "o")
@@ -198,13 +196,20 @@ class MLA(nn.Module):
 
         # absorbed form over the latent cache
         assert start is not None  # Transformer passes start [B] whenever it passes a latent cache
-        new_rows = jnp.concatenate([c_kv, k_pe], axis=-1).astype(latent_cache.dtype)  # [B, T, c+r]
-        latent_cache = write_rows(latent_cache, new_rows, start)
+        latent_cache = write_rows(latent_cache, jnp.concatenate([c_kv, k_pe], axis=-1), start)  # rows [B, T, c+r]
         q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w_uk.astype(q_nope.dtype))  # [B, T, H, c]
         query = jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1)  # [B, T, H, c+r]
         out_latent = self._attend(query, latent_cache, start, visibility)  # [B, T, H, c]
         out = jnp.einsum("bthc,chv->bthv", out_latent.astype(x.dtype), w_uv.astype(x.dtype))
         return linear(out.reshape(batch, steps, heads * vdim), w_o), latent_cache
+
+    def _latent(self, kv_a, positions):
+        """kv_a [B, T, c+r] (x's kv_a projection) -> (c_kv [B, T, c] normed, k_pe [B, T, r] roped): a token's latent
+        cache row, in both absorbed forms and the naive one."""
+        cfg = self.cfg
+        c = cfg.kv_lora_rank
+        c_kv = rms_norm(kv_a[..., :c], _weight(self, "kv_a_norm"), cfg.latent_norm_eps)
+        return c_kv, apply_rope(kv_a[..., c:], positions, *yarn_inv_freq(cfg))
 
     def _attend(self, query, latent_cache, start, visibility):
         """The absorbed attention over the latent cache: query [B, T, H, c+r] -> [B, T, H, c] (both forms)."""
@@ -236,10 +241,7 @@ class MLA(nn.Module):
             q, kv_a = c_q @ folded.q_b.astype(x.dtype), a[..., cfg.q_lora_rank:]
         q = q.reshape(batch, steps, heads, c + rope)  # [B, T, H, c+r]: latent query, then its RoPE part
         query = jnp.concatenate([q[..., :c], apply_rope(q[..., c:], positions, inv_freq, attention_factor)], axis=-1)
-        c_kv = rms_norm(kv_a[..., :c], _weight(self, "kv_a_norm"), cfg.latent_norm_eps)
-        k_pe = apply_rope(kv_a[..., c:], positions, inv_freq, attention_factor)  # [B, T, r]
-        new_rows = jnp.concatenate([c_kv, k_pe], axis=-1).astype(latent_cache.dtype)  # [B, T, c+r]
-        latent_cache = write_rows(latent_cache, new_rows, start)
+        latent_cache = write_rows(latent_cache, jnp.concatenate(self._latent(kv_a, positions), axis=-1), start)
         out_latent = self._attend(query, latent_cache, start, visibility)  # [B, T, H, c]
         out = out_latent.astype(x.dtype).reshape(batch, steps, heads * c) @ folded.o.astype(x.dtype)
         return out, latent_cache

@@ -123,7 +123,7 @@ def test_folded_mla_projections_match_the_separate_ones_and_the_reference(name):
 
 
 def test_folding_rule_follows_the_extra_bytes():
-    """auto folds a small model's projections, not K2.6's (411 MB more a layer) and never on a mesh; an explicit
+    """auto folds a small model's projections, not K2.6's (392 MiB more a layer) and never on a mesh; an explicit
     choice wins, and 'folded' on a mesh is an error."""
     from pallas_kernels import dispatch
 
