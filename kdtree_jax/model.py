@@ -10,7 +10,10 @@ Two attention forms share one set of weights:
   the form every decode, prefill-into-cache and tree-verification step uses. Its projections run either
   separate (the checkpoint's matrices: q_b, then W_UK per head; W_UV per head, then o) or folded
   (`fold_params`, which `generate` applies for a small model: W_UK pre-multiplied into q_b, W_UV into o, q_a and
-  kv_a concatenated, so a layer's projections are three matmuls; same function, other rounding).
+  kv_a concatenated, so a layer's projections are three matmuls; same function, other rounding). The fold also
+  concatenates each MLP's entry matrices (a MoE layer's router | shared gate | shared up, a dense layer's gate | up)
+  into one, and stores the matrices a one-token step multiplies by x directly transposed ([N, K]: XLA then runs
+  x @ W as one kernel instead of a product and a reduction; docs/kernels.md has the measurement).
 """
 
 from __future__ import annotations
@@ -69,14 +72,20 @@ def write_rows(latent: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Arra
 @dataclasses.dataclass(frozen=True)
 class FoldedMLA:
     """One layer's MLA projections folded for the absorbed (cached) form (`fold_params`), in the params dtype:
-    proj_a [D, A]: x's one projection, [q_a | kv_a] (A = q_lora + c + r), or [q folded | kv_a] without a q_lora
-      (A = H (c + r) + c + r);
+    proj_a_t [A, D]: x's one projection, [q_a | kv_a] (A = q_lora + c + r), or [q folded | kv_a] without a q_lora
+      (A = H (c + r) + c + r), stored transposed (`dot_nt`);
     q_b [q_lora, H (c + r)] or None: per head, W_qb_nope @ W_UK^T (the latent query) then W_qb_rope;
-    o [H c, D]: per head, W_UV @ W_o (the output straight from the latent attention output)."""
+    o_t [D, H c]: per head, W_UV @ W_o (the output straight from the latent attention output), transposed."""
 
-    proj_a: Any
+    proj_a_t: Any
     q_b: Any
-    o: Any
+    o_t: Any
+
+
+def dot_nt(x: jax.Array, w_t: jax.Array) -> jax.Array:
+    """x [..., K] @ W for W stored transposed, w_t [N, K] -> [..., N] (one dot_general contracting both last dims;
+    for a one-token x XLA's GPU backend runs it as one kernel, where a [K, N] W becomes a product + a reduction)."""
+    return jax.lax.dot_general(x, w_t.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())))
 
 
 def mla_choice(cfg: ModelConfig, params: Params, kernels: Kernels | None = None,
@@ -105,22 +114,41 @@ def _fold_layer(cfg: ModelConfig, attn: dict) -> FoldedMLA:
     w_o = attn["o"].astype(f32).reshape(heads, vdim, cfg.hidden_size)
     out = jnp.einsum("chv,hvd->hcd", w_uv, w_o, precision=hp).reshape(heads * c, cfg.hidden_size)
     if cfg.q_lora_rank is None:
-        return FoldedMLA(jnp.concatenate([query.astype(dtype), attn["kv_a"]], axis=1), None, out.astype(dtype))
-    return FoldedMLA(jnp.concatenate([attn["q_a"], attn["kv_a"]], axis=1), query.astype(dtype), out.astype(dtype))
+        return FoldedMLA(jnp.concatenate([query.astype(dtype), attn["kv_a"]], axis=1).T, None, out.astype(dtype).T)
+    return FoldedMLA(jnp.concatenate([attn["q_a"], attn["kv_a"]], axis=1).T, query.astype(dtype), out.astype(dtype).T)
+
+
+def _mlp_entry(block: dict, names: tuple[tuple[str, ...], ...]):
+    """The named dense matrices of one MLP block ([D, N_i] each), concatenated along N and transposed ([sum N_i, D]),
+    or None when one is INT4 or their dtypes differ (the float32 router beside bf16 weights stays apart)."""
+    mats = [functools.reduce(lambda d, k: d[k], path, block) for path in names]
+    if any(is_quantized(m) for m in mats) or len({m.dtype for m in mats}) > 1:
+        return None
+    return jnp.concatenate(mats, axis=1).T
 
 
 def fold_params(params: Params, cfg: ModelConfig, kernels: Kernels | None = None, sharded: bool = False) -> Params:
     """params with each layer's attention also holding its FoldedMLA (attn/"folded"), which the cached forward
-    then runs, when `mla_choice` folds (else params unchanged). Traceable: `generate` calls it inside its jit, once
-    per call, before the decode loop. The naive (cache-free) forward keeps using the separate matrices."""
+    then runs, and each MLP its concatenated entry (moe/"entry" = [router | shared gate | shared up]^T, mlp/"entry"
+    = [gate | up]^T, where `_mlp_entry` can), when `mla_choice` folds (else params unchanged). Traceable: `generate`
+    calls it inside its jit, once per call, before the decode loop. The naive (cache-free) forward keeps using the
+    separate MLA matrices."""
     if mla_choice(cfg, params, kernels, sharded).impl != "folded":
         return params
     out = dict(params)
     for layer in range(cfg.num_hidden_layers):
         name = f"layers_{layer}"
-        attn = dict(params[name]["attn"])
-        attn["folded"] = _fold_layer(cfg, attn)
-        out[name] = {**params[name], "attn": attn}
+        layer_params = dict(params[name])
+        layer_params["attn"] = {**layer_params["attn"], "folded": _fold_layer(cfg, layer_params["attn"])}
+        if "moe" in layer_params and cfg.n_shared_experts:
+            entry = _mlp_entry(layer_params["moe"], (("router",), ("shared", "gate"), ("shared", "up")))
+            if entry is not None:
+                layer_params["moe"] = {**layer_params["moe"], "entry": entry}
+        elif "mlp" in layer_params:
+            entry = _mlp_entry(layer_params["mlp"], (("gate",), ("up",)))
+            if entry is not None:
+                layer_params["mlp"] = {**layer_params["mlp"], "entry": entry}
+        out[name] = layer_params
     return out
 
 
@@ -233,7 +261,7 @@ class MLA(nn.Module):
         heads, rope, c = cfg.num_attention_heads, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         batch, steps, _ = x.shape
         inv_freq, attention_factor = yarn_inv_freq(cfg)
-        a = x @ folded.proj_a.astype(x.dtype)  # [B, T, A]
+        a = dot_nt(x, folded.proj_a_t)  # [B, T, A]
         if cfg.q_lora_rank is None:
             q, kv_a = a[..., :-(c + rope)], a[..., -(c + rope):]
         else:
@@ -243,7 +271,7 @@ class MLA(nn.Module):
         query = jnp.concatenate([q[..., :c], apply_rope(q[..., c:], positions, inv_freq, attention_factor)], axis=-1)
         latent_cache = write_rows(latent_cache, jnp.concatenate(self._latent(kv_a, positions), axis=-1), start)
         out_latent = self._attend(query, latent_cache, start, visibility)  # [B, T, H, c]
-        out = out_latent.astype(x.dtype).reshape(batch, steps, heads * c) @ folded.o.astype(x.dtype)
+        out = dot_nt(out_latent.astype(x.dtype).reshape(batch, steps, heads * c), folded.o_t)
         return out, latent_cache
 
 
@@ -265,7 +293,12 @@ class DenseMLP(nn.Module):
         mlp = {"gate": _weight(self, "gate"), "up": _weight(self, "up"), "down": _weight(self, "down")}
         if x is None:
             return mlp
-        return swiglu(x, mlp["gate"], mlp["up"], mlp["down"], linear=functools.partial(_linear, kernels=self.kernels))
+        linear = functools.partial(_linear, kernels=self.kernels)
+        if self.has_variable("params", "entry"):  # fold_params: [gate | up]^T, one dot
+            gate_up = dot_nt(x, self.get_variable("params", "entry"))
+            gate, up = jnp.split(gate_up, 2, axis=-1)
+            return linear(jax.nn.silu(gate) * up, mlp["down"])
+        return swiglu(x, mlp["gate"], mlp["up"], mlp["down"], linear=linear)
 
 
 def route(cfg: ModelConfig, x: jax.Array, router: jax.Array, router_bias: jax.Array):
@@ -274,7 +307,12 @@ def route(cfg: ModelConfig, x: jax.Array, router: jax.Array, router_bias: jax.Ar
     The bias only chooses experts; weights are the unbiased scores of the chosen ones, normalised
     (norm_topk_prob) and multiplied by routed_scaling_factor. Group-limited: groups are scored by
     the sum of their top-2 biased scores, only the best topk_group groups may be chosen."""
-    scores = jax.nn.sigmoid(x.astype(jnp.float32) @ router.astype(jnp.float32))  # [N, E]
+    return route_logits(cfg, x.astype(jnp.float32) @ router.astype(jnp.float32), router_bias)
+
+
+def route_logits(cfg: ModelConfig, logits: jax.Array, router_bias: jax.Array):
+    """`route` from the router's logits [N, E] (x @ router, float32)."""
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))  # [N, E]
     choice = scores + router_bias.astype(jnp.float32)
     num_tokens, experts = choice.shape
     if cfg.n_group > 1:
@@ -305,6 +343,14 @@ class MoE(nn.Module):
         experts = ExpertWeights(cfg, dt, name="experts")()
         lead = x.shape[:-1]
         flat = x.reshape(-1, d)  # [N, D]
+        if self.has_variable("params", "entry"):  # fold_params: [router | shared gate | shared up]^T, one dot
+            shared_down = DenseMLP(cfg, dt, self.kernels, name="shared")()["down"]
+            entry = dot_nt(flat, self.get_variable("params", "entry"))  # [N, E + 2 I]
+            gate, up = jnp.split(entry[:, cfg.n_routed_experts:], 2, axis=-1)
+            idx, weights = route_logits(cfg, entry[:, :cfg.n_routed_experts], router_bias)
+            out = routed_experts(flat, experts, idx, weights, self.kernels)
+            out = out + _linear(jax.nn.silu(gate) * up, shared_down, self.kernels)
+            return out.reshape(*lead, d)
         idx, weights = route(cfg, flat, router, router_bias)
         mesh = sharding.active_mesh()
         if mesh is not None:

@@ -99,14 +99,21 @@ def test_prefill_then_token_by_token_decode_equals_full_forward(tiny_params):
 @pytest.mark.parametrize("name", ["tiny", "no_q_lora_no_yarn"])
 def test_folded_mla_projections_match_the_separate_ones_and_the_reference(name):
     """fold_params (W_UK in q_b, W_UV in o, q_a | kv_a one matrix; without a q_lora the folded query in that one
-    matrix): a prefill and a decode step on the folded projections match the separate ones and the float64
-    reference, write the same cache rows, and the separate path is what runs without the fold."""
+    matrix; every MLP's entry matrices one transposed matrix): a prefill and a decode step on the folded projections
+    match the separate ones and the float64 reference, write the same cache rows, and the separate path is what
+    runs without the fold."""
     cfg = VARIANTS[name]
     params = random_params(cfg, seed=8)
     folded = model.fold_params(params, cfg)
     layer = folded["layers_0"]["attn"]["folded"]
     assert isinstance(layer, model.FoldedMLA) and (layer.q_b is None) == (cfg.q_lora_rank is None)
     assert "folded" not in params["layers_0"]["attn"]  # params themselves untouched
+    d, dense = cfg.hidden_size, cfg.first_k_dense_replace
+    assert folded["layers_0"]["mlp"]["entry"].shape == (2 * cfg.intermediate_size, d)
+    moe_entry = folded[f"layers_{dense}"]["moe"]["entry"]  # [router | shared gate | shared up]^T
+    assert moe_entry.shape == (cfg.n_routed_experts + 2 * cfg.shared_intermediate_size, d)
+    np.testing.assert_array_equal(moe_entry[:cfg.n_routed_experts], params[f"layers_{dense}"]["moe"]["router"].T)
+    assert "entry" not in params[f"layers_{dense}"]["moe"]
     seq = np.random.default_rng(9).integers(0, cfg.vocab_size, (2, 10))
     step = jax.jit(lambda p, t, pos, c: kj.forward_with_cache(p, cfg, t, pos, c))
     got = {}
@@ -120,6 +127,22 @@ def test_folded_mla_projections_match_the_separate_ones_and_the_reference(name):
     assert rel_err(got["folded"][1], got["separate"][1]) <= 1e-5
     assert not np.array_equal(got["folded"][0], got["separate"][0])  # really another computation
     assert rel_err(got["folded"][0], ref.forward(params, cfg, seq)) <= 1e-5
+
+
+def test_fold_keeps_mlp_entries_apart_where_one_matrix_cannot_hold_them():
+    """bf16 weights beside the float32 router: the MoE entry stays separate (concatenating would round the router),
+    the dense MLP's gate | up is still one matrix; an INT4 shared expert (policy experts+shared) is never
+    concatenated. The folded forward still matches the separate one."""
+    params = random_params(TINY, seed=4, dtype=jnp.bfloat16)
+    dense = TINY.first_k_dense_replace
+    folded = model.fold_params(params, TINY)
+    assert "entry" not in folded[f"layers_{dense}"]["moe"] and "entry" in folded["layers_0"]["mlp"]
+    quantized = model.fold_params(kj.quantize(random_params(TINY, seed=4), TINY, policy="experts+shared"), TINY)
+    assert "entry" not in quantized[f"layers_{dense}"]["moe"]
+    seq = jnp.asarray(np.random.default_rng(3).integers(0, TINY.vocab_size, (1, 6)))
+    step = jax.jit(lambda p: kj.forward_with_cache(p, TINY, seq, jnp.arange(6)[None], kj.init_cache(TINY, 1, 8))[0])
+    # bf16: the folded MLA matrices are rounded to bf16 as products (about 2% here); a wrong fold is O(1)
+    assert rel_err(np.asarray(step(folded), np.float32), np.asarray(step(params), np.float32)) <= 4e-2
 
 
 def test_folding_rule_follows_the_extra_bytes():

@@ -186,6 +186,9 @@ def main() -> None:
     parser.add_argument("--data-cache", type=Path, help="an .npz to load the generated data from / save it to")
     parser.add_argument("--generate-only", action="store_true", help="generate the data into --data-cache, then stop")
     parser.add_argument("--eval-every", type=int, default=250)
+    parser.add_argument("--init", type=Path, help="a drafter checkpoint to continue training from (its config is "
+                        "kept: --block-size must match it; --layers, --width and --target-layers are ignored); "
+                        "the held-out sets are evaluated on it before the first step (step 0)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("/tmp/kdtree_train/drafter"))
     args = parser.parse_args()
@@ -203,9 +206,14 @@ def main() -> None:
     if args.generate_only:
         return
     seqs, valid = data["seqs"], data["valid"]
-    dcfg = kj.DrafterConfig.for_target(cfg, num_layers=args.layers, num_target_layers=args.target_layers,
-                                       block_size=args.block_size, intermediate_size=args.width)
-    dparams = kj.init_drafter_params(dcfg, jax.random.key(args.seed + 1))
+    if args.init is not None:
+        dcfg, dparams = kj.load_checkpoint(args.init, expect_kind="drafter", dtype=jnp.float32)
+        if dcfg.block_size != args.block_size:
+            parser.error(f"--init {args.init} has block size {dcfg.block_size}, not --block-size {args.block_size}")
+    else:
+        dcfg = kj.DrafterConfig.for_target(cfg, num_layers=args.layers, num_target_layers=args.target_layers,
+                                           block_size=args.block_size, intermediate_size=args.width)
+        dparams = kj.init_drafter_params(dcfg, jax.random.key(args.seed + 1))
     log(event="start", device=describe_device(), jax=jax.__version__, drafter_params=param_count(dparams),
         dcfg=str(dcfg), **{k: str(v) for k, v in vars(args).items()}, gamma_used=gamma)
 
@@ -250,6 +258,8 @@ def main() -> None:
         log(**record)
         return record
 
+    if args.init is not None:
+        evaluate(0)  # the starting drafter on the same held-out sets
     rng = np.random.default_rng(args.seed)
     schedule = StepSchedule(args.steps, args.time_budget_s, args.lr, args.warmup, log)
     step = 0
