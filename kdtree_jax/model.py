@@ -12,7 +12,7 @@ Two attention forms share one set of weights:
   (`fold_params`, which `generate` applies for a small model: W_UK pre-multiplied into q_b, W_UV into o, q_a and
   kv_a concatenated, so a layer's projections are three matmuls; same function, other rounding). The fold also
   concatenates each MLP's entry matrices (a MoE layer's router | shared gate | shared up, a dense layer's gate | up)
-  into one, and stores the matrices a one-token step multiplies by x directly transposed ([N, K]: XLA then runs
+  into one, and on a GPU stores the matrices x multiplies directly transposed ([N, K]: XLA then runs a one-token
   x @ W as one kernel instead of a product and a reduction; docs/kernels.md has the measurement).
 """
 
@@ -70,22 +70,36 @@ def write_rows(latent: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Arra
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Matrix:
+    """A dense matrix W [K, N] the fold made, stored as is or transposed ([N, K]; `dispatch.fold_transposed`: on a
+    GPU a one-token x @ W is then one kernel). `matrix(x)` is x @ W either way."""
+
+    w: Any
+    transposed: bool = dataclasses.field(metadata={"static": True})
+
+    @classmethod
+    def of(cls, w: jax.Array, transposed: bool) -> Matrix:
+        return cls(w.T if transposed else w, transposed)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [..., K] -> [..., N]."""
+        if not self.transposed:
+            return x @ self.w.astype(x.dtype)
+        return jax.lax.dot_general(x, self.w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class FoldedMLA:
     """One layer's MLA projections folded for the absorbed (cached) form (`fold_params`), in the params dtype:
-    proj_a_t [A, D]: x's one projection, [q_a | kv_a] (A = q_lora + c + r), or [q folded | kv_a] without a q_lora
-      (A = H (c + r) + c + r), stored transposed (`dot_nt`);
+    proj_a [D, A]: x's one projection, [q_a | kv_a] (A = q_lora + c + r), or [q folded | kv_a] without a q_lora
+      (A = H (c + r) + c + r);
     q_b [q_lora, H (c + r)] or None: per head, W_qb_nope @ W_UK^T (the latent query) then W_qb_rope;
-    o_t [D, H c]: per head, W_UV @ W_o (the output straight from the latent attention output), transposed."""
+    o [H c, D]: per head, W_UV @ W_o (the output straight from the latent attention output)."""
 
-    proj_a_t: Any
+    proj_a: Matrix
     q_b: Any
-    o_t: Any
-
-
-def dot_nt(x: jax.Array, w_t: jax.Array) -> jax.Array:
-    """x [..., K] @ W for W stored transposed, w_t [N, K] -> [..., N] (one dot_general contracting both last dims;
-    for a one-token x XLA's GPU backend runs it as one kernel, where a [K, N] W becomes a product + a reduction)."""
-    return jax.lax.dot_general(x, w_t.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())))
+    o: Matrix
 
 
 def mla_choice(cfg: ModelConfig, params: Params, kernels: Kernels | None = None,
@@ -99,7 +113,7 @@ def mla_choice(cfg: ModelConfig, params: Params, kernels: Kernels | None = None,
     return dispatch.choose_mla(extra_bytes=extra, impl=kernels.mla, sharded=sharded)
 
 
-def _fold_layer(cfg: ModelConfig, attn: dict) -> FoldedMLA:
+def _fold_layer(cfg: ModelConfig, attn: dict, transposed: bool) -> FoldedMLA:
     """FoldedMLA from one layer's attention weights (products in float32 at HIGHEST precision)."""
     heads, nope, rope, vdim, c = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                                   cfg.v_head_dim, cfg.kv_lora_rank)
@@ -113,39 +127,42 @@ def _fold_layer(cfg: ModelConfig, attn: dict) -> FoldedMLA:
     query = jnp.concatenate([q_latent, q_w[..., nope:]], axis=-1).reshape(q_w.shape[0], heads * (c + rope))
     w_o = attn["o"].astype(f32).reshape(heads, vdim, cfg.hidden_size)
     out = jnp.einsum("chv,hvd->hcd", w_uv, w_o, precision=hp).reshape(heads * c, cfg.hidden_size)
+    out = Matrix.of(out.astype(dtype), transposed)
     if cfg.q_lora_rank is None:
-        return FoldedMLA(jnp.concatenate([query.astype(dtype), attn["kv_a"]], axis=1).T, None, out.astype(dtype).T)
-    return FoldedMLA(jnp.concatenate([attn["q_a"], attn["kv_a"]], axis=1).T, query.astype(dtype), out.astype(dtype).T)
+        return FoldedMLA(Matrix.of(jnp.concatenate([query.astype(dtype), attn["kv_a"]], axis=1), transposed), None, out)
+    return FoldedMLA(Matrix.of(jnp.concatenate([attn["q_a"], attn["kv_a"]], axis=1), transposed), query.astype(dtype),
+                     out)
 
 
-def _mlp_entry(block: dict, names: tuple[tuple[str, ...], ...]):
-    """The named dense matrices of one MLP block ([D, N_i] each), concatenated along N and transposed ([sum N_i, D]),
-    or None when one is INT4 or their dtypes differ (the float32 router beside bf16 weights stays apart)."""
-    mats = [functools.reduce(lambda d, k: d[k], path, block) for path in names]
+def _mlp_entry(block: dict, names: tuple[tuple[str, ...], ...], transposed: bool) -> Matrix | None:
+    """The named dense matrices of one MLP block ([D, N_i] each) as one Matrix [D, sum N_i], or None when one is
+    INT4 or their dtypes differ (the float32 router beside bf16 weights stays apart)."""
+    mats: list[Any] = [functools.reduce(lambda d, k: d[k], path, block) for path in names]
     if any(is_quantized(m) for m in mats) or len({m.dtype for m in mats}) > 1:
         return None
-    return jnp.concatenate(mats, axis=1).T
+    return Matrix.of(jnp.concatenate(mats, axis=1), transposed)
 
 
 def fold_params(params: Params, cfg: ModelConfig, kernels: Kernels | None = None, sharded: bool = False) -> Params:
     """params with each layer's attention also holding its FoldedMLA (attn/"folded"), which the cached forward
-    then runs, and each MLP its concatenated entry (moe/"entry" = [router | shared gate | shared up]^T, mlp/"entry"
-    = [gate | up]^T, where `_mlp_entry` can), when `mla_choice` folds (else params unchanged). Traceable: `generate`
-    calls it inside its jit, once per call, before the decode loop. The naive (cache-free) forward keeps using the
-    separate MLA matrices."""
+    then runs, and each MLP its concatenated entry (moe/"entry" = [router | shared gate | shared up], mlp/"entry" =
+    [gate | up], where `_mlp_entry` can), when `mla_choice` folds (else params unchanged); the matrices x multiplies
+    are stored transposed where `dispatch.fold_transposed` says. Traceable: `generate` calls it inside its jit, once
+    per call, before the decode loop. The naive (cache-free) forward keeps using the separate MLA matrices."""
     if mla_choice(cfg, params, kernels, sharded).impl != "folded":
         return params
+    transposed = dispatch.fold_transposed()
     out = dict(params)
     for layer in range(cfg.num_hidden_layers):
         name = f"layers_{layer}"
         layer_params = dict(params[name])
-        layer_params["attn"] = {**layer_params["attn"], "folded": _fold_layer(cfg, layer_params["attn"])}
+        layer_params["attn"] = {**layer_params["attn"], "folded": _fold_layer(cfg, layer_params["attn"], transposed)}
         if "moe" in layer_params and cfg.n_shared_experts:
-            entry = _mlp_entry(layer_params["moe"], (("router",), ("shared", "gate"), ("shared", "up")))
+            entry = _mlp_entry(layer_params["moe"], (("router",), ("shared", "gate"), ("shared", "up")), transposed)
             if entry is not None:
                 layer_params["moe"] = {**layer_params["moe"], "entry": entry}
         elif "mlp" in layer_params:
-            entry = _mlp_entry(layer_params["mlp"], (("gate",), ("up",)))
+            entry = _mlp_entry(layer_params["mlp"], (("gate",), ("up",)), transposed)
             if entry is not None:
                 layer_params["mlp"] = {**layer_params["mlp"], "entry": entry}
         out[name] = layer_params
@@ -261,7 +278,7 @@ class MLA(nn.Module):
         heads, rope, c = cfg.num_attention_heads, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         batch, steps, _ = x.shape
         inv_freq, attention_factor = yarn_inv_freq(cfg)
-        a = dot_nt(x, folded.proj_a_t)  # [B, T, A]
+        a = folded.proj_a(x)  # [B, T, A]
         if cfg.q_lora_rank is None:
             q, kv_a = a[..., :-(c + rope)], a[..., -(c + rope):]
         else:
@@ -271,7 +288,7 @@ class MLA(nn.Module):
         query = jnp.concatenate([q[..., :c], apply_rope(q[..., c:], positions, inv_freq, attention_factor)], axis=-1)
         latent_cache = write_rows(latent_cache, jnp.concatenate(self._latent(kv_a, positions), axis=-1), start)
         out_latent = self._attend(query, latent_cache, start, visibility)  # [B, T, H, c]
-        out = dot_nt(out_latent.astype(x.dtype).reshape(batch, steps, heads * c), folded.o_t)
+        out = folded.o(out_latent.astype(x.dtype).reshape(batch, steps, heads * c))
         return out, latent_cache
 
 
@@ -294,8 +311,8 @@ class DenseMLP(nn.Module):
         if x is None:
             return mlp
         linear = functools.partial(_linear, kernels=self.kernels)
-        if self.has_variable("params", "entry"):  # fold_params: [gate | up]^T, one dot
-            gate_up = dot_nt(x, self.get_variable("params", "entry"))
+        if self.has_variable("params", "entry"):  # fold_params: [gate | up], one matmul
+            gate_up = cast(Matrix, self.get_variable("params", "entry"))(x)
             gate, up = jnp.split(gate_up, 2, axis=-1)
             return linear(jax.nn.silu(gate) * up, mlp["down"])
         return swiglu(x, mlp["gate"], mlp["up"], mlp["down"], linear=linear)
@@ -343,9 +360,9 @@ class MoE(nn.Module):
         experts = ExpertWeights(cfg, dt, name="experts")()
         lead = x.shape[:-1]
         flat = x.reshape(-1, d)  # [N, D]
-        if self.has_variable("params", "entry"):  # fold_params: [router | shared gate | shared up]^T, one dot
+        if self.has_variable("params", "entry"):  # fold_params: [router | shared gate | shared up], one matmul
             shared_down = DenseMLP(cfg, dt, self.kernels, name="shared")()["down"]
-            entry = dot_nt(flat, self.get_variable("params", "entry"))  # [N, E + 2 I]
+            entry = cast(Matrix, self.get_variable("params", "entry"))(flat)  # [N, E + 2 I]
             gate, up = jnp.split(entry[:, cfg.n_routed_experts:], 2, axis=-1)
             idx, weights = route_logits(cfg, entry[:, :cfg.n_routed_experts], router_bias)
             out = routed_experts(flat, experts, idx, weights, self.kernels)

@@ -8,6 +8,7 @@ from helpers import TINY, random_params, rel_err
 
 import kdtree_jax as kj
 from kdtree_jax import layers, model
+from pallas_kernels import dispatch
 from reference import model as ref
 
 VARIANTS = {
@@ -96,12 +97,14 @@ def test_prefill_then_token_by_token_decode_equals_full_forward(tiny_params):
     assert rel_err(np.concatenate(got), full[0]) <= 1e-5
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
 @pytest.mark.parametrize("name", ["tiny", "no_q_lora_no_yarn"])
-def test_folded_mla_projections_match_the_separate_ones_and_the_reference(name):
+def test_folded_mla_projections_match_the_separate_ones_and_the_reference(name, transposed, monkeypatch):
     """fold_params (W_UK in q_b, W_UV in o, q_a | kv_a one matrix; without a q_lora the folded query in that one
     matrix; every MLP's entry matrices one transposed matrix): a prefill and a decode step on the folded projections
     match the separate ones and the float64 reference, write the same cache rows, and the separate path is what
-    runs without the fold."""
+    runs without the fold. Both layouts of the folded matrices (transposed is what a GPU gets) run here."""
+    monkeypatch.setattr(dispatch, "fold_transposed", lambda device=None: transposed)
     cfg = VARIANTS[name]
     params = random_params(cfg, seed=8)
     folded = model.fold_params(params, cfg)
@@ -109,10 +112,13 @@ def test_folded_mla_projections_match_the_separate_ones_and_the_reference(name):
     assert isinstance(layer, model.FoldedMLA) and (layer.q_b is None) == (cfg.q_lora_rank is None)
     assert "folded" not in params["layers_0"]["attn"]  # params themselves untouched
     d, dense = cfg.hidden_size, cfg.first_k_dense_replace
-    assert folded["layers_0"]["mlp"]["entry"].shape == (2 * cfg.intermediate_size, d)
-    moe_entry = folded[f"layers_{dense}"]["moe"]["entry"]  # [router | shared gate | shared up]^T
-    assert moe_entry.shape == (cfg.n_routed_experts + 2 * cfg.shared_intermediate_size, d)
-    np.testing.assert_array_equal(moe_entry[:cfg.n_routed_experts], params[f"layers_{dense}"]["moe"]["router"].T)
+    mlp_entry, moe_entry = folded["layers_0"]["mlp"]["entry"], folded[f"layers_{dense}"]["moe"]["entry"]
+    assert mlp_entry.transposed == moe_entry.transposed == layer.o.transposed == transposed
+    as_kn = (lambda w: w.T) if transposed else (lambda w: w)
+    assert as_kn(mlp_entry.w).shape == (d, 2 * cfg.intermediate_size)
+    assert as_kn(moe_entry.w).shape == (d, cfg.n_routed_experts + 2 * cfg.shared_intermediate_size)
+    np.testing.assert_array_equal(as_kn(moe_entry.w)[:, :cfg.n_routed_experts],  # [router | shared gate | up]
+                                  params[f"layers_{dense}"]["moe"]["router"])
     assert "entry" not in params[f"layers_{dense}"]["moe"]
     seq = np.random.default_rng(9).integers(0, cfg.vocab_size, (2, 10))
     step = jax.jit(lambda p, t, pos, c: kj.forward_with_cache(p, cfg, t, pos, c))
@@ -148,7 +154,6 @@ def test_fold_keeps_mlp_entries_apart_where_one_matrix_cannot_hold_them():
 def test_folding_rule_follows_the_extra_bytes():
     """auto folds a small model's projections, not K2.6's (392 MiB more a layer) and never on a mesh; an explicit
     choice wins, and 'folded' on a mesh is an error."""
-    from pallas_kernels import dispatch
 
     abstract = {"embed_tokens": jax.ShapeDtypeStruct((1, 1), jnp.bfloat16)}
     assert model.mla_choice(TINY, abstract).impl == "folded"
