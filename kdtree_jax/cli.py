@@ -188,10 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "about five XLA kernels per draft depth); both build the same tree. auto (default): triton on a "
                    "GPU, else xla")
     g.add_argument("--mla-weights", choices=("auto", *KERNEL_CHOICES["mla"]), default="auto",
-                   help="the cached attention's projections: folded (W_UK pre-multiplied into q_b and W_UV into o "
-                   "once per call: three matmuls a layer instead of five, a few MiB more weights) or separate "
-                   "(the checkpoint's matrices). auto (default): folded when that adds at most 4 MiB a layer (a "
-                   "small model, whose decode is launch-bound), separate otherwise (K2.6) and on a mesh")
+                   help="the cached forward's projections: folded (W_UK pre-multiplied into q_b and W_UV into o "
+                   "once per call: three matmuls a layer instead of five, a few MiB more weights; each MLP's entry "
+                   "matrices one matmul; on a GPU stored transposed) or separate (the checkpoint's matrices). auto "
+                   "(default): folded when that adds at most 4 MiB a layer (a small model, whose decode is "
+                   "launch-bound), separate otherwise (K2.6) and on a mesh")
     g.add_argument("--matmul-precision", choices=("highest", "default"), default="highest",
                    help="float32 matmul precision (default: %(default)s). On NVIDIA GPUs 'default' is TF32, "
                    "whose rounding differs between the AR step and the tree-shaped verify, so greedy DDTree "
