@@ -12,14 +12,16 @@ Two attention forms share one set of weights:
   (`fold_params`, which `generate` applies for a small model: W_UK pre-multiplied into q_b, W_UV into o, q_a and
   kv_a concatenated, so a layer's projections are three matmuls; same function, other rounding). The fold also
   concatenates each MLP's entry matrices (a MoE layer's router | shared gate | shared up, a dense layer's gate | up)
-  into one, and on a GPU stores the matrices x multiplies directly transposed ([N, K]: XLA then runs a one-token
-  x @ W as one kernel instead of a product and a reduction; docs/kernels.md has the measurement).
+  into one, and on a GPU keeps a transposed copy ([N, K]) of the matrices x multiplies directly for the one-row
+  products of the AR step (XLA then runs x @ W as one kernel instead of a product and a reduction; docs/kernels.md
+  has the measurement).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, NamedTuple, cast, overload
 
 import flax.linen as nn
@@ -71,21 +73,23 @@ def write_rows(latent: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Arra
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Matrix:
-    """A dense matrix W [K, N] the fold made, stored as is or transposed ([N, K]; `dispatch.fold_transposed`: on a
-    GPU a one-token x @ W is then one kernel). `matrix(x)` is x @ W either way."""
+    """A dense matrix W [K, N] the fold made: `w` as is and, where `dispatch.fold_transposed` says (a GPU), also
+    `w_t` = W^T [N, K] for one-row products. `matrix(x)` is x @ W either way: with one row (batch 1, one token: the
+    AR step) from w_t, which XLA runs as one kernel where a [K, N] W becomes a product + a row reduction; with more
+    rows from w (at 8 rows the [N, K] GEMMs measured slower). docs/kernels.md has both measurements."""
 
     w: Any
-    transposed: bool = dataclasses.field(metadata={"static": True})
+    w_t: Any = None
 
     @classmethod
     def of(cls, w: jax.Array, transposed: bool) -> Matrix:
-        return cls(w.T if transposed else w, transposed)
+        return cls(w, w.T if transposed else None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., K] -> [..., N]."""
-        if not self.transposed:
-            return x @ self.w.astype(x.dtype)
-        return jax.lax.dot_general(x, self.w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())))
+        if self.w_t is not None and math.prod(x.shape[:-1]) == 1:
+            return jax.lax.dot_general(x, self.w_t.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())))
+        return x @ self.w.astype(x.dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -147,8 +151,9 @@ def fold_params(params: Params, cfg: ModelConfig, kernels: Kernels | None = None
     """params with each layer's attention also holding its FoldedMLA (attn/"folded"), which the cached forward
     then runs, and each MLP its concatenated entry (moe/"entry" = [router | shared gate | shared up], mlp/"entry" =
     [gate | up], where `_mlp_entry` can), when `mla_choice` folds (else params unchanged); the matrices x multiplies
-    are stored transposed where `dispatch.fold_transposed` says. Traceable: `generate` calls it inside its jit, once
-    per call, before the decode loop. The naive (cache-free) forward keeps using the separate MLA matrices."""
+    also get a transposed copy for one-row products where `dispatch.fold_transposed` says (`Matrix`). Traceable:
+    `generate` calls it inside its jit, once per call, before the decode loop. The naive (cache-free) forward keeps
+    using the separate MLA matrices."""
     if mla_choice(cfg, params, kernels, sharded).impl != "folded":
         return params
     transposed = dispatch.fold_transposed()

@@ -17,7 +17,7 @@ Rules for impl="auto" (from backend, dtype, shape and weight type):
   - the MLA projections are folded when the folded matrices add at most FOLD_MAX_EXTRA_BYTES a layer (a small
     model, whose decode step is launch-bound: one matmul instead of three saves launches that cost more than
     reading the extra bytes), separate otherwise (K2.6: folding would add 392 MiB of bf16 weights a layer); the
-    fold also joins each MLP's entry matrices, and stores what x multiplies transposed on a GPU (fold_transposed);
+    fold also joins each MLP's entry matrices, and on a GPU keeps [N, K] copies for one-row products (fold_transposed);
   - the routed MoE kernel follows from the experts' type: Int4Weight -> "triton", MosaicInt4Weight ->
     "mosaic_gpu" (a Hopper GPU, bf16 activations, expert dims multiples of 64); a small expert stack, where XLA
     measured faster (moe_w4a16.tuned.measured_fastest), runs "xla" on a GPU too.
@@ -226,10 +226,12 @@ def choose_mla(*, extra_bytes: int, impl: str = AUTO, sharded: bool = False) -> 
 
 
 def fold_transposed(device=None) -> bool:
-    """Whether the fold stores the matrices x multiplies directly (the folded MLA's x and output projections, the MLP
-    entries) transposed, [N, K]: on a GPU, where XLA runs a one-token x @ W as one kernel with W [N, K] and as a
-    product + a row reduction with W [K, N] (benchmarks/results/matvec_h200.md: 1.1 vs 3.5 us at 384 x 352, the
-    same at 33 tokens); not on a CPU, where the shipped pair's AR decode measured 8% slower with them transposed."""
+    """Whether the fold also keeps a transposed copy, [N, K], of the matrices x multiplies directly (the folded MLA's
+    x and output projections, the MLP entries) for one-row products: on a GPU, where XLA runs a one-row x @ W as one
+    kernel with W [N, K] and as a product + a row reduction with W [K, N] (benchmarks/results/matvec_h200.md: 1.1
+    vs 3.5 us at 384 x 352; the shipped pair's AR step 432 -> 353 us of kernels, round_profile.md); more rows keep
+    W [K, N] (at 8 rows the [N, K] GEMMs measured 34 us slower a verify). Not on a CPU, where the shipped pair's AR
+    decode measured 8% slower with [N, K]."""
     return is_gpu(device or default_device())
 
 

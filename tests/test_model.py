@@ -101,9 +101,9 @@ def test_prefill_then_token_by_token_decode_equals_full_forward(tiny_params):
 @pytest.mark.parametrize("name", ["tiny", "no_q_lora_no_yarn"])
 def test_folded_mla_projections_match_the_separate_ones_and_the_reference(name, transposed, monkeypatch):
     """fold_params (W_UK in q_b, W_UV in o, q_a | kv_a one matrix; without a q_lora the folded query in that one
-    matrix; every MLP's entry matrices one transposed matrix): a prefill and a decode step on the folded projections
-    match the separate ones and the float64 reference, write the same cache rows, and the separate path is what
-    runs without the fold. Both layouts of the folded matrices (transposed is what a GPU gets) run here."""
+    matrix; every MLP's entry matrices one matrix): a prefill and a decode step on the folded projections match the
+    separate ones and the float64 reference, write the same cache rows, and the separate path is what runs without
+    the fold. With and without the transposed copies a GPU gets (a one-row decode step runs on them)."""
     monkeypatch.setattr(dispatch, "fold_transposed", lambda device=None: transposed)
     cfg = VARIANTS[name]
     params = random_params(cfg, seed=8)
@@ -113,11 +113,13 @@ def test_folded_mla_projections_match_the_separate_ones_and_the_reference(name, 
     assert "folded" not in params["layers_0"]["attn"]  # params themselves untouched
     d, dense = cfg.hidden_size, cfg.first_k_dense_replace
     mlp_entry, moe_entry = folded["layers_0"]["mlp"]["entry"], folded[f"layers_{dense}"]["moe"]["entry"]
-    assert mlp_entry.transposed == moe_entry.transposed == layer.o.transposed == transposed
-    as_kn = (lambda w: w.T) if transposed else (lambda w: w)
-    assert as_kn(mlp_entry.w).shape == (d, 2 * cfg.intermediate_size)
-    assert as_kn(moe_entry.w).shape == (d, cfg.n_routed_experts + 2 * cfg.shared_intermediate_size)
-    np.testing.assert_array_equal(as_kn(moe_entry.w)[:, :cfg.n_routed_experts],  # [router | shared gate | up]
+    for matrix in (mlp_entry, moe_entry, layer.o, layer.proj_a):
+        assert (matrix.w_t is not None) == transposed
+        if transposed:
+            np.testing.assert_array_equal(matrix.w_t, matrix.w.T)
+    assert mlp_entry.w.shape == (d, 2 * cfg.intermediate_size)
+    assert moe_entry.w.shape == (d, cfg.n_routed_experts + 2 * cfg.shared_intermediate_size)
+    np.testing.assert_array_equal(moe_entry.w[:, :cfg.n_routed_experts],  # [router | shared gate | up]
                                   params[f"layers_{dense}"]["moe"]["router"])
     assert "entry" not in params[f"layers_{dense}"]["moe"]
     seq = np.random.default_rng(9).integers(0, cfg.vocab_size, (2, 10))
@@ -133,6 +135,23 @@ def test_folded_mla_projections_match_the_separate_ones_and_the_reference(name, 
     assert rel_err(got["folded"][1], got["separate"][1]) <= 1e-5
     assert not np.array_equal(got["folded"][0], got["separate"][0])  # really another computation
     assert rel_err(got["folded"][0], ref.forward(params, cfg, seq)) <= 1e-5
+    cache = kj.init_cache(cfg, 1, 16)  # batch 1: the decode step's products have one row
+    _, _, cache = step(folded, jnp.asarray(seq[:1, :9]), jnp.arange(9)[None], cache)
+    one, _, _ = step(folded, jnp.asarray(seq[:1, 9:]), jnp.full((1, 1), 9), cache._replace(lengths=jnp.array([9])))
+    assert rel_err(np.asarray(one)[0, 0], got["separate"][0][0, -1]) <= 1e-5
+
+
+def test_folded_matrix_takes_its_transposed_copy_for_one_row_only():
+    """Matrix: x @ W from w_t [N, K] for a one-row x, from w [K, N] otherwise (shown by giving the two copies
+    different contents); without a copy always from w."""
+    w = np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32)
+    marked = model.Matrix(jnp.asarray(w), jnp.asarray(2 * w.T))  # the copy holds 2 W^T
+    one, rows = jnp.ones((1, 1, 6), jnp.float32), jnp.ones((2, 3, 6), jnp.float32)
+    np.testing.assert_allclose(marked(one), 2 * np.ones((1, 1, 6)) @ w, rtol=1e-6)
+    np.testing.assert_allclose(marked(rows), np.ones((2, 3, 6)) @ w, rtol=1e-6)
+    plain = model.Matrix.of(jnp.asarray(w), transposed=False)
+    assert plain.w_t is None
+    np.testing.assert_allclose(plain(one), np.ones((1, 1, 6)) @ w, rtol=1e-6)
 
 
 def test_fold_keeps_mlp_entries_apart_where_one_matrix_cannot_hold_them():
