@@ -99,8 +99,8 @@ def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, i
     run. With a `pending` list, each stage is appended to it for `add_kernel_times` (CUPTI kernel time and
     counts), to run once every wall clock of the run is taken. With `hlo_dir`, each stage's compiled
     (optimized) HLO is written there as text, to map the profile's fusion names to the ops they hold.
-    kernels: the kj.Kernels every forward runs with; params are folded (kdtree_jax.model.fold_params) as
-    `generate` folds them with these kernels, once, outside the timed calls."""
+    kernels: the kj.Kernels every forward runs with; params (and the drafter) are folded (kdtree_jax.model.fold_params,
+    DFlashDraft.folded) as `generate` folds them with these kernels, once, outside the timed calls."""
     import jax
     import jax.numpy as jnp
 
@@ -113,6 +113,7 @@ def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, i
 
     kernels = as_kernels(kernels)
     params = jax.jit(lambda p: fold_params(p, cfg, kernels, sharded=sharding.active_mesh() is not None))(params)
+    draft_model = jax.jit(lambda d: d.folded())(draft_model)  # the drafter's joined matrices, as generate has them
     timer = Timer(iters, device=False)
     depth = draft_model.block_size - 1
     layers = draft_model.hidden_layers

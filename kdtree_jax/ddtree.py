@@ -42,6 +42,7 @@ from kdtree_jax.drafter import (
     check_drafter_params,
     drafter_extend_context,
     drafter_forward,
+    fold_drafter_params,
     init_drafter_cache,
 )
 from kdtree_jax.model import KVCache, Params, fold_params, forward_with_cache, init_cache, write_rows
@@ -82,6 +83,10 @@ class DFlashDraft:
         lm_head = embed.T if cfg.tie_word_embeddings else params["lm_head"]
         return drafter_forward(self.dparams, self.dcfg, state, embed, lm_head, bonus, block_start)
 
+    def folded(self) -> DFlashDraft:
+        """The same drafter on its joined matrices (drafter.fold_drafter_params); `generate` calls it once per call."""
+        return DFlashDraft(self.dcfg, fold_drafter_params(self.dparams, self.dcfg))
+
 
 @flax.struct.dataclass
 class OracleDraft:
@@ -113,6 +118,9 @@ class OracleDraft:
         tokens = jnp.take_along_axis(self.sequence, jnp.minimum(steps, self.sequence.shape[1] - 1), axis=1)
         tokens = jnp.where(steps < self.sequence.shape[1], tokens, 0)
         return jnp.where(jax.nn.one_hot(tokens, self.vocab_size, dtype=bool), 0.0, -1e9)  # [B, L, V]
+
+    def folded(self) -> OracleDraft:
+        return self
 
 
 def as_draft_model(cfg: ModelConfig, drafter):
@@ -205,6 +213,7 @@ def _generate(params, draft_model, prompt_tokens, prompt_lengths, key, first_tok
     depth = draft_model.block_size - 1
     hidden_layers = draft_model.hidden_layers
     params = fold_params(params, cfg, kernels, sharded=sharding.active_mesh() is not None)  # once, before the loop
+    draft_model = draft_model.folded()
 
     cache = init_cache(cfg, batch, max_len, dtype)
     last_logits, hidden, cache = prefill(params, cfg, prompt_tokens, prompt_lengths, cache, hidden_layers,

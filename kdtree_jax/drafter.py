@@ -371,14 +371,35 @@ def context_features(dparams: dict, dcfg: DrafterConfig, target_hidden: jax.Arra
     return rms_norm(_linear(flat, dparams["fc"]), dparams["hidden_norm"], dcfg.rms_norm_eps)  # [B, T, D]
 
 
-def _project_kv(p_attn: dict, dcfg: DrafterConfig, x: jax.Array, positions: jax.Array):
-    """x [B, T, D] -> (keys [B, T, KVH, hd] (k_norm, RoPE), values [B, T, KVH, hd])."""
+def fold_drafter_params(dparams: dict, dcfg: DrafterConfig) -> dict:
+    """dparams with the matrices a round multiplies by the same input joined, once per `generate` call before the
+    decode loop (traceable; XLA otherwise concatenates them again inside the loop, or runs them apart): per layer
+    attn/"qkv" = [q | k | v] and mlp/"gate_up" = [gate | up], and "kv_all" = every layer's [k | v] (the context
+    update's one matmul). The forward and the context update use them when present; same function."""
+    out = dict(dparams)
+    layers = [f"layers_{layer}" for layer in range(dcfg.num_hidden_layers)]
+    out["kv_all"] = jnp.concatenate([dparams[n]["attn"][w] for n in layers for w in ("k", "v")], axis=1)
+    for name in layers:
+        attn, mlp = dparams[name]["attn"], dparams[name]["mlp"]
+        out[name] = {**dparams[name],
+                     "attn": {**attn, "qkv": jnp.concatenate([attn["q"], attn["k"], attn["v"]], axis=1)},
+                     "mlp": {**mlp, "gate_up": jnp.concatenate([mlp["gate"], mlp["up"]], axis=1)}}
+    return out
+
+
+def _project_qkv(p_attn: dict, dcfg: DrafterConfig, x: jax.Array, positions: jax.Array):
+    """x [B, T, D] -> (queries [B, T, H, hd] (q_norm, RoPE), keys [B, T, KVH, hd] (k_norm, RoPE), values
+    [B, T, KVH, hd]); one matmul on folded params (attn/"qkv"), three otherwise."""
     B, T, _ = x.shape
-    KVH, hd = dcfg.num_key_value_heads, dcfg.head_dim
-    k = _linear(x, p_attn["k"]).reshape(B, T, KVH, hd)
-    k = apply_rope(rms_norm(k, p_attn["k_norm"], dcfg.rms_norm_eps), positions, *_rope(dcfg))
-    v = _linear(x, p_attn["v"]).reshape(B, T, KVH, hd)
-    return k, v
+    H, KVH, hd = dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim
+    if "qkv" in p_attn:
+        q, k, v = jnp.split(_linear(x, p_attn["qkv"]), [H * hd, (H + KVH) * hd], axis=-1)
+    else:
+        q, k, v = (_linear(x, p_attn[w]) for w in ("q", "k", "v"))
+    rope, eps = _rope(dcfg), dcfg.rms_norm_eps
+    q = apply_rope(rms_norm(q.reshape(B, T, H, hd), p_attn["q_norm"], eps), positions, *rope)
+    k = apply_rope(rms_norm(k.reshape(B, T, KVH, hd), p_attn["k_norm"], eps), positions, *rope)
+    return q, k, v.reshape(B, T, KVH, hd)
 
 
 # ------------------------------------------------------------------------------------------ extend
@@ -416,10 +437,12 @@ def drafter_extend_context(dparams: dict, dcfg: DrafterConfig, cache: DrafterCac
     features = context_features(dparams, dcfg, target_hidden)  # [B, T, D]
     rows = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
     batch_index = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))  # [B, T]
-    # Every layer's keys and values from one dot (`_project_kv` per layer was 2 Ld dots; the weights are
-    # loop-invariant, so XLA hoists their concatenation out of the decode loop), k_norm and RoPE per head.
+    # Every layer's keys and values from one dot (2 Ld dots apart), k_norm and RoPE per head; the joined matrix
+    # comes from fold_drafter_params where `generate` folded, else it is joined here.
     attn = [dparams[f"layers_{layer}"]["attn"] for layer in range(Ld)]
-    w_kv = jnp.concatenate([w for p in attn for w in (p["k"], p["v"])], axis=1)  # [D, Ld * 2 * KVH * hd]
+    w_kv = dparams.get("kv_all")
+    if w_kv is None:
+        w_kv = jnp.concatenate([w for p in attn for w in (p["k"], p["v"])], axis=1)  # [D, Ld * 2 * KVH * hd]
     kv = _linear(features, w_kv).reshape(B, T, Ld, 2, KVH, hd)
     k_norm = jnp.stack([p["k_norm"] for p in attn])[:, None, :]  # [Ld, 1, hd]
     k = apply_rope(rms_norm(kv[:, :, :, 0], k_norm, dcfg.rms_norm_eps).reshape(B, T, Ld * KVH, hd), positions,
@@ -463,10 +486,8 @@ def _block_attention(p_attn: dict, dcfg: DrafterConfig, x: jax.Array, positions:
     B, Tb, _ = x.shape
     H, KVH, hd = dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim
     G = H // KVH  # query heads per KV head; head h uses KV head h // G (HF repeat_kv order)
-    q = _linear(x, p_attn["q"]).reshape(B, Tb, H, hd)
-    q = apply_rope(rms_norm(q, p_attn["q_norm"], dcfg.rms_norm_eps), positions, *_rope(dcfg))
+    q, k_blk, v_blk = _project_qkv(p_attn, dcfg, x, positions)  # [B, Tb, H, hd], [B, Tb, KVH, hd] x 2
     q = q.reshape(B, Tb, KVH, G, hd)  # [B, Tb, KVH, G, hd]
-    k_blk, v_blk = _project_kv(p_attn, dcfg, x, positions)  # [B, Tb, KVH, hd]
 
     scale = hd**-0.5
     f32 = jnp.float32
@@ -527,8 +548,12 @@ def drafter_forward(dparams: dict, dcfg: DrafterConfig, cache: DrafterCache, emb
         p = dparams[f"layers_{layer}"]
         h = h + _block_attention(p["attn"], dcfg, rms_norm(h, p["input_norm"], eps), positions,
                                  cache.keys[layer], cache.values[layer], cache.lengths)
-        mlp = p["mlp"]
-        h = h + swiglu(rms_norm(h, p["post_attn_norm"], eps), mlp["gate"], mlp["up"], mlp["down"])
+        mlp, normed = p["mlp"], rms_norm(h, p["post_attn_norm"], eps)
+        if "gate_up" in mlp:  # fold_drafter_params: one matmul
+            gate, up = jnp.split(_linear(normed, mlp["gate_up"]), 2, axis=-1)
+            h = h + _linear(jax.nn.silu(gate) * up, mlp["down"])
+        else:
+            h = h + swiglu(normed, mlp["gate"], mlp["up"], mlp["down"])
     h = rms_norm(h[:, 1:], dparams["final_norm"], eps)  # [B, Tb-1, D]: the bonus position predicts nothing
     return jnp.einsum("btd,dv->btv", h, lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
 

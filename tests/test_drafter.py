@@ -21,6 +21,7 @@ from kdtree_jax.drafter import (
     drafter_extend_context,
     drafter_forward,
     drafter_param_names,
+    fold_drafter_params,
     init_drafter_cache,
     init_drafter_params,
 )
@@ -103,6 +104,36 @@ def test_extend_and_forward_match_reference_ragged(dcfg):
         want = ref.drafter_logits(p64, dcfg, hidden[b, :n], positions[b, :n], embed, lm_head,
                                   int(bonus[b]), int(block_start[b]))
         assert rel_err(logits[b], want) < TOL, f"row {b}"
+
+
+@pytest.mark.parametrize("dcfg", [small_config(), small_config(num_hidden_layers=1, num_key_value_heads=4,
+                                                                target_layer_ids=(1,), block_size=3)],
+                         ids=["gqa-2layers", "mha-1layer"])
+def test_folded_params_give_the_same_drafts_and_context(dcfg):
+    """fold_drafter_params ([q | k | v], [gate | up] per layer, every layer's [k | v]): the context update writes the
+    same cache rows and the forward gives the same logits as on the separate matrices, and the float64 reference;
+    the params passed in are left as they were."""
+    params = random_params(dcfg)
+    folded = fold_drafter_params(params, dcfg)
+    assert "qkv" in folded["layers_0"]["attn"] and "gate_up" in folded["layers_0"]["mlp"] and "kv_all" in folded
+    assert "qkv" not in params["layers_0"]["attn"] and "kv_all" not in params
+    embed, lm_head = target_weights(dcfg)
+    lengths = np.array([3, 7], np.int32)
+    hidden, positions = ragged_context(dcfg, lengths, T=7)
+    bonus, block_start = jnp.array([4, 17], jnp.int32), jnp.asarray(lengths)
+    got = {}
+    for label, p in (("separate", params), ("folded", folded)):
+        cache = extend(p, dcfg, init_drafter_cache(dcfg, batch=2, max_len=12), jnp.asarray(hidden),
+                       jnp.asarray(positions), jnp.asarray(lengths))
+        got[label] = (np.asarray(cache.keys), np.asarray(cache.values),
+                      np.asarray(forward(p, dcfg, cache, embed, lm_head, bonus, block_start)))
+    for sep, fold in zip(got["separate"], got["folded"], strict=True):
+        assert rel_err(fold, sep) < TOL
+    p64 = ref.to_float64(params)
+    for b in range(2):
+        n = int(lengths[b])
+        want = ref.drafter_logits(p64, dcfg, hidden[b, :n], positions[b, :n], embed, lm_head, int(bonus[b]), n)
+        assert rel_err(got["folded"][2][b], want) < TOL
 
 
 def test_garbage_context_rows_are_ignored():
