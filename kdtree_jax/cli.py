@@ -190,9 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mla-weights", choices=("auto", *KERNEL_CHOICES["mla"]), default="auto",
                    help="the cached forward's projections: folded (W_UK pre-multiplied into q_b and W_UV into o "
                    "once per call: three matmuls a layer instead of five, a few MiB more weights; each MLP's entry "
-                   "matrices one matmul; on a GPU [N, K] copies for one-row products) or separate (the checkpoint's matrices). auto "
-                   "(default): folded when that adds at most 4 MiB a layer (a small model, whose decode is "
-                   "launch-bound), separate otherwise (K2.6) and on a mesh")
+                   "matrices one matmul; on a GPU [N, K] copies for one-row products) or separate (the "
+                   "checkpoint's matrices). auto (default): folded when that adds at most 4 MiB a layer (a small "
+                   "model, whose decode is launch-bound), separate otherwise (K2.6) and on a mesh")
     g.add_argument("--matmul-precision", choices=("highest", "default"), default="highest",
                    help="float32 matmul precision (default: %(default)s). On NVIDIA GPUs 'default' is TF32, "
                    "whose rounding differs between the AR step and the tree-shaped verify, so greedy DDTree "
