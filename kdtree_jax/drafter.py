@@ -26,7 +26,7 @@ import numpy as np
 from jax.core import Tracer  # still public in jax 0.11 (not deprecated); jax has no other concreteness test
 
 from kdtree_jax.config import ConfigError, ModelConfig, YarnScaling
-from kdtree_jax.layers import apply_rope, rms_norm, rope_frequencies, swiglu
+from kdtree_jax.layers import apply_rope, rms_norm, rope_frequencies, swiglu, swiglu_joined
 
 # DFlash drafters use blocks of 10-16. DDTree's tree build and accept walk unroll one step per drafted
 # position, so compile time grows about quadratically with the block (tiny model on a CPU: 16 -> 7 s,
@@ -376,15 +376,19 @@ def fold_drafter_params(dparams: dict, dcfg: DrafterConfig) -> dict:
     decode loop (traceable; XLA otherwise concatenates them again inside the loop, or runs them apart): per layer
     attn/"qkv" = [q | k | v] and mlp/"gate_up" = [gate | up], and "kv_all" = every layer's [k | v] (the context
     update's one matmul). The forward and the context update use them when present; same function."""
-    out = dict(dparams)
-    layers = [f"layers_{layer}" for layer in range(dcfg.num_hidden_layers)]
-    out["kv_all"] = jnp.concatenate([dparams[n]["attn"][w] for n in layers for w in ("k", "v")], axis=1)
-    for name in layers:
+    out: dict[str, Any] = {**dparams, "kv_all": _joined_kv(dparams, dcfg.num_hidden_layers)}
+    for name in (f"layers_{layer}" for layer in range(dcfg.num_hidden_layers)):
         attn, mlp = dparams[name]["attn"], dparams[name]["mlp"]
         out[name] = {**dparams[name],
                      "attn": {**attn, "qkv": jnp.concatenate([attn["q"], attn["k"], attn["v"]], axis=1)},
                      "mlp": {**mlp, "gate_up": jnp.concatenate([mlp["gate"], mlp["up"]], axis=1)}}
     return out
+
+
+def _joined_kv(dparams: dict, num_layers: int) -> jax.Array:
+    """Every layer's [k | v], layer 0 first: [D, num_layers * 2 * KVH * hd] (the context update's one matmul)."""
+    attn = [dparams[f"layers_{layer}"]["attn"] for layer in range(num_layers)]
+    return jnp.concatenate([w for p in attn for w in (p["k"], p["v"])], axis=1)
 
 
 def _project_qkv(p_attn: dict, dcfg: DrafterConfig, x: jax.Array, positions: jax.Array):
@@ -440,9 +444,7 @@ def drafter_extend_context(dparams: dict, dcfg: DrafterConfig, cache: DrafterCac
     # Every layer's keys and values from one dot (2 Ld dots apart), k_norm and RoPE per head; the joined matrix
     # comes from fold_drafter_params where `generate` folded, else it is joined here.
     attn = [dparams[f"layers_{layer}"]["attn"] for layer in range(Ld)]
-    w_kv = dparams.get("kv_all")
-    if w_kv is None:
-        w_kv = jnp.concatenate([w for p in attn for w in (p["k"], p["v"])], axis=1)  # [D, Ld * 2 * KVH * hd]
+    w_kv = dparams["kv_all"] if "kv_all" in dparams else _joined_kv(dparams, Ld)  # [D, Ld * 2 * KVH * hd]
     kv = _linear(features, w_kv).reshape(B, T, Ld, 2, KVH, hd)
     k_norm = jnp.stack([p["k_norm"] for p in attn])[:, None, :]  # [Ld, 1, hd]
     k = apply_rope(rms_norm(kv[:, :, :, 0], k_norm, dcfg.rms_norm_eps).reshape(B, T, Ld * KVH, hd), positions,
@@ -550,8 +552,7 @@ def drafter_forward(dparams: dict, dcfg: DrafterConfig, cache: DrafterCache, emb
                                  cache.keys[layer], cache.values[layer], cache.lengths)
         mlp, normed = p["mlp"], rms_norm(h, p["post_attn_norm"], eps)
         if "gate_up" in mlp:  # fold_drafter_params: one matmul
-            gate, up = jnp.split(_linear(normed, mlp["gate_up"]), 2, axis=-1)
-            h = h + _linear(jax.nn.silu(gate) * up, mlp["down"])
+            h = h + swiglu_joined(_linear(normed, mlp["gate_up"]), mlp["down"])
         else:
             h = h + swiglu(normed, mlp["gate"], mlp["up"], mlp["down"])
     h = rms_norm(h[:, 1:], dparams["final_norm"], eps)  # [B, Tb-1, D]: the bonus position predicts nothing

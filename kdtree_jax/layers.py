@@ -25,6 +25,15 @@ def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, linear
     return linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)
 
 
+def swiglu_joined(gate_up: jax.Array, down: jax.Array, linear=None) -> jax.Array:
+    """swiglu's second half from x @ [gate | up] (gate_up [..., 2F], the two products side by side):
+    (silu(gate) * up) @ down."""
+    if linear is None:
+        linear = lambda a, w: a @ w.astype(a.dtype)  # noqa: E731
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return linear(jax.nn.silu(gate) * up, down)
+
+
 def rope_inv_freq(theta: float, dim: int) -> np.ndarray:
     """Plain RoPE frequencies theta^(-2i/dim), i < dim/2 (float64, static)."""
     return theta ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from kdtree_jax import attention, sharding
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.layers import apply_rope, rms_norm, swiglu, yarn_inv_freq
+from kdtree_jax.layers import apply_rope, rms_norm, swiglu, swiglu_joined, yarn_inv_freq
 from kdtree_jax.linear import linear as _linear
 from kdtree_jax.weights import declare
 from pallas_kernels import dispatch
@@ -317,9 +317,7 @@ class DenseMLP(nn.Module):
             return mlp
         linear = functools.partial(_linear, kernels=self.kernels)
         if self.has_variable("params", "entry"):  # fold_params: [gate | up], one matmul
-            gate_up = cast(Matrix, self.get_variable("params", "entry"))(x)
-            gate, up = jnp.split(gate_up, 2, axis=-1)
-            return linear(jax.nn.silu(gate) * up, mlp["down"])
+            return swiglu_joined(cast(Matrix, self.get_variable("params", "entry"))(x), mlp["down"], linear)
         return swiglu(x, mlp["gate"], mlp["up"], mlp["down"], linear=linear)
 
 
@@ -368,10 +366,10 @@ class MoE(nn.Module):
         if self.has_variable("params", "entry"):  # fold_params: [router | shared gate | shared up], one matmul
             shared_down = DenseMLP(cfg, dt, self.kernels, name="shared")()["down"]
             entry = cast(Matrix, self.get_variable("params", "entry"))(flat)  # [N, E + 2 I]
-            gate, up = jnp.split(entry[:, cfg.n_routed_experts:], 2, axis=-1)
             idx, weights = route_logits(cfg, entry[:, :cfg.n_routed_experts], router_bias)
             out = routed_experts(flat, experts, idx, weights, self.kernels)
-            out = out + _linear(jax.nn.silu(gate) * up, shared_down, self.kernels)
+            out = out + swiglu_joined(entry[:, cfg.n_routed_experts:], shared_down,
+                                      functools.partial(_linear, kernels=self.kernels))
             return out.reshape(*lead, d)
         idx, weights = route(cfg, flat, router, router_bias)
         mesh = sharding.active_mesh()

@@ -229,9 +229,9 @@ def fold_transposed(device=None) -> bool:
     """Whether the fold also keeps a transposed copy, [N, K], of the matrices x multiplies directly (the folded MLA's
     x and output projections, the MLP entries) for one-row products: on a GPU, where XLA runs a one-row x @ W as one
     kernel with W [N, K] and as a product + a row reduction with W [K, N] (benchmarks/results/matvec_h200.md: 1.1
-    vs 3.5 us at 384 x 352; the shipped pair's AR step 432 -> 353 us of kernels, round_profile.md); more rows keep
-    W [K, N] (at 8 rows the [N, K] GEMMs measured 34 us slower a verify). Not on a CPU, where the shipped pair's AR
-    decode measured 8% slower with [N, K]."""
+    vs 3.5 us at 384 x 352; the shipped pair's AR step 432 -> 353 us of kernels, round_profile_2026-12-03_s13_nk.md);
+    more rows keep W [K, N] (at 8 rows the [N, K] GEMMs measured 34 us slower a verify). Not on a CPU, where the
+    shipped pair's AR decode measured 8% slower with [N, K]."""
     return is_gpu(device or default_device())
 
 

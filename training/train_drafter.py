@@ -201,15 +201,19 @@ def main() -> None:
     tok = load_tokenizer(args.tokenizer)
     cfg, params = kj.load_checkpoint(args.target, expect_kind="target")
     params = cast_params(params, jnp.float32, cfg)  # the target runs in float32, as at inference
+    init = None
+    if args.init is not None and not args.generate_only:  # checked before the (long) data generation
+        init = kj.load_checkpoint(args.init, expect_kind="drafter", dtype=jnp.float32)
+        if init[0].block_size != args.block_size:
+            parser.error(f"--init {args.init} has block size {init[0].block_size}, not --block-size {args.block_size}")
+        init[0].check_target(cfg)
     log = JsonLog(args.out / "log.jsonl")
     data = load_or_generate(args, cfg, params, tok, log)
     if args.generate_only:
         return
     seqs, valid = data["seqs"], data["valid"]
-    if args.init is not None:
-        dcfg, dparams = kj.load_checkpoint(args.init, expect_kind="drafter", dtype=jnp.float32)
-        if dcfg.block_size != args.block_size:
-            parser.error(f"--init {args.init} has block size {dcfg.block_size}, not --block-size {args.block_size}")
+    if init is not None:
+        dcfg, dparams = init
     else:
         dcfg = kj.DrafterConfig.for_target(cfg, num_layers=args.layers, num_target_layers=args.target_layers,
                                            block_size=args.block_size, intermediate_size=args.width)
@@ -258,7 +262,7 @@ def main() -> None:
         log(**record)
         return record
 
-    if args.init is not None:
+    if init is not None:
         evaluate(0)  # the starting drafter on the same held-out sets
     rng = np.random.default_rng(args.seed)
     schedule = StepSchedule(args.steps, args.time_budget_s, args.lr, args.warmup, log)
