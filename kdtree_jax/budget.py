@@ -21,7 +21,7 @@ at close to AR's speed instead of below it.
 
 The costs come from measurement: `default_costs` gives whole-`generate` timings of the shipped pair (rounds
 per second against AR steps per second at the same temperature, greedy and sampled apart: benchmarks/results/
-e2e_h200_b1_s11.json, e2e_h200_b8_s11.json, e2e_cpu.json);
+e2e_h200_b1_s14_drafter8c.json, e2e_h200_b8_s14.json, e2e_h200_b8_s11.json, e2e_cpu.json);
 `kdtree_jax.calibrate_budget_costs` measures them for any model on the device at hand.
 """
 
@@ -75,20 +75,21 @@ class BudgetCosts:
 # generate call per round over its wall time per AR step at the same temperature. sampled=False: greedy; True:
 # temperature 1 (used for every temperature > 0: a sampled round also samples every tree node and runs the
 # acceptance walk on samples, and its cost grows faster with the budget than a greedy round's).
-# H200: e2e_h200_b1_s11.json and e2e_h200_b8_s11.json (2026-12-02 17:49-17:53, merged as e2e_h200.json; the shipped
-# pair with its retrained drafter, float32 precision highest, attention and the routed experts on XLA as `auto` runs
-# them on a GPU, the engine's XLA flag; 8 prompts x 128 tokens, median of 3 calls, sampled points summed over 2
-# seeds; both temperatures in one run per batch). An AR step is 449 us at batch 1 and 570 us at batch 8: a batch-8
-# round at budget 32 verifies 264 tokens and costs 3.2 AR steps. The Triton-MoE tables they replace (an AR step
-# 992 us) are in e2e_h200_b1_s9.json / e2e_h200_b8_s9.json.
+# H200, batch 1 greedy and temperature 1, batch 8 greedy: e2e_h200_b1_s14_drafter8c.json and e2e_h200_b8_s14.json
+# (2026-12-03 13:30-13:45; the shipped pair, float32 precision highest, the engine's kernel choice and XLA flag;
+# 8 prompts x 128 tokens, median of 3 calls, sampled points summed over 2 seeds). The candidates are 2^k - 1:
+# such a budget verifies 2^k tokens (the bonus + n nodes) and measured faster than 2^k at every k (7 / 15 / 31
+# against 8 / 16 / 32: +7.8 / +0.7 / +4.7%, e2e_h200_b1_s13.json). An AR step is 384 us at batch 1 and 493 us
+# at batch 8. Batch 8 at temperature 1: e2e_h200_b8_s11.json (2026-12-02, budgets 8 / 16 / 32: the 2026-12-03 run
+# at 7 / 15 / 31 ran out of time before those rows).
 # CPU: e2e_cpu.json (2026-12-02, the shipped pair, 2-core machine, batch 1 and 8, greedy and temperature 1, 8
 # prompts x 64 tokens). Candidates on a CPU stop at 16: no larger budget was the best fixed one in any setting of
 # that run (nor of the 2026-12-01 run), and auto builds its tree at the largest candidate every round (at batch 8
 # its rounds cost 4.28 AR steps against fixed budget 8's 3.72 with 64 as the largest candidate, e2e_cpu.json).
 _MEASURED = {
-    ("gpu", 1, False): {8: 1.77, 16: 1.97, 32: 2.10},
-    ("gpu", 8, False): {8: 2.01, 16: 2.43, 32: 3.17},
-    ("gpu", 1, True): {8: 1.72, 16: 1.87, 32: 2.02},
+    ("gpu", 1, False): {7: 1.74, 15: 2.03, 31: 2.28},
+    ("gpu", 8, False): {7: 1.96, 15: 2.25, 31: 3.23},
+    ("gpu", 1, True): {7: 1.64, 15: 1.86, 31: 2.05},
     ("gpu", 8, True): {8: 1.92, 16: 2.34, 32: 3.06},
     ("cpu", 1, False): {4: 3.74, 8: 4.06, 16: 5.35},
     ("cpu", 8, False): {4: 4.11, 8: 3.72, 16: 5.72},

@@ -49,6 +49,15 @@ def target_config(vocab_size: int, hidden: int = 384, layers: int = 8, experts: 
     ).validate()
 
 
+def on_one_device(tree, device=None):
+    """Every leaf of a training state (params, optimizer state) committed to one device (default: the first).
+    A jitted step's cache key includes whether each argument is committed: a state that mixes committed leaves
+    (a loaded checkpoint) with uncommitted ones (a fresh optimizer state) compiles the step a second time on
+    step 2, once its own committed outputs come back, which also spoils a step time measured over the first
+    steps (`train_drafter --init` ran 469 of the ~8600 steps its time budget allowed)."""
+    return jax.device_put(tree, jax.devices()[0] if device is None else device)
+
+
 def token_byte_lengths(tokenizer) -> np.ndarray:
     """Bytes of text each token id stands for (0 for special tokens): the denominator of bits per byte."""
     from kdtree_jax.healing import token_table

@@ -41,6 +41,7 @@ from training.common import (
     JsonLog,
     describe_device,
     load_tokenizer,
+    on_one_device,
     param_count,
     plot_curves,
 )
@@ -227,7 +228,9 @@ def main() -> None:
     layers = dcfg.target_layer_ids
     compute_dtype = jnp.dtype(args.compute_dtype)
     optimizer = make_optimizer(weight_decay=0.01)
-    opt_state = optimizer.init(dparams)
+    # committed like train_step's outputs, so step 2 does not compile it again (a loaded --init drafter is
+    # committed, a fresh optimizer state is not: the time budget then measured the recompile)
+    dparams, opt_state = on_one_device((dparams, optimizer.init(dparams)))
 
     def loss_fn(dparams, tokens, valid_len, anchors):
         hidden = target_hidden(params, cfg, tokens, layers).astype(compute_dtype)

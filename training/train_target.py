@@ -42,6 +42,7 @@ from training.common import (
     JsonLog,
     describe_device,
     load_tokenizer,
+    on_one_device,
     param_count,
     plot_curves,
     target_config,
@@ -231,7 +232,7 @@ def main() -> None:
 
     params = kj.init_params(cfg, jax.random.key(args.seed))
     optimizer = make_optimizer()
-    opt_state = optimizer.init(params)
+    params, opt_state = on_one_device((params, optimizer.init(params)))  # one compile of train_step
 
     @jax.jit
     def train_step(params, opt_state, tokens):
