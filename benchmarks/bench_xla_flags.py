@@ -29,11 +29,18 @@ from kdtree_jax import xla_flags  # noqa: E402
 ASSETS = Path(__file__).resolve().parents[1] / "kdtree_jax" / "assets"
 # Named settings: the XLA_FLAGS each child process gets.
 WHILE = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"  # loops and conditionals inside CUDA graphs too
+# The GEMMs on cuBLAS (cuBLASLt) instead of XLA's Triton GEMM fusions: a float32 verify's GEMMs at "highest"
+# precision grow with T (round_profile_2026-12-03_s14.md: T = 8 / 32 415 / 591 us of kernels) far faster than
+# their FLOPs, which is what this setting asks about.
+CUBLAS = "--xla_gpu_enable_triton_gemm=false"
+CUBLASLT = "--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_cublaslt=true"
 SETTINGS = {
     "none": "",
     "recommended": " ".join(xla_flags.RECOMMENDED),
     "while": WHILE,
     "recommended+while": " ".join((*xla_flags.RECOMMENDED, WHILE)),
+    "recommended+cublas": " ".join((*xla_flags.RECOMMENDED, CUBLAS)),
+    "recommended+cublaslt": " ".join((*xla_flags.RECOMMENDED, CUBLASLT)),
 }
 CHILD_MARK = "XLA_FLAGS_ROWS "
 
@@ -127,7 +134,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights cast to this dtype")
     ap.add_argument("--settings", nargs="+", choices=tuple(SETTINGS), default=["none", "recommended"],
                     help="flag settings to compare (the first is the baseline of the speed-ups)")
-    ap.add_argument("--budgets", type=int, nargs="+", default=[8, 32], help="DDTree budgets")
+    ap.add_argument("--budgets", type=int, nargs="+", default=[7, 31], help="DDTree budgets")
     ap.add_argument("--prompts", type=int, default=4, help="held-out prompts, one batch-1 call each")
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per call")
     ap.add_argument("--iters", type=int, default=5, help="timed calls per prompt (median)")

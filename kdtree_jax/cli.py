@@ -429,18 +429,18 @@ _FLAGS = {"attention": "--attention-kernel", "linear": "--linear-kernel", "moe":
           "tree": "--tree-kernel", "mla": "--mla-weights"}
 
 
-def kernel_plan_line(params, cfg, kernels=None) -> str:
-    """The one line saying which kernel every op runs here, with hints a CLI user can act on: where a
-    flag pinned an op to something other than what auto would run, and where the model's dtype keeps the
-    routed experts off the Mosaic GPU kernel."""
+def kernel_plan_line(params, cfg, kernels=None, sharded: bool = False) -> str:
+    """The one line saying which kernel every op runs here (sharded: over --mesh), with hints a CLI user can
+    act on: where a flag pinned an op to something other than what auto would run, and where the model's dtype
+    keeps the routed experts off the Mosaic GPU kernel."""
     from kdtree_jax.kernels import Kernels, kernel_plan, plan_summary  # noqa: PLC0415
 
     kernels = kernels or Kernels()
-    plan = kernel_plan(params, cfg, kernels=kernels)
+    plan = kernel_plan(params, cfg, kernels=kernels, sharded=sharded)
     hints = []
     pinned = [op for op in _FLAGS if getattr(kernels, op) != "auto"]
     if pinned:
-        auto = kernel_plan(params, cfg, kernels=Kernels(interpret=kernels.interpret))
+        auto = kernel_plan(params, cfg, kernels=Kernels(interpret=kernels.interpret), sharded=sharded)
         hints += [f"{_FLAGS[op]} auto would run {auto[op][0]}" for op in pinned if auto[op][0] != plan[op][0]]
     if plan["moe"][0] == "triton" and "bf16 activations" in plan["moe"][1]:
         hints.append("a bfloat16 model runs the routed experts on the Mosaic GPU kernel (--dtype bfloat16, or "
@@ -573,7 +573,8 @@ def cmd_generate(args) -> None:
     with STATUS.step("loading the target"):
         cfg, params, model_desc = _load_model(args)
         kernels = _kernels(args)
-        plan_line = kernel_plan_line(params, cfg, kernels)  # before converting: a kernel that cannot run fails here
+        # before converting: a kernel that cannot run fails here
+        plan_line = kernel_plan_line(params, cfg, kernels, sharded=args.mesh is not None)
         params = prepare_params(params, cfg, kernels)  # routed experts to the Mosaic layout where it runs (once)
     prompts = _parse_prompts(args.prompt, tokenizer, cfg)
     encoded, first_token_mask, removed = prompts, None, [""] * len(prompts)

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 
+from kdtree_jax import sharding
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model import mla_choice
 from kdtree_jax.quantize import to_mosaic_experts
@@ -52,11 +53,14 @@ def _moe_layout(experts: dict, act_dtype, cfg: ModelConfig, kernels: Kernels, de
                                       num_experts=experts["gate"].lead_shape[0])
 
 
-def kernel_plan(params: dict, cfg: ModelConfig, device=None, kernels: Kernels | None = None) -> Plan:
+def kernel_plan(params: dict, cfg: ModelConfig, device=None, kernels: Kernels | None = None,
+                sharded: bool | None = None) -> Plan:
     """{op: (kernel, reason)} for every op of the model, as `generate(..., kernels=kernels)` will run them on
     `device` (default the first JAX device) after `prepare_params(params, cfg, kernels, device)`.
 
     params may be concrete or abstract (shapes and dtypes only, e.g. a checkpoint's tensor index).
+    sharded: whether generate runs the target over a device mesh (its `mesh=`), which keeps the MLA projections
+    separate; None: whether a mesh is active (`kdtree_jax.sharding.active_mesh`), as inside generate.
     Raises KernelUnavailableError when `kernels` asks for a kernel that cannot run there."""
     kernels = dispatch.as_kernels(kernels)
     device = device or dispatch.default_device()
@@ -102,7 +106,9 @@ def kernel_plan(params: dict, cfg: ModelConfig, device=None, kernels: Kernels | 
     # the DDTree tree build (every budget the engine accepts fits the kernel)
     tree = dispatch.choose_tree(budget=1, depth_count=1, impl=kernels.tree, device=device, interpret=kernels.interpret)
     plan["tree"] = (tree.impl, tree.reason)
-    mla = mla_choice(cfg, params, kernels)  # inside generate; a mesh keeps them separate (model.fold_params)
+    if sharded is None:
+        sharded = sharding.active_mesh() is not None
+    mla = mla_choice(cfg, params, kernels, sharded)  # as generate's model.fold_params decides
     plan["mla"] = (mla.impl, mla.reason)
     return plan
 

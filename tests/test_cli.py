@@ -188,6 +188,9 @@ def test_generate_prints_one_kernel_plan_line_and_takes_pinned_kernels(models, c
     cfg, params = kj.load_checkpoint(models / "int4_tiny")
     direct = kj.generate(cfg, params, [[3, 17, 42, 5]], max_new_tokens=5)
     assert token_lines(pinned) == token_lines(auto) == [np.asarray(direct.tokens)[0, : int(direct.lengths[0])].tolist()]
+    rc, meshed, err = run(["generate", *common, "--mesh", "expert=1,tensor=1"], capsys)  # the fold is skipped there
+    assert rc == 0, err
+    assert "mla separate (sharded over a mesh)" in meshed and token_lines(meshed) == token_lines(auto)
     if jax.default_backend() == "cpu":
         rc, _, err = run(["generate", *common, "--moe-kernel", "triton"], capsys)
         assert rc == 2 and "moe impl='triton' cannot run: no GPU, this is cpu" in err

@@ -125,6 +125,13 @@ def test_prepare_params_and_kernel_plan_follow_the_dispatcher(int4_params, mosai
         "attention": ("xla", "no GPU, this is cpu"), "linear": ("none", "no INT4 dense weights"),
         "moe": ("xla", "no GPU, this is cpu"), "tree": ("xla", "no GPU, this is cpu"),
         "mla": ("folded", "small model: 0.1 MiB more a layer, fewer launches")}
+    # over a mesh generate keeps the MLA projections separate (model.fold_params), and the plan says so: asked,
+    # or from the surrounding jax.set_mesh as inside generate
+    assert kj.kernel_plan(int4_params, CFG, device=cpu, sharded=True)["mla"] == ("separate", "sharded over a mesh")
+    with jax.set_mesh(sharding.make_mesh("expert=1,tensor=1")):
+        assert kj.kernel_plan(int4_params, CFG, device=cpu)["mla"] == ("separate", "sharded over a mesh")
+    with pytest.raises(kj.KernelUnavailableError, match="folded projections have no sharding"):
+        kj.kernel_plan(int4_params, CFG, device=cpu, kernels=kj.Kernels(mla="folded"), sharded=True)
     # an A100: the Triton kernel, and why not the Mosaic one
     ampere = _FakeDevice(compute_capability="8.0", device_kind="A100")
     assert kj.prepare_params(int4_params, CFG, device=ampere) is int4_params
