@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kdtree_jax as kj  # noqa: E402
-from benchmarks.common import Timer, metadata, write_results  # noqa: E402
+from benchmarks.common import MATMUL_PRECISIONS, Timer, metadata, set_matmul_precision, write_results  # noqa: E402
 from kdtree_jax.budget import default_costs, rounds_per_budget  # noqa: E402
 
 ASSETS = Path(kj.__file__).parent / "assets"
@@ -139,10 +139,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1,
                         help="sampled points (temperature > 0) run every prompt group once per PRNG seed and sum: "
                              "at batch 8 the slowest of the sampled rows sets a call's rounds, a noisy maximum")
-    parser.add_argument("--matmul-precision", choices=("highest", "default"), default="highest",
+    parser.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="highest",
                         help="jax_default_matmul_precision for the float32 models (default highest: on the H200 "
                              "'default' means TF32, whose rounding differs between AR and tree shapes and can "
-                             "flip near-tie argmaxes, i.e. break the greedy invariant)")
+                             "flip near-tie argmaxes, i.e. break the greedy invariant; the dot algorithms "
+                             "(BF16_BF16_F32_X6 ...) keep about float32 accuracy on tensor cores; whether the "
+                             "invariant holds there is what each row's check says)")
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="start no new (method, budget) point after this many seconds; the results so far "
                              "are written and marked incomplete")
@@ -163,8 +165,7 @@ def main() -> None:
         raise SystemExit("--auto-costs run measures the round costs on this run's AR and fixed-budget rows: "
                          "--methods needs ar and ddtree and --budgets at least one budget (or pass "
                          "--auto-costs default)")
-    if args.matmul_precision == "highest":
-        jax.config.update("jax_default_matmul_precision", "highest")
+    set_matmul_precision(args.matmul_precision)
 
     kernels = kj.Kernels(moe=args.moe)
     cfg, params = kj.load_checkpoint(args.target, expect_kind="target", dtype=args.dtype)

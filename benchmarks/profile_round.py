@@ -25,6 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import MATMUL_PRECISIONS  # noqa: E402
+
 ASSETS = Path(__file__).resolve().parents[1] / "kdtree_jax" / "assets"
 
 
@@ -242,6 +244,9 @@ def main() -> None:
                     help="the routed experts' implementation (kj.Kernels(moe=...)); auto: what the dispatcher picks")
     ap.add_argument("--mla", choices=("auto", "folded", "separate"), default="auto",
                     help="the cached MLA's projections (kj.Kernels(mla=...)); auto: what the dispatcher picks")
+    ap.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="highest",
+                    help="jax_default_matmul_precision of the float32 model (benchmarks.common.MATMUL_PRECISIONS; "
+                         "default %(default)s, how the engine runs float32)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
     args = ap.parse_args()
 
@@ -249,13 +254,13 @@ def main() -> None:
     import jax.numpy as jnp
 
     import kdtree_jax as kj
-    from benchmarks.common import metadata, write_results
+    from benchmarks.common import metadata, set_matmul_precision, write_results
     from kdtree_jax.ddtree import as_draft_model
     from kdtree_jax.decoding import prefill
     from kdtree_jax.model import init_cache
     from training.prompts import load_prompts
 
-    jax.config.update("jax_default_matmul_precision", "highest")
+    set_matmul_precision(args.matmul_precision)
     cfg, params = kj.load_checkpoint(args.target, expect_kind="target", dtype=args.dtype)
     dcfg, dparams = kj.load_checkpoint(args.drafter, expect_kind="drafter", dtype=args.dtype)
     draft_model = as_draft_model(cfg, (dcfg, dparams))
@@ -289,7 +294,7 @@ def main() -> None:
 
     plan = kj.kernel_plan(params, cfg, kernels=kernels)
     meta = metadata(target=str(args.target), drafter=str(args.drafter), prompt_tokens=len(prompt),
-                    kernels={op: list(choice) for op, choice in plan.items()},
+                    matmul_precision=args.matmul_precision, kernels={op: list(choice) for op, choice in plan.items()},
                     timing="wall: median per jitted call incl. dispatch, every wall clock taken before the first "
                            "CUPTI window; kernel: CUPTI summed kernel time of the median call; in-the-loop rows: "
                            f"generate calls of {args.loop_prompts} prompt(s) at batch 1, summed wall over summed "
@@ -298,7 +303,8 @@ def main() -> None:
     lines = [f"# One DDTree round, stage by stage ({meta['device']})", "", f"{meta['date']}, JAX {meta['jax']}; "
              f"{meta['timing']}; each stage jitted alone, so each pays one dispatch that the one-jit loop does "
              f"not. The last rows are the round as run: generate calls of {args.loop_tokens} tokens over their "
-             f"rounds (AR steps = wall per round / wall per AR step). XLA_FLAGS: `{meta['xla_flags'] or 'none'}`. "
+             f"rounds (AR steps = wall per round / wall per AR step). Float32 matmul precision "
+             f"{meta['matmul_precision']}. XLA_FLAGS: `{meta['xla_flags'] or 'none'}`. "
              f"Kernels: {'; '.join(f'{op} {impl} ({why})' for op, (impl, why) in plan.items())}.", "",
              "| stage | wall us | kernel us | kernels | AR steps |", "|---|---|---|---|---|"]
     for r in rows:

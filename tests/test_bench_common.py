@@ -195,3 +195,27 @@ def test_moe_baselines_match_float64(name):
         got = np.asarray(xla_baselines.MOE_BASELINES[name](jnp.asarray(x), experts, jnp.asarray(ids),
                                                            jnp.asarray(weights)))
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+
+
+def test_matmul_precision_names():
+    """--matmul-precision: every listed name is accepted by jax (a CPU float32 matmul runs under the algorithms
+    the CPU has), "default" leaves JAX's setting alone, anything else is a clear error."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.common import MATMUL_PRECISIONS, set_matmul_precision
+
+    before = jax.config.jax_default_matmul_precision
+    try:
+        set_matmul_precision("default")
+        assert jax.config.jax_default_matmul_precision == before
+        for name in MATMUL_PRECISIONS[2:]:
+            set_matmul_precision(name)
+            assert jax.config.jax_default_matmul_precision == name
+            if name not in ("BF16_BF16_F32_X9", "TF32_TF32_F32_X3"):  # XLA's CPU backend lacks these two
+                x = jnp.arange(12.0).reshape(3, 4)
+                np.testing.assert_allclose(np.asarray(x @ x.T), np.asarray(x) @ np.asarray(x).T, rtol=1e-6)
+        with pytest.raises(ValueError, match="is not one of"):
+            set_matmul_precision("fast")
+    finally:
+        jax.config.update("jax_default_matmul_precision", before)
