@@ -4,14 +4,15 @@ touched-expert floor, with each variant's per-kernel breakdown, in one run.
 
   python benchmarks/bench_moe_mgpu.py --ts 1,9,33,129 --variants bn64:bk256:s4,bn64:bk512:s4 --out DIR
 
-A variant is a tiling for the gate/up launches, optionally "/" a tiling for the down launch
-(`MgpuConfig.parse`: e.g. "bn64:bk256:s4/bn64:bk128:s6"). The experts (E = 384, D = 7168, I = 2048) are
-random INT4 made on the device straight in the kernel layout; each token routes to 8 distinct uniformly
-random experts. Timing: benchmarks/common.py Timer (CUPTI summed kernel time, one window per iteration,
-median), the whole routed MoE including its XLA grouping and glue; the floor is the touched experts' INT4 +
-bf16-scale bytes at the copy bandwidth measured in this run (benchmarks/cost_model.py). Issue 7's
-T = 1 target counts the shared expert too: its bf16 XLA time and bytes are measured and added in the
-"layer" columns. A variant that fails to compile or disagrees with the reference is reported, never timed.
+A variant is a tiling for the gate/up launches, optionally "/" a tiling for the down launch (`MgpuConfig.parse`:
+e.g. "bn64:bk256:s4/bn64:bk128:s6"), optionally "+fused": gate and up in one launch with the SwiGLU in its
+epilogue (`fused_gate_up=True`), e.g. "bn64:bk256:s4+fused". The experts (E = 384, D = 7168, I = 2048) are
+random INT4 made on the device straight in the kernel layout; each token routes to 8 distinct uniformly random
+experts. Timing: benchmarks/common.py Timer (CUPTI summed kernel time, one window per iteration, median), the
+whole routed MoE including its XLA grouping and glue; the floor is the touched experts' INT4 + bf16-scale bytes
+at the copy bandwidth measured in this run (benchmarks/cost_model.py). Issue 7's T = 1 target counts the shared
+expert too: its bf16 XLA time and bytes are measured and added in the "layer" columns. A variant that fails to
+compile or disagrees with the reference is reported, never timed.
 Writes DIR/moe_mgpu.json and DIR/moe_mgpu.md with the run's metadata.
 """
 
@@ -30,8 +31,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"), help="folder for moe_mgpu.json/.md")
     ap.add_argument("--ts", default="1,9,33,129", help="tokens T routed through the layer, comma-separated")
     ap.add_argument("--variants", default="bn64:bk256:s4",
-                    help="comma-separated variants: UP_TILING[/DOWN_TILING] (MgpuConfig.parse), e.g. "
-                         "bn64:bk256:s4,bn128:bk256:s3,bn64:bk256:s4/bn64:bk128:s6")
+                    help="comma-separated variants: UP_TILING[/DOWN_TILING][+fused] (MgpuConfig.parse; +fused: gate "
+                         "and up in one launch), e.g. bn64:bk256:s4,bn64:bk256:s4+fused,bn64:bk256:s4/bn64:bk128:s6")
     ap.add_argument("--iters", type=int, default=7, help="timed iterations per point (median reported)")
     ap.add_argument("--deadline-s", type=float, default=400.0, help="start no new T after this many seconds")
     args = ap.parse_args()
@@ -53,8 +54,11 @@ def main():
     ts = [int(v) for v in args.ts.split(",")]
     variants = {}
     for spec in args.variants.split(","):
-        up, _, down = spec.partition("/")
-        variants[spec] = (MgpuConfig.parse(up), MgpuConfig.parse(down or up))
+        tilings, plus, flag = spec.partition("+")
+        if plus and flag != "fused":
+            raise SystemExit(f"variant {spec!r}: the only option after '+' is 'fused'")
+        up, _, down = tilings.partition("/")
+        variants[spec] = (MgpuConfig.parse(up), MgpuConfig.parse(down or up), bool(plus))
     cfg = kj.ModelConfig.kimi_k26()
     e, d, inter, top_k = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     timer = Timer(args.iters)
@@ -92,8 +96,9 @@ def main():
                                            jnp.arange(top_k, dtype=jnp.int32)[None], w_t[None])[0]  # [D] f32
 
     reference = jax.jit(lambda x, ex, ids, w: jax.lax.map(lambda a: token_reference(ex, *a), (x, ids, w)))
-    fns = {name: jax.jit(lambda x, ex, ids, w, up=up, down=down: grouped_moe_w4a16_mgpu(
-        x, ex, ids, w, config_up=up, config_down=down)) for name, (up, down) in variants.items()}
+    fns = {name: jax.jit(lambda x, ex, ids, w, up=up, down=down, fused=fused: grouped_moe_w4a16_mgpu(
+        x, ex, ids, w, config_up=up, config_down=down, fused_gate_up=fused))
+        for name, (up, down, fused) in variants.items()}
 
     rows = []
     for t in ts:

@@ -7,8 +7,9 @@ T > 1: the shared device-side grouping (`grouping.group_assignments`: assignment
 block_m-row tiles, a tile -> expert table, -1 for unused tiles); T = 1 (a decode step): one tile per choice,
 no sort. Then three launches of `grouped_w4a16_mgpu_kernel` (gate, up, down; tokens are the wgmma N
 dimension, so block_m = 8 wastes nothing at decode sizes) with the SwiGLU, the combine weights and the
-per-token sum in XLA between them. Roundings follow the Triton path (gate/up/down outputs rounded to bf16).
-Status and numbers: docs/w4a16_mgpu.md.
+per-token sum in XLA between them; or, with `fused_gate_up=True`, two: `grouped_gate_up_mgpu_kernel` runs a
+tile's gate and up products in one CTA and applies the SwiGLU in its epilogue, then the down launch.
+Roundings follow the Triton path (gate/up/down outputs rounded to bf16). Status and numbers: docs/w4a16_mgpu.md.
 """
 
 from __future__ import annotations
@@ -72,11 +73,66 @@ def grouped_w4a16_mgpu_kernel(x_rows: jax.Array, w_i4: jax.Array, scale_t: jax.A
     return f(tile_expert.astype(jnp.int32), x_rows, w_i4, scale_t)
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "config_up", "config_down", "interpret", "out_dtype"))
+def _bf16(v):
+    """Round to bf16 and back: the roundings the three-launch path makes between its launches."""
+    return v.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def grouped_gate_up_mgpu_kernel(x_rows: jax.Array, gate_w: jax.Array, gate_s: jax.Array, up_w: jax.Array,
+                                up_s: jax.Array, tile_expert: jax.Array, *, config: MgpuConfig = MgpuConfig(),
+                                interpret=None) -> jax.Array:
+    """The gate and up launches in one, SwiGLU in the epilogue: x_rows bf16 [R * Mp, K], gate_w / up_w int4
+    [E, N, K], gate_s / up_s bf16 [E, K/32, N], tile_expert int32 [R] (-1 = unused) -> h^T f32 [R, N, Mp]
+    with h = bf16(bf16(silu(bf16(g))) * bf16(u)), g / u the tile's gate / up products (values exactly
+    representable in bf16; the same roundings as the three-launch path's XLA SwiGLU).
+
+    Grid (R, N / block_n) as `grouped_w4a16_mgpu_kernel`: a CTA streams its expert's gate tile, then its up
+    tile, through the same pipeline, with the token tile read twice from L2; an unused tile's output is NOT
+    written (mask it with tile_expert >= 0)."""
+    (r,), (rows, k), (num_experts, n, _) = tile_expert.shape, x_rows.shape, gate_w.shape
+    if rows % r:
+        raise ValueError(f"x_rows has {rows} rows, not a multiple of the {r} row tiles")
+    mp = rows // r
+    mosaic.check_config(config, n, k, mp, interpret)
+    want_w, want_s = (num_experts, n, k), (num_experts, k // GROUP_SIZE, n)
+    if not (gate_w.shape == up_w.shape == want_w and gate_s.shape == up_s.shape == want_s):
+        raise ValueError(f"gate {gate_w.shape} / {gate_s.shape} and up {up_w.shape} / {up_s.shape} do not match "
+                         f"E={num_experts}, N={n}, K={k}")
+    block_n = config.block_n
+    tile_matmul = mosaic.make_tile_matmul(config, k, mp)
+
+    def kernel(e_gmem, x_gmem, gw_gmem, gs_gmem, uw_gmem, us_gmem, o_gmem, o_smem, a_smem=None):
+        t = lax.axis_index("t")
+        n_slice = pl.ds(lax.axis_index("n") * block_n, block_n)
+        expert = e_gmem[t]
+
+        @pl.when(expert >= 0)
+        def _():
+            x_tile = x_gmem.at[pl.ds(t * mp, mp)]
+            g = _bf16(tile_matmul(gw_gmem.at[expert, n_slice], x_tile, gs_gmem.at[expert, :, n_slice], a_smem))
+            u = _bf16(tile_matmul(uw_gmem.at[expert, n_slice], x_tile, us_gmem.at[expert, :, n_slice], a_smem))
+            o_smem[...] = _bf16(_bf16(g / (1.0 + jnp.exp(-g))) * u)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[t, n_slice])
+            plgpu.wait_smem_to_gmem(0)
+
+    f = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((r, n, mp), jnp.float32),
+        grid=(r, n // block_n),
+        grid_names=("t", "n"),
+        scratch_types=mosaic.scratch_types(config, mp),
+        interpret=interpret,
+    )
+    return f(tile_expert.astype(jnp.int32), x_rows, gate_w, gate_s, up_w, up_s)
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "config_up", "config_down", "interpret", "out_dtype",
+                                             "fused_gate_up"))
 def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Array, weights: jax.Array, *,
                            block_m: int = 8, config_up: MgpuConfig | None = None,
                            config_down: MgpuConfig | None = None, interpret=None,
-                           out_dtype=jnp.bfloat16) -> jax.Array:
+                           out_dtype=jnp.bfloat16, fused_gate_up: bool = False) -> jax.Array:
     """sum_j weights[t, j] * SwiGLU_{expert_ids[t, j]}(x[t]) -> [T, D] in out_dtype (summed in float32).
 
     x bf16 [T, D]; experts_mgpu {"gate","up","down"} of stacked MosaicInt4Weight (int4 [E, N, K], bf16
@@ -84,7 +140,8 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
     weights [T, k] float (zero-weight choices are dropped: they touch nothing). block_m: rows per tile
     (a multiple of 8, <= 256). config_up (gate and up launches) / config_down: tilings, by default
     `tuned.default_mosaic_config` of their K. interpret: None natively, or InterpretGPUParams (needs
-    a_operand="smem")."""
+    a_operand="smem"). fused_gate_up: gate and up in one launch with the SwiGLU in its epilogue
+    (`grouped_gate_up_mgpu_kernel`), two launches instead of three; off by default until measured natively."""
     if x.ndim != 2 or x.dtype != jnp.bfloat16:
         raise ValueError(f"x must be bf16 [T, D], got {x.dtype} {x.shape}")
     if block_m % 8 or not 8 <= block_m <= 256:
@@ -111,9 +168,14 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
             y_t = grouped_w4a16_mgpu_kernel(rows_in, w, s, tile_expert, config=config, interpret=interpret)
             return jnp.where(used, y_t, 0.0)
 
-        g = run(x_rows, gate_w, gate_s, config_up).astype(jnp.bfloat16).astype(jnp.float32)  # [R, I, bm]
-        u = run(x_rows, up_w, up_s, config_up).astype(jnp.bfloat16)
-        h = (g * jax.nn.sigmoid(g)).astype(jnp.bfloat16) * u  # [R, I, bm] bf16
+        if fused_gate_up:
+            h_t = grouped_gate_up_mgpu_kernel(x_rows, gate_w, gate_s, up_w, up_s, tile_expert, config=config_up,
+                                              interpret=interpret)
+            h = jnp.where(used, h_t, 0.0).astype(jnp.bfloat16)  # [R, I, bm]: exact, the kernel rounded to bf16
+        else:
+            g = run(x_rows, gate_w, gate_s, config_up).astype(jnp.bfloat16).astype(jnp.float32)  # [R, I, bm]
+            u = run(x_rows, up_w, up_s, config_up).astype(jnp.bfloat16)
+            h = (g * jax.nn.sigmoid(g)).astype(jnp.bfloat16) * u  # [R, I, bm] bf16
         h_rows = h.transpose(0, 2, 1).reshape(rows, inter)  # [R bm, I]
         return run(h_rows, down_w, down_s, config_down).astype(jnp.bfloat16).astype(jnp.float32)  # [R, D, bm]
 

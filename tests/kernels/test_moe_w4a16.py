@@ -5,6 +5,8 @@ On CPU the kernel bodies run in interpret mode; the CUDA lowering is checked aga
 native tests run only on a GPU.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -298,6 +300,23 @@ def test_kernel_native_gpu_k26_shapes(T, kernel):
     assert _rel(got, want) < 3e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 9, 33])
+def test_fused_gate_up_native_gpu_k26_shapes(T):
+    """The Mosaic GPU MoE with gate and up in one launch (SwiGLU in its epilogue) natively at K2.6 expert shapes:
+    against the float32 XLA path, and within bf16 rounding of the three-launch kernel."""
+    from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_moe_w4a16_mgpu
+
+    if not dispatch.is_hopper(jax.devices()[0]):
+        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU (sm_90)")
+    x, experts, ids, weights, want = _k26_native_problem(T)
+    experts = {n: w.to_mosaic() for n, w in experts.items()}
+    fused = grouped_moe_w4a16_mgpu(x, experts, ids, weights, fused_gate_up=True)
+    three = grouped_moe_w4a16_mgpu(x, experts, ids, weights)
+    assert _rel(fused, want) < 3e-2
+    assert _rel(fused, np.asarray(three.astype(jnp.float32), np.float64)) < 1e-2
+
+
 # ------------------------------------ the Mosaic GPU grouped MoE kernel (pallas_kernels/moe_w4a16/mosaic_gpu.py)
 def _mgpu_interpret():
     from pallas_kernels.w4a16.mosaic_gpu import gpu_interpret_params
@@ -311,10 +330,12 @@ def _reset_mgpu_interpreter():
     reset_gpu_interpret_mode_state()
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["3-launch", "fused-gate-up"])
 @pytest.mark.parametrize("T,E,k,crowd,zero", [(1, 8, 4, False, False), (1, 8, 4, False, True),
                                              (5, 8, 2, True, False)])
-def test_mgpu_grouped_moe_interpret_matches_numpy(T, E, k, crowd, zero):
-    """Mosaic GPU interpret mode (SMEM-A; race detector on): the grouped kernel == float64 NumPy.
+def test_mgpu_grouped_moe_interpret_matches_numpy(T, E, k, crowd, zero, fused):
+    """Mosaic GPU interpret mode (SMEM-A; race detector on): the grouped kernel == float64 NumPy, with gate and
+    up in two launches or in one (fused=True: SwiGLU in the kernel's epilogue).
     T = 1 takes the decode path (one tile per choice; zero=True: a zero-weight choice, as another shard's
     expert in moe_sharded, whose tile is marked unused); crowd=True puts 5 tokens on one expert (its rows span a
     tile of 8) and leaves experts untouched."""
@@ -334,7 +355,7 @@ def test_mgpu_grouped_moe_interpret_matches_numpy(T, E, k, crowd, zero):
     try:
         got = jax.block_until_ready(grouped_moe_w4a16_mgpu(  # the interpreter runs at execution (async)
             x, {n: w.to_mosaic() for n, w in experts.items()}, ids, weights, config_up=cfg, config_down=cfg,
-            interpret=_mgpu_interpret()))
+            interpret=_mgpu_interpret(), fused_gate_up=fused))
         assert not get_races().races_found
     finally:
         _reset_mgpu_interpreter()
@@ -374,7 +395,7 @@ def test_mgpu_grouped_kernel_skips_unused_tiles_and_reuses_experts(block_k):
 
 def test_mgpu_grouped_moe_lowers_for_cuda_at_k26_shapes():
     """The grouped MoE (register-A wgmma, the default tilings) lowers for an abstract H200 at K2.6 expert
-    shapes."""
+    shapes, in three launches, or two with gate and up fused."""
     import re
 
     from jax._src.mesh import AbstractDevice
@@ -394,3 +415,8 @@ def test_mgpu_grouped_moe_lowers_for_cuda_at_k26_shapes():
                                                          S((T, 8), jnp.float32)).lower(
                 lowering_platforms=("cuda",)).as_text()
         assert re.findall(r"custom_call @(\w+)", text).count("mosaic_gpu_v2") == 3  # gate, up, down
+        with jax.sharding.use_abstract_mesh(mesh):
+            fused = jax.jit(functools.partial(grouped_moe_w4a16_mgpu, fused_gate_up=True)).trace(
+                S((T, D), jnp.bfloat16), experts, S((T, 8), jnp.int32), S((T, 8), jnp.float32)).lower(
+                lowering_platforms=("cuda",)).as_text()
+        assert re.findall(r"custom_call @(\w+)", fused).count("mosaic_gpu_v2") == 2  # gate + up with SwiGLU, down
