@@ -56,21 +56,30 @@ def grouped_w4a16_mgpu_kernel(x_rows: jax.Array, w_i4: jax.Array, scale_t: jax.A
 
         @pl.when(expert >= 0)
         def _():
-            o_smem[...] = tile_matmul(w_gmem.at[expert, n_slice], x_gmem.at[pl.ds(t * mp, mp)],
-                                      s_gmem.at[expert, :, n_slice], a_smem)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[t, n_slice])
-            plgpu.wait_smem_to_gmem(0)
+            _store_tile(tile_matmul(w_gmem.at[expert, n_slice], x_gmem.at[pl.ds(t * mp, mp)],
+                                    s_gmem.at[expert, :, n_slice], a_smem), o_smem, o_gmem.at[t, n_slice])
 
-    f = plgpu.kernel(
+    return _grouped_launch(kernel, r, n, mp, config, interpret)(tile_expert.astype(jnp.int32), x_rows, w_i4, scale_t)
+
+
+def _store_tile(value, o_smem, o_gmem_tile) -> None:
+    """A CTA's f32 [block_n, Mp] result through SMEM to its tile of the output."""
+    o_smem[...] = value
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem_tile)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _grouped_launch(kernel, r: int, n: int, mp: int, config: MgpuConfig, interpret):
+    """The grouped kernels' launch: grid (R row tiles, N / block_n), out f32 [R, N, Mp], the tile loop's scratch."""
+    return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((r, n, mp), jnp.float32),
-        grid=(r, n // block_n),
+        grid=(r, n // config.block_n),
         grid_names=("t", "n"),
         scratch_types=mosaic.scratch_types(config, mp),
         interpret=interpret,
     )
-    return f(tile_expert.astype(jnp.int32), x_rows, w_i4, scale_t)
 
 
 def _bf16(v):
@@ -111,20 +120,10 @@ def grouped_gate_up_mgpu_kernel(x_rows: jax.Array, gate_w: jax.Array, gate_s: ja
             x_tile = x_gmem.at[pl.ds(t * mp, mp)]
             g = _bf16(tile_matmul(gw_gmem.at[expert, n_slice], x_tile, gs_gmem.at[expert, :, n_slice], a_smem))
             u = _bf16(tile_matmul(uw_gmem.at[expert, n_slice], x_tile, us_gmem.at[expert, :, n_slice], a_smem))
-            o_smem[...] = _bf16(_bf16(g / (1.0 + jnp.exp(-g))) * u)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[t, n_slice])
-            plgpu.wait_smem_to_gmem(0)
+            _store_tile(_bf16(_bf16(g / (1.0 + jnp.exp(-g))) * u), o_smem, o_gmem.at[t, n_slice])
 
-    f = plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((r, n, mp), jnp.float32),
-        grid=(r, n // block_n),
-        grid_names=("t", "n"),
-        scratch_types=mosaic.scratch_types(config, mp),
-        interpret=interpret,
-    )
-    return f(tile_expert.astype(jnp.int32), x_rows, gate_w, gate_s, up_w, up_s)
+    return _grouped_launch(kernel, r, n, mp, config, interpret)(tile_expert.astype(jnp.int32), x_rows, gate_w,
+                                                                gate_s, up_w, up_s)
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "config_up", "config_down", "interpret", "out_dtype",
