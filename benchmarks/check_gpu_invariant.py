@@ -19,7 +19,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kdtree_jax as kj  # noqa: E402
-from benchmarks.common import metadata, write_results  # noqa: E402
+from benchmarks.common import metadata, set_matmul_precision, write_results  # noqa: E402
 from pallas_kernels.tree_attention import tree_mla_attention, tree_mla_attention_reference  # noqa: E402
 
 
@@ -69,8 +69,7 @@ def main():
     parser.add_argument("--skip-kernel", action="store_true", help="skip the kernel-vs-reference table")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"), help="results folder")
     args = parser.parse_args()
-    if args.precision == "highest":
-        jax.config.update("jax_default_matmul_precision", "highest")
+    set_matmul_precision(args.precision)
     meta = metadata(precision=args.precision, attention=args.attention)
     print(meta, flush=True)
     md = [f"# Tree attention and the greedy invariant on {meta['device']} (precision {args.precision})", ""]

@@ -172,11 +172,11 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
                                               interpret=interpret)
             h = jnp.where(used, h_t, 0.0).astype(jnp.bfloat16)  # [R, I, bm]: exact, the kernel rounded to bf16
         else:
-            g = run(x_rows, gate_w, gate_s, config_up).astype(jnp.bfloat16).astype(jnp.float32)  # [R, I, bm]
+            g = _bf16(run(x_rows, gate_w, gate_s, config_up))  # [R, I, bm]
             u = run(x_rows, up_w, up_s, config_up).astype(jnp.bfloat16)
             h = (g * jax.nn.sigmoid(g)).astype(jnp.bfloat16) * u  # [R, I, bm] bf16
         h_rows = h.transpose(0, 2, 1).reshape(rows, inter)  # [R bm, I]
-        return run(h_rows, down_w, down_s, config_down).astype(jnp.bfloat16).astype(jnp.float32)  # [R, D, bm]
+        return _bf16(run(h_rows, down_w, down_s, config_down))  # [R, D, bm]
 
     if x.shape[0] == 1:
         # Decode (T = 1): one tile per choice, the token in its row 0; no sort, no scatter, no gathers (the
