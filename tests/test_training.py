@@ -35,3 +35,35 @@ def test_train_step_compiles_once(loaded):
         params = jax.device_put(params, jax.devices()[0])
     state = on_one_device((params, make_optimizer(weight_decay=0.01).init(params)))
     assert _run_steps(*state) == 1
+
+
+def _cache_file(path, rows: int, width: int, fill: int, ev_fill: int):
+    import numpy as np
+    np.savez(path, seqs=np.full((rows, width), fill, np.int32), valid=np.full(rows, width, np.int32),
+             temperature=np.zeros(rows, np.float32), ev_greedy_seqs=np.full((2, width), ev_fill, np.int32),
+             ev_greedy_valid=np.full(2, width, np.int32), ev_sampled_seqs=np.full((2, width), ev_fill, np.int32),
+             ev_sampled_valid=np.full(2, width, np.int32))
+    return path
+
+
+def test_several_data_caches_train_together(tmp_path):
+    """`train_drafter --data-cache a b`: the training rows of both in order, the held-out sets of the first."""
+    from training.train_drafter import load_caches
+    events = []
+    a = _cache_file(tmp_path / "a.npz", 3, 5, fill=1, ev_fill=7)
+    b = _cache_file(tmp_path / "b.npz", 2, 5, fill=2, ev_fill=9)
+    data = load_caches([a, b], lambda **kw: events.append(kw))
+    assert data["seqs"][:, 0].tolist() == [1, 1, 1, 2, 2]
+    assert len(data["valid"]) == len(data["temperature"]) == 5
+    assert (data["ev_greedy_seqs"] == 7).all() and (data["ev_sampled_seqs"] == 7).all()
+    assert [e["seqs"] for e in events] == [3, 2]
+
+
+def test_several_data_caches_refuse_missing_or_mismatched(tmp_path):
+    from training.train_drafter import load_caches
+    a = _cache_file(tmp_path / "a.npz", 3, 5, fill=1, ev_fill=7)
+    with pytest.raises(SystemExit, match="missing: .*nope.npz"):
+        load_caches([a, tmp_path / "nope.npz"], lambda **kw: None)
+    c = _cache_file(tmp_path / "c.npz", 2, 6, fill=2, ev_fill=9)
+    with pytest.raises(SystemExit, match="different lengths"):
+        load_caches([a, c], lambda **kw: None)

@@ -133,14 +133,32 @@ def sample_anchors(rng, valid_len: np.ndarray, prompt_len: int, count: int, bloc
     return rng.integers(prompt_len, hi[:, None], size=(valid_len.size, count)).astype(np.int32)
 
 
+def load_caches(paths: list[Path], log) -> dict:
+    """Several `--data-cache` files as one training set: their training rows concatenated in the order given, the
+    held-out check sets (`ev_*`) of the first (so a drafter trained on more data is scored on the same rows)."""
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise SystemExit(f"--data-cache: {len(paths)} files given, so all must exist; missing: {', '.join(missing)}")
+    parts = [dict(np.load(p)) for p in paths]
+    widths = {p["seqs"].shape[1] for p in parts}
+    if len(widths) != 1:
+        raise SystemExit(f"--data-cache files hold sequences of different lengths {sorted(widths)}: generated with "
+                         "different --prompt-len / --new-tokens, they cannot train together")
+    data = {k: v for k, v in parts[0].items() if k.startswith("ev_")}
+    for key in ("seqs", "valid", "temperature"):
+        data[key] = np.concatenate([p[key] for p in parts])
+    for path, part in zip(paths, parts):
+        log(event="data_cache", path=str(path), seqs=len(part["seqs"]))
+    return data
+
+
 def load_or_generate(args, cfg, params, tok, log) -> dict:
     """The training set (target continuations of training windows, `--greedy-fraction` greedy, the rest at
     temperature 1) and two held-out check sets (greedy / temperature-1 continuations of held-out windows),
-    from `--data-cache` if it exists, else generated and saved there."""
-    if args.data_cache is not None and args.data_cache.is_file():
-        data = dict(np.load(args.data_cache))
-        log(event="data_cache", path=str(args.data_cache), seqs=len(data["seqs"]))
-        return data
+    from `--data-cache` if it exists (several files: `load_caches`), else generated and saved there."""
+    caches = args.data_cache or []
+    if len(caches) > 1 or (caches and caches[0].is_file()):
+        return load_caches(caches, log)
     train, heldout = load_streams(args.data, tok, args.tokenizer)
     t0 = time.perf_counter()
     seqs, valid, temps = generate_data(cfg, params, train, args.num_seqs, args.prompt_len, args.new_tokens,
@@ -151,11 +169,11 @@ def load_or_generate(args, cfg, params, tok, log) -> dict:
                            seed, log, fraction)
         data[f"ev_{name}_seqs"], data[f"ev_{name}_valid"] = ev[0], ev[1]
     log(event="generated", seqs=len(seqs), seconds=round(time.perf_counter() - t0, 1))
-    if args.data_cache is not None:
-        args.data_cache.parent.mkdir(parents=True, exist_ok=True)
-        partial = args.data_cache.with_name(args.data_cache.name + ".partial.npz")
+    if caches:
+        caches[0].parent.mkdir(parents=True, exist_ok=True)
+        partial = caches[0].with_name(caches[0].name + ".partial.npz")
         np.savez_compressed(partial, **data)
-        partial.replace(args.data_cache)
+        partial.replace(caches[0])
     return data
 
 
@@ -184,7 +202,9 @@ def main() -> None:
     parser.add_argument("--gen-batch", type=int, default=256)
     parser.add_argument("--greedy-fraction", type=float, default=0.5,
                         help="share of the generated training data decoded greedily (the rest: temperature 1)")
-    parser.add_argument("--data-cache", type=Path, help="an .npz to load the generated data from / save it to")
+    parser.add_argument("--data-cache", type=Path, nargs="+",
+                        help="an .npz to load the generated data from / save it to; several: train on all of them "
+                             "(each must exist; held-out sets from the first)")
     parser.add_argument("--generate-only", action="store_true", help="generate the data into --data-cache, then stop")
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--init", type=Path, help="a drafter checkpoint to continue training from (its config is "
@@ -193,8 +213,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("/tmp/kdtree_train/drafter"))
     args = parser.parse_args()
-    if args.generate_only and args.data_cache is None:
-        parser.error("--generate-only needs --data-cache")
+    if args.generate_only and (args.data_cache is None or len(args.data_cache) != 1):
+        parser.error("--generate-only needs one --data-cache to write")
     if not args.generate_only:
         check_step_args(parser, args)
     gamma = args.gamma or {16: 7.0, 10: 5.0, 8: 4.0}.get(args.block_size, args.block_size / 2.3)
