@@ -147,7 +147,7 @@ def load_caches(paths: list[Path], log) -> dict:
     data = {k: v for k, v in parts[0].items() if k.startswith("ev_")}
     for key in ("seqs", "valid", "temperature"):
         data[key] = np.concatenate([p[key] for p in parts])
-    for path, part in zip(paths, parts):
+    for path, part in zip(paths, parts, strict=True):
         log(event="data_cache", path=str(path), seqs=len(part["seqs"]))
     return data
 
