@@ -23,6 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# `--matmul-precision` of the float32 benchmarks: jax_default_matmul_precision for every matmul that does not name
+# its own precision (the routed experts' and the float32 attention's XLA forms run at HIGHEST whatever this says).
+from kdtree_jax.precision import MATMUL_PRECISIONS, set_matmul_precision  # noqa: F401 - the benchmarks import them here
+
 ROOT = Path(__file__).resolve().parents[1]
 COMMIT_ENV = "BENCH_GIT_COMMIT"
 # The metadata fields every results file carries, in the order the markdown footer names them.
@@ -30,25 +34,6 @@ RECORD_FIELDS = ("device", "platform", "devices", "jax", "jaxlib", "date", "comm
 
 
 # ------------------------------------------------------------------------------------------- metadata
-# `--matmul-precision` of the float32 benchmarks: jax_default_matmul_precision for every matmul that does not name
-# its own precision (the routed experts' and the float32 attention's XLA forms run at HIGHEST whatever this says).
-# "highest" is how the engine runs float32 (the greedy invariant holds there); "default" leaves JAX's default (TF32
-# on the H200); the rest are XLA dot algorithms (lax.DotAlgorithmPreset): float32 accuracy from several bf16 / TF32
-# tensor-core passes, which XLA may run faster than plain float32 FMAs (a CPU lacks the X9 and TF32 ones).
-MATMUL_PRECISIONS = ("highest", "default", "F32_F32_F32", "BF16_BF16_F32_X9", "BF16_BF16_F32_X6",
-                     "BF16_BF16_F32_X3", "TF32_TF32_F32_X3")
-
-
-def set_matmul_precision(name: str) -> None:
-    """Apply one of MATMUL_PRECISIONS process-wide ("default": leave JAX's default)."""
-    import jax
-
-    if name not in MATMUL_PRECISIONS:
-        raise ValueError(f"matmul precision {name!r} is not one of {MATMUL_PRECISIONS}")
-    if name != "default":
-        jax.config.update("jax_default_matmul_precision", name)
-
-
 def git_commit(root: Path = ROOT) -> tuple[str, bool | None, str]:
     """(commit, dirty, source) of the tree this file lives in: BENCH_GIT_COMMIT when set (dirty unknown; what
     whoever copied the tree to a device says it is: a device's copy may carry a stale .git), else git's HEAD

@@ -203,7 +203,7 @@ def test_matmul_precision_names():
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.common import MATMUL_PRECISIONS, set_matmul_precision
+    from kdtree_jax.precision import CPU_LACKS, MATMUL_PRECISIONS, set_matmul_precision
 
     before = jax.config.jax_default_matmul_precision
     try:
@@ -212,10 +212,15 @@ def test_matmul_precision_names():
         for name in MATMUL_PRECISIONS[2:]:
             set_matmul_precision(name)
             assert jax.config.jax_default_matmul_precision == name
-            if name not in ("BF16_BF16_F32_X9", "TF32_TF32_F32_X3"):  # XLA's CPU backend lacks these two
+            if name not in CPU_LACKS:  # XLA's CPU backend lacks these two
                 x = jnp.arange(12.0).reshape(3, 4)
                 np.testing.assert_allclose(np.asarray(x @ x.T), np.asarray(x) @ np.asarray(x).T, rtol=1e-6)
         with pytest.raises(ValueError, match="is not one of"):
             set_matmul_precision("fast")
+        jax.config.update("jax_default_matmul_precision", before)
+        for name in CPU_LACKS:  # refused up front on a CPU, the setting left as it was
+            with pytest.raises(ValueError, match="not available on the CPU"):
+                set_matmul_precision(name, platform="cpu")
+            assert jax.config.jax_default_matmul_precision == before
     finally:
         jax.config.update("jax_default_matmul_precision", before)
