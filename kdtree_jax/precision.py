@@ -7,7 +7,9 @@ tree-shaped verify, so greedy DDTree can leave the AR path at near-ties). The ot
 than plain float32 FMAs on a GPU; XLA's CPU backend lacks the X9 and TF32 ones. Measured on the H200 (2026-12-03,
 the shipped pair, batch 1 greedy, 8 held-out prompts x 128 tokens, benchmarks/results/e2e_h200_b1_s15_drafter8d*.md):
 under BF16_BF16_F32_X9 DDTree at budget 31 ran 7370 tokens/s against 5812 under "highest", with greedy DDTree and
-DFlash == AR on every prompt; the AR step itself was slower (2335 against 2701 tokens/s).
+DFlash == AR on every prompt; the AR step itself was slower (2335 against 2701 tokens/s). The routed experts' XLA
+forms, which otherwise name HIGHEST, follow an explicit algorithm
+(pallas_kernels.moe_w4a16.reference.xla_dot_precision).
 """
 
 from __future__ import annotations

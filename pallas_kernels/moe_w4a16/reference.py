@@ -3,7 +3,8 @@
 `grouped_moe_w4a16_reference` dequantizes every expert and runs one einsum per (token, choice): the test
 oracle for small shapes. `moe_w4a16_xla` is the op's "xla" implementation (what runs without a GPU, and on a
 GPU where it measured faster than the kernels: pallas_kernels/moe_w4a16/tuned.py), in one of three forms
-(`xla_form` picks by platform and size, every matmul a float32 HIGHEST dot rounded to x.dtype):
+(`xla_form` picks by platform and size, every matmul a float32 dot rounded to x.dtype, at HIGHEST precision unless
+the process default is an explicit XLA dot algorithm: `xla_dot_precision`):
   "gather": the T*k chosen experts' INT4 words gathered and dequantized, batched matmuls (the least compute; on
             the H200 XLA fuses it into 3-5 kernels, the fastest form at every T measured);
   "dense":  every expert dequantized, all T tokens through each, a combine matrix (a small expert stack);
@@ -42,10 +43,23 @@ def grouped_moe_w4a16_reference(x, experts, expert_ids, weights):
     return jnp.einsum("tkd,tk->td", y, weights.astype(jnp.float32), precision=hp).astype(x.dtype)
 
 
+# The explicit XLA dot algorithms (lax.DotAlgorithmPreset names, e.g. BF16_BF16_F32_X9) a process may set as its
+# jax_default_matmul_precision (kdtree_jax.precision, `generate --matmul-precision`).
+DOT_ALGORITHMS = frozenset(p.name for p in lax.DotAlgorithmPreset if p.name != "DEFAULT")
+
+
+def xla_dot_precision() -> lax.Precision | None:
+    """The precision of the XLA forms' float32 dots: HIGHEST (so JAX's default, TF32 on NVIDIA GPUs, never lowers
+    them), unless the process default (read at trace time) is an explicit dot algorithm: then None, that algorithm,
+    as for every other matmul of the model. Under BF16_BF16_F32_X9 the gather form's dots were 22% of the shipped
+    pair's T = 32 verify while they stayed HIGHEST (benchmarks/results/round_profile_2026-12-03_s15_X9.md)."""
+    default = jax.config.jax_default_matmul_precision
+    return None if default is not None and str(default).upper() in DOT_ALGORITHMS else lax.Precision.HIGHEST
+
+
 def _dot(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
-    """einsum(spec, x, w) in float32 at HIGHEST precision (w float32), rounded to x.dtype."""
-    y = jnp.einsum(spec, x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST,
-                   preferred_element_type=jnp.float32)
+    """einsum(spec, x, w) in float32 (w float32) at `xla_dot_precision`, rounded to x.dtype."""
+    y = jnp.einsum(spec, x.astype(jnp.float32), w, precision=xla_dot_precision(), preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
 
 
@@ -94,7 +108,7 @@ def _moe_gather(x, experts, expert_ids, weights):
         for n in ("gate", "up", "down"))  # [T, k, N, K] float32
     h = jax.nn.silu(_dot(x, gate, "td,tkid->tki")) * _dot(x, up, "td,tkid->tki")  # [T, k, I]
     y = _dot(h, down, "tki,tkdi->tkd").astype(jnp.float32)  # [T, k, D]
-    return jnp.einsum("tkd,tk->td", y, weights.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    return jnp.einsum("tkd,tk->td", y, weights.astype(jnp.float32), precision=xla_dot_precision())
 
 
 def _moe_dense(x, experts, combine):
@@ -102,7 +116,7 @@ def _moe_dense(x, experts, combine):
     gate, up, down = (dequantize_stack(experts[n]) for n in ("gate", "up", "down"))  # [E,I,D],[E,I,D],[E,D,I]
     h = jax.nn.silu(_dot(x, gate, "td,eid->eti")) * _dot(x, up, "td,eid->eti")  # [E, T, I]
     y = _dot(h, down, "eti,edi->etd").astype(jnp.float32)  # [E, T, D]
-    return jnp.einsum("etd,te->td", y, combine, precision=lax.Precision.HIGHEST)
+    return jnp.einsum("etd,te->td", y, combine, precision=xla_dot_precision())
 
 
 def moe_w4a16_xla(x, experts, expert_ids, weights, *, out_dtype=None, form: str = "auto"):

@@ -118,6 +118,33 @@ def test_xla_paths_match_numpy(form):
         assert _rel(grouped_moe_w4a16(x, experts, ids, weights, impl="xla"), want) < 1e-5
 
 
+@pytest.mark.parametrize("form", ["gather", "dense", "loop"])
+def test_xla_paths_follow_an_explicit_dot_algorithm(form):
+    """The XLA forms' dots name HIGHEST (JAX's default, TF32 on a GPU, must not lower them), but follow an explicit
+    dot algorithm set as the process default (generate --matmul-precision BF16_BF16_F32_X9), like every other
+    matmul: the lowered dots carry it, and the result stays at float32 accuracy."""
+    rng = np.random.default_rng(3)
+    experts, dense = _experts(rng, 8, 64, 32, scale_dtype=jnp.float32)
+    ids, weights = _routing(rng, 5, 2, 8, crowd=True)
+    x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
+    want = _numpy_moe(x, dense, ids, weights)
+    run = jax.jit(functools.partial(moe_w4a16_xla, form=form))
+
+    def dots(text):
+        return [line for line in text.splitlines() if "dot_general" in line]
+
+    before = jax.config.jax_default_matmul_precision
+    try:
+        for setting, marker in (("highest", "precision = [HIGHEST, HIGHEST]"), (None, "precision = [HIGHEST, HIGHEST]"),
+                                ("BF16_BF16_F32_X6", "algorithm = <lhs_precision_type = bf16")):
+            jax.config.update("jax_default_matmul_precision", setting)
+            lowered = dots(run.lower(x, experts, ids, weights).as_text())
+            assert lowered and all(marker in line for line in lowered), (setting, lowered)
+            assert _rel(run(x, experts, ids, weights), want) < 1e-5, setting
+    finally:
+        jax.config.update("jax_default_matmul_precision", before)
+
+
 def test_xla_form_follows_the_size_rule():
     """Off a CPU: gather while the T*k gathered experts fit the dequantization cap, dense while the whole stack fits,
     the loop beyond both; on a CPU the loop."""
