@@ -29,6 +29,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture
+def matmul_precision():
+    """jax_default_matmul_precision as the test found it, restored after it (for tests that change it process-wide,
+    as `generate --matmul-precision` does)."""
+    before = jax.config.jax_default_matmul_precision
+    yield before
+    jax.config.update("jax_default_matmul_precision", before)
+
+
 @pytest.fixture(scope="session")
 def tiny_cfg():
     """ModelConfig.tiny(): 6 layers (layer 0 dense, 1-5 MoE), vocabulary 400."""

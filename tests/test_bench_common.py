@@ -197,7 +197,7 @@ def test_moe_baselines_match_float64(name):
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
 
 
-def test_matmul_precision_names():
+def test_matmul_precision_names(matmul_precision):
     """--matmul-precision: every listed name is accepted by jax (a CPU float32 matmul runs under the algorithms
     the CPU has), "default" leaves JAX's setting alone, anything else is a clear error."""
     import jax
@@ -205,22 +205,19 @@ def test_matmul_precision_names():
 
     from kdtree_jax.precision import CPU_LACKS, MATMUL_PRECISIONS, set_matmul_precision
 
-    before = jax.config.jax_default_matmul_precision
-    try:
-        set_matmul_precision("default")
+    before = matmul_precision
+    set_matmul_precision("default")
+    assert jax.config.jax_default_matmul_precision == before
+    for name in MATMUL_PRECISIONS[2:]:
+        set_matmul_precision(name)
+        assert jax.config.jax_default_matmul_precision == name
+        if name not in CPU_LACKS:  # XLA's CPU backend lacks these two
+            x = jnp.arange(12.0).reshape(3, 4)
+            np.testing.assert_allclose(np.asarray(x @ x.T), np.asarray(x) @ np.asarray(x).T, rtol=1e-6)
+    with pytest.raises(ValueError, match="is not one of"):
+        set_matmul_precision("fast")
+    jax.config.update("jax_default_matmul_precision", before)
+    for name in CPU_LACKS:  # refused up front on a CPU, the setting left as it was
+        with pytest.raises(ValueError, match="not available on the CPU"):
+            set_matmul_precision(name, platform="cpu")
         assert jax.config.jax_default_matmul_precision == before
-        for name in MATMUL_PRECISIONS[2:]:
-            set_matmul_precision(name)
-            assert jax.config.jax_default_matmul_precision == name
-            if name not in CPU_LACKS:  # XLA's CPU backend lacks these two
-                x = jnp.arange(12.0).reshape(3, 4)
-                np.testing.assert_allclose(np.asarray(x @ x.T), np.asarray(x) @ np.asarray(x).T, rtol=1e-6)
-        with pytest.raises(ValueError, match="is not one of"):
-            set_matmul_precision("fast")
-        jax.config.update("jax_default_matmul_precision", before)
-        for name in CPU_LACKS:  # refused up front on a CPU, the setting left as it was
-            with pytest.raises(ValueError, match="not available on the CPU"):
-                set_matmul_precision(name, platform="cpu")
-            assert jax.config.jax_default_matmul_precision == before
-    finally:
-        jax.config.update("jax_default_matmul_precision", before)

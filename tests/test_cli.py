@@ -148,21 +148,17 @@ def test_generate_casts_a_checkpoint_to_dtype(models, capsys):
     assert token_lines(out) == [np.asarray(direct.tokens)[0, : int(direct.lengths[0])].tolist()]
 
 
-def test_generate_under_a_dot_algorithm(models, capsys):
+def test_generate_under_a_dot_algorithm(models, capsys, matmul_precision):
     """--matmul-precision BF16_BF16_F32_X6 (one the CPU has) is applied process-wide and keeps the tokens of a
     direct call under the same setting (greedy, the tiny target)."""
     prompt = [3, 17, 42, 5]
-    before = jax.config.jax_default_matmul_precision
-    try:
-        rc, out, err = run(["generate", "--checkpoint", models / "target", "--prompt", " ".join(map(str, prompt)),
-                            "--max-new-tokens", "5", "--no-warmup", "--matmul-precision", "BF16_BF16_F32_X6"], capsys)
-        assert rc == 0, err
-        assert jax.config.jax_default_matmul_precision == "BF16_BF16_F32_X6"
-        cfg, params = kj.load_checkpoint(models / "target")
-        direct = kj.generate(cfg, params, [prompt], max_new_tokens=5)
-        assert token_lines(out) == [np.asarray(direct.tokens)[0, : int(direct.lengths[0])].tolist()]
-    finally:
-        jax.config.update("jax_default_matmul_precision", before)
+    rc, out, err = run(["generate", "--checkpoint", models / "target", "--prompt", " ".join(map(str, prompt)),
+                        "--max-new-tokens", "5", "--no-warmup", "--matmul-precision", "BF16_BF16_F32_X6"], capsys)
+    assert rc == 0, err
+    assert jax.config.jax_default_matmul_precision == "BF16_BF16_F32_X6"
+    cfg, params = kj.load_checkpoint(models / "target")
+    direct = kj.generate(cfg, params, [prompt], max_new_tokens=5)
+    assert token_lines(out) == [np.asarray(direct.tokens)[0, : int(direct.lengths[0])].tolist()]
 
 
 def test_generate_all_methods_compares_them(models, capsys):

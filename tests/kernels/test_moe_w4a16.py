@@ -119,7 +119,7 @@ def test_xla_paths_match_numpy(form):
 
 
 @pytest.mark.parametrize("form", ["gather", "dense", "loop"])
-def test_xla_paths_follow_an_explicit_dot_algorithm(form):
+def test_xla_paths_follow_an_explicit_dot_algorithm(form, matmul_precision):
     """The XLA forms' dots name HIGHEST (JAX's default, TF32 on a GPU, must not lower them), but follow an explicit
     dot algorithm set as the process default (generate --matmul-precision BF16_BF16_F32_X9), like every other
     matmul: the lowered dots carry it, and the result stays at float32 accuracy."""
@@ -133,16 +133,12 @@ def test_xla_paths_follow_an_explicit_dot_algorithm(form):
     def dots(text):
         return [line for line in text.splitlines() if "dot_general" in line]
 
-    before = jax.config.jax_default_matmul_precision
-    try:
-        for setting, marker in (("highest", "precision = [HIGHEST, HIGHEST]"), (None, "precision = [HIGHEST, HIGHEST]"),
-                                ("BF16_BF16_F32_X6", "algorithm = <lhs_precision_type = bf16")):
-            jax.config.update("jax_default_matmul_precision", setting)
-            lowered = dots(run.lower(x, experts, ids, weights).as_text())
-            assert lowered and all(marker in line for line in lowered), (setting, lowered)
-            assert _rel(run(x, experts, ids, weights), want) < 1e-5, setting
-    finally:
-        jax.config.update("jax_default_matmul_precision", before)
+    for setting, marker in (("highest", "precision = [HIGHEST, HIGHEST]"), (None, "precision = [HIGHEST, HIGHEST]"),
+                            ("BF16_BF16_F32_X6", "algorithm = <lhs_precision_type = bf16")):
+        jax.config.update("jax_default_matmul_precision", setting)
+        lowered = dots(run.lower(x, experts, ids, weights).as_text())
+        assert lowered and all(marker in line for line in lowered), (setting, lowered)
+        assert _rel(run(x, experts, ids, weights), want) < 1e-5, setting
 
 
 def test_xla_form_follows_the_size_rule():
