@@ -1,13 +1,17 @@
-"""W4A16 GEMM on the GPU: correctness vs references, then device-side timings of the Pallas kernel
-against XLA bf16 `jnp.dot`, XLA dequantize-then-dot and the memory/compute floor, in one run.
+"""The dense W4A16 GEMM on a Hopper GPU: correctness vs float64 NumPy, then device-side timings of the Mosaic GPU
+kernel the engine runs (`w4a16_matmul` on a MosaicInt4Weight: tuned tiling and split-K, pallas_kernels/w4a16/tuned.py;
+and the same without split-K) against the engine's XLA form for the same INT4 weight (dequantize to bf16, one dot:
+what runs where the kernel cannot), XLA's bf16 `jnp.dot` on a bf16 weight (4x the bytes: what the weight would cost
+unquantized) and the memory / compute floor, in one run.
 
   python benchmarks/bench_w4a16.py --out DIR [--deadline-s 200]
+  python benchmarks/bench_w4a16.py --plot DIR/w4a16_results.json     # the figure again (CPU is fine)
 
-Timing: benchmarks/common.py Timer (CUPTI summed kernel time of everything the jitted call launches (for
-the kernel: x padding, the Pallas kernel, the split-K sum), one window per call, median of several calls
-after a warm-up), on fresh random inputs. The XLA dequantize-then-dot comparator is
-benchmarks/xla_baselines.py. Writes DIR/w4a16_results.json and DIR/w4a16_results.md with the run's
-metadata; `--plot JSON` (anywhere, CPU is fine) turns the JSON into the TB/s plot.
+Timing: benchmarks/common.py Timer (CUPTI summed kernel time of everything the jitted call launches: for the
+kernel the x padding, the Mosaic kernel and the split-K sum; one window per call, median of --iters after a
+warm-up). The weights are already in each path's layout (the Mosaic layout is made once at load time). Every
+Mosaic output is checked against the float32 reference before it is timed; a wrong or failing variant is
+reported as such, never timed. Writes DIR/w4a16_results.{json,md,png} with the run's metadata.
 """
 
 from __future__ import annotations
@@ -22,222 +26,143 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-SHAPES = [(7168, 18432), (7168, 2048), (18432, 7168), (2048, 7168)]  # (K, N), targets first
-MS = [1, 8, 16, 32, 64, 128]
-COPY_TBPS = 3.4e12  # measured device copy bandwidth on the H200 (docs/kernels.md); also re-measured below
+# (K, N): K2.6's dense MLP (7168 x 18432, 18432 x 7168) and expert-width projections (7168 x 2048, 2048 x 7168),
+# then the shipped pair's dense MLP (384 x 1024, 1024 x 384)
+SHAPES = [(7168, 18432), (7168, 2048), (2048, 7168), (18432, 7168), (384, 1024), (1024, 384)]
+MS = [1, 8, 16, 64, 256]
+COPY_TBPS = 3.4e12  # the H200's device copy bandwidth (docs/kernels.md); re-measured in the run
 PEAK_FLOPS = 800e12
 
 
 def floor_us(m, k, n, copy_bps=COPY_TBPS):
-    weight_bytes = n * k // 2 + n * (k // 32) * 2  # int4 + bf16 group scales
+    """Microseconds to move the INT4 weight + bf16 scales + bf16 activations once, or to do the FLOPs."""
+    weight_bytes = n * k // 2 + n * (k // 32) * 2
     act_bytes = m * k * 2 + m * n * 2
     return max((weight_bytes + act_bytes) / copy_bps, 2 * m * n * k / PEAK_FLOPS) * 1e6
 
 
-def candidates(m, k, n):
-    from pallas_kernels.w4a16 import BlockConfig, heuristic_config
-
-    base = heuristic_config(m, k, n)
-    steps = lambda bk: k // bk  # noqa: E731
-    out = [base]
-
-    def split_for(bm, bn, bk, target=264):
-        progs = -(-m // bm) * (n // bn)
-        best = 1
-        for s in range(1, steps(bk) + 1):
-            if steps(bk) % s == 0 and steps(bk) // s >= 2:
-                best = s
-                if progs * s >= target:
-                    break
-        return best
-
-    bm = base.block_m
-    for bn, bk, warps, stages in [(64, 256, 4, 4), (128, 512, 8, 3), (256, 256, 8, 3)]:
-        if n % bn or k % bk:
-            continue
-        out.append(BlockConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split_for(bm, bn, bk),
-                               num_warps=warps, num_stages=stages))
-    if m >= 64:
-        out.append(BlockConfig(block_m=128 if m >= 128 else 64, block_n=128, block_k=128,
-                               split_k=split_for(128, 128, 128), num_warps=8, num_stages=3))
-    if m == 1:
-        out.append(BlockConfig(**{**base.__dict__, "dequant": "convert"}))  # value of the bit trick
-    seen, uniq = set(), []
-    for c in out:
-        if c not in seen:
-            seen.add(c)
-            uniq.append(c)
-    return uniq
-
-
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    ap.add_argument("--deadline-s", type=float, default=200.0)
-    ap.add_argument("--iters", type=int, default=7)
-    ap.add_argument("--plot", default=None, help="only plot this results JSON")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results", help="folder for w4a16_results.json / .md / .png")
+    ap.add_argument("--iters", type=int, default=7, help="timed calls per point (median reported)")
+    ap.add_argument("--deadline-s", type=float, default=200.0, help="start no new shape after this many seconds")
+    ap.add_argument("--plot", metavar="JSON", help="only draw the figure from a results JSON, then exit")
     args = ap.parse_args()
     if args.plot:
         return plot(args.plot)
 
     import jax
     import jax.numpy as jnp
+    from tqdm import tqdm
 
-    from benchmarks.common import Timer, copy_bandwidth, metadata, write_json, write_results
-    from benchmarks.xla_baselines import w4a16_matmul_xla
+    from benchmarks.common import Timer, copy_bandwidth, metadata, write_results
+    from pallas_kernels import dispatch
     from pallas_kernels.int4 import Int4Weight
-    from pallas_kernels.w4a16 import get_config, w4a16_matmul, w4a16_matmul_reference
-    from reference import int4 as ref
+    from pallas_kernels.w4a16 import dense_config, w4a16_matmul, w4a16_matmul_reference, w4a16_matmul_xla
 
-    t_start = time.time()
-    if jax.default_backend() != "gpu":
-        raise SystemExit("bench_w4a16 needs a GPU: CPU timings prove nothing")
+    if not dispatch.is_hopper(jax.devices()[0]):
+        raise SystemExit("bench_w4a16 needs a Hopper GPU (the Mosaic kernel): CPU timings prove nothing")
+    t0 = time.time()
     timer = Timer(args.iters)
     meta = metadata(timing="CUPTI summed kernel time, median of iterations", timer=timer.method)
     print(meta, flush=True)
-    stem = os.path.join(args.out, "w4a16_results")
-
-    def measure(f, *a):  # (output, device microseconds)
-        timing = timer(f, *a)
-        return timing.out, timing.device_s * 1e6
-
-    # ---- copy bandwidth, measured in this run
-    copy_bps = copy_bandwidth(timer)  # 1 GiB of bf16
+    copy_bps = copy_bandwidth(timer)
     meta["copy_TBps_measured"] = copy_bps / 1e12
 
-    # ---- correctness (native), vs float64 NumPy on moderate shapes and the jnp reference on big ones
-    checks = []
-    rng = np.random.default_rng(0)
+    def measure(f, *a):
+        return timer(f, *a).device_s * 1e6
 
-    def np_problem(m, k, n, act=jnp.bfloat16):
-        q = rng.integers(-8, 8, size=(n, k)).astype(np.int8)
-        packed = ref.pack(q)
-        scale = jnp.asarray(rng.uniform(0.005, 0.05, size=(n, k // 32)), jnp.bfloat16)
-        x = jnp.asarray(rng.standard_normal((m, k)), act)
-        leaf = Int4Weight.from_compressed(jnp.asarray(packed), scale)
-        want = ref.matmul(np.asarray(x.astype(jnp.float32), np.float64), packed,
-                          np.asarray(scale.astype(jnp.float32), np.float64))
-        return x, leaf, want
-
-    for m, k, n, act in [(1, 32, 16, jnp.bfloat16), (3, 7168, 2048, jnp.bfloat16), (17, 2048, 7168, jnp.bfloat16),
-                         (128, 7168, 2048, jnp.bfloat16), (256, 2048, 7168, jnp.bfloat16),
-                         (5, 2048, 512, jnp.float32), (1, 7168, 2048, jnp.float32)]:
-        x, leaf, want = np_problem(m, k, n, act)
-        cfg = get_config(m, k, n)
-        try:
-            got = np.asarray(w4a16_matmul(x, leaf, impl="triton").astype(jnp.float32), np.float64)
-            err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-        except Exception as e:  # noqa: BLE001 - record and continue, the run is precious
-            err = f"ERROR {type(e).__name__}: {str(e)[:300]}"
-        checks.append({"m": m, "k": k, "n": n, "act": jnp.dtype(act).name, "vs": "float64 numpy",
-                       "config": str(cfg), "rel_err": err})
-        print("check", checks[-1], flush=True)
-
-    def dev_leaf(k, n, key):
-        kq, ks = jax.random.split(key)
-        qweight = jax.random.randint(kq, (n, k // 4), -32768, 32767, jnp.int32).astype(jnp.int16)
-        scale = jax.random.uniform(ks, (n, k // 32), jnp.float32, 0.005, 0.05).astype(jnp.bfloat16)
-        return qweight, scale
-
-    # ---- timings
     rows = []
-    key = jax.random.key(1)
-    for k, n in SHAPES:
+    key = jax.random.key(0)
+    for k, n in tqdm(SHAPES, desc="shapes"):
+        if time.time() - t0 > args.deadline_s:
+            print(f"deadline: skipping K={k} N={n}", flush=True)
+            continue
         key, kw, kb = jax.random.split(key, 3)
-        qweight, scale = dev_leaf(k, n, kw)
+        leaf = Int4Weight.from_dense(jax.random.normal(kw, (k, n), jnp.float32))  # [N, K/4] words, bf16 scales
+        mosaic = jax.jit(Int4Weight.to_mosaic)(leaf)
         w_bf16 = jax.random.normal(kb, (k, n), jnp.bfloat16) * 0.02
+        config, split = dense_config(k, n)
         for m in MS:
             key, kx = jax.random.split(key)
             x = jax.random.normal(kx, (m, k), jnp.bfloat16)
-            row = {"m": m, "k": k, "n": n, "floor_us": floor_us(m, k, n, copy_bps)}
-            _, row["xla_bf16_us"] = measure(jax.jit(lambda a, w: a @ w), x, w_bf16)
-            _, row["xla_int4_us"] = measure(jax.jit(w4a16_matmul_xla), x, qweight, scale)
-            want = np.asarray(jax.jit(w4a16_matmul_reference)(x.astype(jnp.float32), Int4Weight(qweight, scale)))
-            sweep = []
-            cands = candidates(m, k, n) if time.time() - t_start < args.deadline_s else [get_config(m, k, n)]
-            for cfg in cands:
+            want = np.asarray(jax.jit(w4a16_matmul_reference)(x.astype(jnp.float32), leaf), np.float64)
+            row = {"k": k, "n": n, "m": m, "tiling": f"bn{config.block_n}:bk{config.block_k}:s"
+                   f"{config.max_concurrent_steps}", "split_k": split, "floor_us": floor_us(m, k, n, copy_bps)}
+            variants = {"kernel_us": jax.jit(lambda x, w: w4a16_matmul(x, w, impl="mosaic_gpu")),
+                        "kernel_no_split_us": jax.jit(lambda x, w: w4a16_matmul(x, w, impl="mosaic_gpu", split_k=1))}
+            if split == 1:
+                variants.pop("kernel_no_split_us")
+            for name, f in variants.items():
                 try:
-                    f = jax.jit(lambda a, q, s, cfg=cfg: w4a16_matmul(a, Int4Weight(q, s), impl="triton", config=cfg))
-                    out, us = measure(f, x, qweight, scale)
-                    got = np.asarray(out.astype(jnp.float32))
+                    got = np.asarray(f(x, mosaic).astype(jnp.float32), np.float64)
                     err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-                    sweep.append({"config": cfg.__dict__, "us": us, "rel_err": err})
-                except Exception as e:  # noqa: BLE001
-                    sweep.append({"config": cfg.__dict__, "us": None, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-            good = [s for s in sweep if s.get("us") is not None and s["rel_err"] < 2e-2]
-            best = min(good, key=lambda s: s["us"]) if good else None
-            row["sweep"] = sweep
-            row["kernel_us"] = best["us"] if best else None
-            row["kernel_config"] = best["config"] if best else None
-            row["kernel_rel_err"] = best["rel_err"] if best else None
-            wbytes = n * k // 2 + n * (k // 32) * 2
-            row["kernel_TBps"] = wbytes / (row["kernel_us"] * 1e-6) / 1e12 if best else None
+                    row[name.replace("_us", "_rel_err")] = err
+                    if err > 1e-2:
+                        row[name] = None
+                        row[name.replace("_us", "_status")] = f"wrong (rel err {err:.2e})"
+                        continue
+                    row[name] = measure(f, x, mosaic)
+                except Exception as e:  # noqa: BLE001 (reported, never timed)
+                    row[name] = None
+                    row[name.replace("_us", "_status")] = f"failed: {type(e).__name__}: {str(e)[:160]}"
+            row["xla_int4_us"] = measure(jax.jit(w4a16_matmul_xla), x, leaf)
+            row["xla_bf16_us"] = measure(jax.jit(lambda x, w: x @ w), x, w_bf16)
             rows.append(row)
-            print(f"K={k:5d} N={n:5d} M={m:3d}: kernel {row['kernel_us'] or float('nan'):7.1f} us "
-                  f"(err {row['kernel_rel_err']}) | xla bf16 {row['xla_bf16_us']:7.1f} | "
-                  f"xla int4 {row['xla_int4_us']:7.1f} | floor {row['floor_us']:6.1f} | "
-                  f"{time.time() - t_start:5.0f}s  best={best['config'] if best else None}", flush=True)
-            write_json(stem, meta, {"checks": checks, "rows": rows})  # so far: a cut run keeps its points
-        del qweight, scale, w_bf16
+            print({key_: (round(v, 2) if isinstance(v, float) else v) for key_, v in row.items()}, flush=True)
 
-    md = [f"# W4A16 GEMM on {meta['device']}", "",
-          f"JAX {meta['jax']}, {meta['date']}, {meta['timing']}; copy bandwidth measured "
-          f"{meta['copy_TBps_measured']:.2f} TB/s (floor = max(bytes / copy bw, FLOPs / 800 TFLOP/s)).", "",
-          "| K | N | M | kernel us | kernel TB/s (int4+scales) | XLA bf16 us | XLA dequant+dot us | floor us | "
-          "kernel / floor | config |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+    def cell(v):
+        return f"{v:.1f}" if isinstance(v, float) else "-" if v is None else str(v)
+
+    lines = ["| K x N | M | tiling, split-K | floor | **Mosaic kernel** | kernel, no split | XLA INT4 (bf16 dequant "
+             "+ dot) | XLA bf16 dot | kernel / floor | kernel vs XLA INT4 |", "|" + " --- |" * 10]
     for r in rows:
-        ku = r["kernel_us"]
-        cfg = r["kernel_config"] or {}
-        cs = (f"bm{cfg.get('block_m')} bn{cfg.get('block_n')} bk{cfg.get('block_k')} s{cfg.get('split_k')} "
-              f"w{cfg.get('num_warps')} st{cfg.get('num_stages')} {cfg.get('dequant')}")
-        md.append(f"| {r['k']} | {r['n']} | {r['m']} | {ku:.1f} | {r['kernel_TBps']:.2f} | {r['xla_bf16_us']:.1f} | "
-                  f"{r['xla_int4_us']:.1f} | {r['floor_us']:.1f} | {ku / r['floor_us']:.2f} | {cs} |"
-                  if ku else f"| {r['k']} | {r['n']} | {r['m']} | FAILED | | {r['xla_bf16_us']:.1f} | "
-                  f"{r['xla_int4_us']:.1f} | {r['floor_us']:.1f} | | |")
-    md += ["", "Correctness (native, kernel vs reference, max |err| / max |ref|):", ""]
-    md += [f"- M={c['m']} K={c['k']} N={c['n']} {c['act']} vs {c['vs']}: {c['rel_err']}" for c in checks]
-    write_results(stem, meta, {"checks": checks, "rows": rows}, "\n".join(md))
-    print("\n".join(md))
+        kern = r.get("kernel_us")
+        lines.append(
+            f"| {r['k']} x {r['n']} | {r['m']} | {r['tiling']}, {r['split_k']} | {cell(r['floor_us'])} | "
+            f"**{cell(kern)}** | {cell(r.get('kernel_no_split_us'))} | {cell(r['xla_int4_us'])} | "
+            f"{cell(r['xla_bf16_us'])} | {cell(kern / r['floor_us']) if kern else '-'} | "
+            f"{cell(r['xla_int4_us'] / kern) + 'x faster' if kern else r.get('kernel_status', '-')} |")
+    md = "Microseconds (CUPTI summed kernel time, median of the calls); floor at the copy bandwidth measured here.\n\n"
+    written = write_results(os.path.join(args.out, "w4a16_results"), meta, {"rows": rows}, md + "\n".join(lines),
+                            plot=lambda path: draw({"rows": rows, "meta": meta}, path))
+    print("\n".join(lines), "\nwrote", *written, flush=True)
 
 
 def plot(path):
-    """<folder of path>/w4a16_tbps.png from a results JSON (benchmarks.common.write_png: a note without
-    matplotlib)."""
+    """<folder of path>/w4a16_results.png from a results JSON."""
     from benchmarks.common import write_png
 
     with open(path) as fh:
         data = json.load(fh)
-    write_png(os.path.join(os.path.dirname(path), "w4a16_tbps"), lambda out: draw(data, out))
+    write_png(os.path.join(os.path.dirname(path), "w4a16_results"), lambda out: draw(data, out))
 
 
 def draw(data, out):
+    """Microseconds against M for each shape: the kernel, XLA's INT4 and bf16 dots, the floor."""
     import matplotlib.pyplot as plt
 
     rows, meta = data["rows"], data["meta"]
-    fig, axes = plt.subplots(1, len(SHAPES), figsize=(4.2 * len(SHAPES), 3.8), sharey=True)
-    for ax, (k, n) in zip(axes, SHAPES, strict=True):
+    shapes = [s for s in SHAPES if any(r["k"] == s[0] and r["n"] == s[1] for r in rows)]
+    fig, axes = plt.subplots(1, len(shapes), figsize=(3.4 * len(shapes), 3.6), squeeze=False)
+    for ax, (k, n) in zip(axes[0], shapes, strict=True):
         rs = sorted([r for r in rows if r["k"] == k and r["n"] == n], key=lambda r: r["m"])
-        if not rs:
-            continue
-        wbytes = n * k // 2 + n * (k // 32) * 2
         ms = [r["m"] for r in rs]
-        tbps = lambda key, rs=rs, wbytes=wbytes: [  # noqa: E731
-            wbytes / (r[key] * 1e-6) / 1e12 if r.get(key) else np.nan for r in rs]
-        ax.plot(ms, tbps("kernel_us"), "o-", label="Pallas W4A16 kernel")
-        ax.plot(ms, tbps("xla_int4_us"), "s--", label="XLA dequant+dot")
-        ax.plot(ms, tbps("xla_bf16_us"), "^:", label="XLA bf16 dot (int4-equivalent bytes)")
-        ax.plot(ms, tbps("floor_us"), "k-", lw=1, label="floor")
+        series = [("kernel_us", "o-", "Mosaic kernel"), ("xla_int4_us", "s--", "XLA INT4 (dequant + dot)"),
+                  ("xla_bf16_us", "^:", "XLA bf16 dot (bf16 weight)"), ("floor_us", "k-", "INT4 floor")]
+        for name, style, label in series:
+            ax.plot(ms, [r.get(name) or np.nan for r in rs], style, label=label, lw=1 if name == "floor_us" else 1.5)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"K={k}, N={n}")
-        ax.set_xlabel("M (tokens)")
+        ax.set_yscale("log")
+        ax.set_title(f"K={k}, N={n}", fontsize=9)
+        ax.set_xlabel("M (rows)")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("effective TB/s of int4 weights + scales")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"W4A16 on {meta['device']}, JAX {meta['jax']}, {meta['date'][:10]}")
+    axes[0][0].set_ylabel("microseconds (CUPTI)")
+    axes[0][0].legend(fontsize=6)
+    fig.suptitle(f"dense W4A16 on {meta['device']}, JAX {meta['jax']}, {meta['date'][:10]}", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-    print("wrote", out)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ DEFAULT_BUDGET = "auto"
 # jax.random.key keeps the low 32 bits of a seed (64-bit ints are off): 2**32 would give seed 0's numbers.
 MAX_SEED = 2**32 - 1
 # The implementations `--moe-kernel` etc. accept: pallas_kernels.dispatch.IMPLS (not imported here: start-up time).
-KERNEL_CHOICES = {"attention": ("mosaic_gpu", "triton", "xla"), "linear": ("triton", "xla"),
+KERNEL_CHOICES = {"attention": ("mosaic_gpu", "triton", "xla"), "linear": ("mosaic_gpu", "xla"),
                   "moe": ("triton", "mosaic_gpu", "xla"), "tree": ("triton", "xla"),
                   "mla": ("folded", "separate")}
 # The trained pair shipped in the package (training/, docs/training.md): target, drafter, tokenizer.
@@ -182,8 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(the plain-JAX reference); auto (default): on a GPU the one measured fastest at each call "
                    "shape (Mosaic GPU for K2-shaped bf16 attention over >= 32768 cache rows), else xla")
     g.add_argument("--linear-kernel", choices=("auto", *KERNEL_CHOICES["linear"]), default="auto",
-                   help="kernel for INT4 dense linears: triton (a GPU) or xla; auto (default): triton on a GPU, "
-                   "else xla")
+                   help="kernel for INT4 dense linears (shared experts and dense MLPs of a checkpoint quantized "
+                   "with kj.quantize(policy='experts+shared' or 'all_mlp')): mosaic_gpu (a Hopper GPU, bf16; the "
+                   "weights converted to its layout once at load; calls of more than 256 rows, a long prefill, run "
+                   "XLA) or xla "
+                   "(dequantize, then XLA's dot); auto (default): mosaic_gpu where it runs (dims multiples of 64, "
+                   "bf16 scales), else xla")
     g.add_argument("--tree-kernel", choices=("auto", *KERNEL_CHOICES["tree"]), default="auto",
                    help="DDTree tree build: triton (one kernel launch per round, a GPU) or xla (the jnp builder, "
                    "about five XLA kernels per draft depth); both build the same tree. auto (default): triton on a "
@@ -582,7 +586,7 @@ def cmd_generate(args) -> None:
         kernels = _kernels(args)
         # before converting: a kernel that cannot run fails here
         plan_line = kernel_plan_line(params, cfg, kernels, sharded=args.mesh is not None)
-        params = prepare_params(params, cfg, kernels)  # routed experts to the Mosaic layout where it runs (once)
+        params = prepare_params(params, cfg, kernels)  # INT4 weights to the Mosaic layout where it runs (once)
     prompts = _parse_prompts(args.prompt, tokenizer, cfg)
     encoded, first_token_mask, removed = prompts, None, [""] * len(prompts)
     if tokenizer is not None and args.prompt and not args.no_heal:

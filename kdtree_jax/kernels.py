@@ -2,7 +2,7 @@
 pallas_kernels.dispatch (the one place that decides), and the one-time conversion it implies.
 
     kernels = kj.Kernels()                                # or e.g. kj.Kernels(attention="xla")
-    params = kj.prepare_params(params, cfg, kernels)      # routed experts to the Mosaic layout where it runs
+    params = kj.prepare_params(params, cfg, kernels)      # INT4 weights to the Mosaic layout where it runs
     kj.kernel_plan(params, cfg, kernels=kernels)          # {"attention": ("triton", "GPU"), ...}
     out = kj.generate(cfg, params, prompts, kernels=kernels)
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding
 
 from kdtree_jax import sharding
 from kdtree_jax.config import ModelConfig
@@ -53,6 +54,49 @@ def _moe_layout(experts: dict, act_dtype, cfg: ModelConfig, kernels: Kernels, de
                                       num_experts=experts["gate"].lead_shape[0])
 
 
+def _dense_int4(params: dict) -> list[tuple[tuple[str, ...], Any]]:
+    """(path, leaf) of every INT4 weight outside the routed experts: the dense linears (dense-layer MLPs, shared
+    experts) a policy like "experts+shared" or "all_mlp" quantized."""
+    return [(path, leaf) for path, leaf in _leaves_with_paths(params) if is_quantized(leaf) and "experts" not in path]
+
+
+def _linear_layout(leaf: Int4Weight, act_dtype, kernels: Kernels, device) -> dispatch.Choice:
+    return dispatch.choose_linear_layout(act_dtype=act_dtype, scale_dtype=leaf.scale.dtype,
+                                         in_features=leaf.in_features, out_features=leaf.out_features,
+                                         impl=kernels.linear, device=device, interpret=kernels.interpret)
+
+
+def _linear_plan(leaves: list, act_dtype, kernels: Kernels, device, sharded: bool) -> tuple[str, str]:
+    """The dense INT4 linears' (kernel, reason) after prepare_params, for decode-size calls (a call of more than
+    dispatch.LINEAR_MAX_ROWS rows, a long prefill, runs XLA). Mixed: the Mosaic kernel, with the count on each.
+    sharded: the weights sit on a mesh (prepare_params keeps them canonical: XLA)."""
+    runs: dict[str, list[str]] = {}
+    for leaf in leaves:
+        reason = None
+        if isinstance(leaf, Int4Weight):
+            layout = _linear_layout(leaf, act_dtype, kernels, device)
+            if layout.impl == "mosaic_gpu" and sharded:
+                if kernels.linear == "mosaic_gpu":
+                    raise dispatch.KernelUnavailableError("linear impl='mosaic_gpu' cannot run INT4 dense weights "
+                                                          "sharded over a mesh; use the XLA path (impl 'xla')")
+                reason = "sharded over a mesh"
+            elif layout.impl == "mosaic_gpu":
+                leaf = jax.eval_shape(Int4Weight.to_mosaic, leaf)
+            else:
+                reason = layout.reason
+        choice = dispatch.choose_linear(leaf, impl=kernels.linear, device=device, interpret=kernels.interpret,
+                                        act_dtype=act_dtype)
+        runs.setdefault(choice.impl, []).append(reason or choice.reason)
+    total = len(leaves)
+    if set(runs) == {"xla"}:
+        return "xla", f"{runs['xla'][0]}; {total} INT4 weights"
+    mosaic = f"{runs['mosaic_gpu'][0]}; {len(runs['mosaic_gpu'])} of {total} INT4 weights converted to the Mosaic " \
+             "layout once at load"
+    if "xla" in runs:
+        mosaic += f", {len(runs['xla'])} on XLA ({runs['xla'][0]})"
+    return "mosaic_gpu", mosaic
+
+
 def kernel_plan(params: dict, cfg: ModelConfig, device=None, kernels: Kernels | None = None,
                 sharded: bool | None = None) -> Plan:
     """{op: (kernel, reason)} for every op of the model, as `generate(..., kernels=kernels)` will run them on
@@ -72,15 +116,13 @@ def kernel_plan(params: dict, cfg: ModelConfig, device=None, kernels: Kernels | 
                                           num_heads=cfg.num_attention_heads, dtype=act_dtype)
     plan["attention"] = (attention.impl, attention.reason)
 
-    linears = [(path, leaf) for path, leaf in _leaves_with_paths(params)
-               if is_quantized(leaf) and "experts" not in path]
+    if sharded is None:
+        sharded = sharding.active_mesh() is not None
+    linears = _dense_int4(params)
     if not linears:
         plan["linear"] = ("none", "no INT4 dense weights")
     else:
-        choices = {dispatch.choose_linear(leaf, impl=kernels.linear, device=device, interpret=kernels.interpret)
-                   for _, leaf in linears}
-        choice = sorted(choices, key=lambda c: c.impl)[0]  # one rule for all of them: one choice
-        plan["linear"] = (choice.impl, f"{choice.reason}; {len(linears)} INT4 weights")
+        plan["linear"] = _linear_plan([leaf for _, leaf in linears], act_dtype, kernels, device, sharded)
 
     experts = _moe_experts(params, cfg)
     if experts is None:
@@ -106,8 +148,6 @@ def kernel_plan(params: dict, cfg: ModelConfig, device=None, kernels: Kernels | 
     # the DDTree tree build (every budget the engine accepts fits the kernel)
     tree = dispatch.choose_tree(budget=1, depth_count=1, impl=kernels.tree, device=device, interpret=kernels.interpret)
     plan["tree"] = (tree.impl, tree.reason)
-    if sharded is None:
-        sharded = sharding.active_mesh() is not None
     mla = mla_choice(cfg, params, kernels, sharded)  # as generate's model.fold_params decides
     plan["mla"] = (mla.impl, mla.reason)
     return plan
@@ -119,12 +159,18 @@ def plan_summary(plan: Plan) -> str:
 
 
 def prepare_params(params: dict, cfg: ModelConfig, kernels: Kernels | None = None, device=None) -> dict:
-    """The params the chosen kernels run on: canonical INT4 routed experts converted once to the Mosaic GPU
-    layout where pallas_kernels.dispatch.choose_moe_layout picks it (kernels.moe "auto" on a Hopper GPU
-    with bf16 params, or "mosaic_gpu", which raises KernelUnavailableError where it cannot run); otherwise
-    `params` unchanged. Call once after loading; save the params you loaded, not these."""
+    """The params the chosen kernels run on, converted once: canonical INT4 routed experts to the Mosaic GPU
+    layout where pallas_kernels.dispatch.choose_moe_layout picks it, and INT4 dense weights (shared experts,
+    dense-layer MLPs) where choose_linear_layout picks it (auto on a Hopper GPU with bf16 params; an explicit
+    "mosaic_gpu" raises KernelUnavailableError where it cannot run); what no rule converts stays as it is. Dense
+    weights placed on a device mesh stay canonical (the Mosaic layout has no sharding rule for them: they run
+    XLA). Call once after loading; save the params you loaded, not these."""
     kernels = dispatch.as_kernels(kernels)
     device = device or dispatch.default_device()
+    return _prepare_linears(_prepare_experts(params, cfg, kernels, device), kernels, device)
+
+
+def _prepare_experts(params: dict, cfg: ModelConfig, kernels: Kernels, device) -> dict:
     experts = _moe_experts(params, cfg)
     if experts is None or not isinstance(experts["gate"], Int4Weight):
         if kernels.moe == "mosaic_gpu" and (experts is None or not isinstance(experts["gate"], MosaicInt4Weight)):
@@ -134,3 +180,24 @@ def prepare_params(params: dict, cfg: ModelConfig, kernels: Kernels | None = Non
     layout = _moe_layout(experts, params["embed_tokens"].dtype, cfg, kernels, device)
     assert layout is not None  # None only for experts that are not canonical INT4, returned above
     return to_mosaic_experts(params, cfg) if layout.impl == "mosaic_gpu" else params
+
+
+def _prepare_linears(params: dict, kernels: Kernels, device) -> dict:
+    act_dtype = params["embed_tokens"].dtype
+    convert = jax.jit(Int4Weight.to_mosaic)
+
+    def prepare(path, leaf):
+        keys = tuple(str(getattr(k, "key", k)) for k in path)
+        if not isinstance(leaf, Int4Weight) or "experts" in keys:
+            return leaf
+        if _linear_layout(leaf, act_dtype, kernels, device).impl != "mosaic_gpu":
+            return leaf
+        if isinstance(getattr(leaf.qweight, "sharding", None), NamedSharding):
+            if kernels.linear == "mosaic_gpu":
+                raise dispatch.KernelUnavailableError(f"linear impl='mosaic_gpu' cannot run {'/'.join(keys)}: it is "
+                                                      "sharded over a mesh, which the dense Mosaic layout does not "
+                                                      "support; use the XLA path (impl 'xla')")
+            return leaf
+        return convert(leaf)
+
+    return jax.tree_util.tree_map_with_path(prepare, params, is_leaf=is_quantized)

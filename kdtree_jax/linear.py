@@ -1,11 +1,11 @@
-"""y = x @ W for a dense [in, out] weight or an INT4 (W4A16 group-32) `Int4Weight`."""
+"""y = x @ W for a dense [in, out] weight or an INT4 (W4A16 group-32) weight, in either layout."""
 
 from __future__ import annotations
 
 import jax
 
 from pallas_kernels.dispatch import Kernels
-from pallas_kernels.int4 import Int4Weight
+from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
 from pallas_kernels.w4a16 import w4a16_matmul
 
 __all__ = ["linear"]
@@ -14,9 +14,10 @@ DEFAULT_KERNELS = Kernels()
 
 
 def linear(x: jax.Array, w, kernels: Kernels = DEFAULT_KERNELS) -> jax.Array:
-    """x [..., K] -> [..., N]. Dense weights are [K, N]; an Int4Weight ([N, K/4] words) runs the W4A16 GEMM
-    chosen by `kernels.linear` (pallas_kernels.dispatch)."""
-    if not isinstance(w, Int4Weight):
+    """x [..., K] -> [..., N]. Dense weights are [K, N]; an INT4 weight (Int4Weight [N, K/4] words, or the Mosaic
+    layout prepare_params gives it on a Hopper GPU) runs the W4A16 GEMM chosen by `kernels.linear`
+    (pallas_kernels.dispatch.choose_linear)."""
+    if not isinstance(w, Int4Weight | MosaicInt4Weight):
         return x @ w.astype(x.dtype)
     n, k = w.check()
     if w.lead_shape:

@@ -2,7 +2,7 @@
 
 Ops and their implementations:
   attention (tree-masked absorbed MLA):     "mosaic_gpu" | "triton" | "xla"
-  linear    (dense W4A16 GEMM, Int4Weight): "triton" | "xla"
+  linear    (dense W4A16 GEMM):              "mosaic_gpu" (MosaicInt4Weight) | "xla"
   moe       (routed INT4 experts):           "triton" (Int4Weight) | "mosaic_gpu" (MosaicInt4Weight) | "xla"
   tree      (DDTree best-first tree build):  "triton" (one launch) | "xla" (kdtree_jax/tree.py's jnp builder)
   mla       (the cached MLA's projections):  "folded" (W_UK pre-multiplied into q_b, W_UV into o, q_a and kv_a one
@@ -20,10 +20,14 @@ Rules for impl="auto" (from backend, dtype, shape and weight type):
     fold also joins each MLP's entry matrices, and on a GPU keeps [N, K] copies for one-row products (fold_transposed);
   - the routed MoE kernel follows from the experts' type: Int4Weight -> "triton", MosaicInt4Weight ->
     "mosaic_gpu" (a Hopper GPU, bf16 activations, expert dims multiples of 64); a small expert stack, where XLA
-    measured faster (moe_w4a16.tuned.measured_fastest), runs "xla" on a GPU too.
+    measured faster (moe_w4a16.tuned.measured_fastest), runs "xla" on a GPU too;
+  - an INT4 dense linear follows from its weight's type the same way: MosaicInt4Weight -> "mosaic_gpu" (a Hopper
+    GPU, bf16 activations, dims multiples of 64, at most LINEAR_MAX_ROWS rows a call; a longer call, a prefill,
+    runs XLA over the same weight), Int4Weight -> "xla".
 An explicit impl that cannot run where it is asked for raises KernelUnavailableError (never a fallback).
-Which layout the routed experts should be in (`choose_moe_layout`) is decided here too; the engine converts
-them once (kdtree_jax.kernels.prepare_params) and the kernel then follows from the weight type.
+Which layout the routed experts and the INT4 dense weights should be in (`choose_moe_layout`,
+`choose_linear_layout`) is decided here too; the engine converts them once (kdtree_jax.kernels.prepare_params)
+and the kernel then follows from the weight type.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from pallas_kernels.tree_build import kernel_shape_unsupported as tree_shape_uns
 AUTO = "auto"
 IMPLS = {
     "attention": ("mosaic_gpu", "triton", "xla"),
-    "linear": ("triton", "xla"),
+    "linear": ("mosaic_gpu", "xla"),
     "moe": ("triton", "mosaic_gpu", "xla"),
     "tree": ("triton", "xla"),
     "mla": ("folded", "separate"),
@@ -56,7 +60,8 @@ class KernelUnavailableError(ValueError):
 class Kernels:
     """Per-call kernel choice, passed statically through forward / generate (hashable).
 
-    attention: "auto" | "mosaic_gpu" | "triton" | "xla"; linear: "auto" | "triton" | "xla";
+    attention: "auto" | "mosaic_gpu" | "triton" | "xla"; linear: "auto" | "mosaic_gpu" | "xla" (also which layout
+    prepare_params gives the INT4 dense weights);
     moe: "auto" | "triton" | "mosaic_gpu" | "xla" (also which layout prepare_params gives the routed experts);
     tree: "auto" | "triton" | "xla" (the DDTree tree build);
     mla: "auto" | "folded" | "separate" (the cached MLA's projections inside `generate`: choose_mla);
@@ -254,25 +259,66 @@ def choose_tree(*, budget: int, depth_count: int, impl: str = AUTO, device=None,
 
 
 # ------------------------------------------------------------------------------------------- linear
-def choose_linear(weight: Any, *, impl: str = AUTO, device=None, interpret: bool = False) -> Choice:
-    """A dense INT4 linear: the Triton W4A16 GEMM for an Int4Weight."""
+LINEAR_MAX_ROWS = 256  # the dense Mosaic kernel's rows a call (tokens are the wgmma N); more run XLA
+
+
+def mosaic_linear_unsupported(device, interpret: bool, act_dtype, in_features: int, out_features: int) -> str | None:
+    """Why the dense Mosaic W4A16 kernel cannot run a [out, in] weight here, or None (act_dtype None: not checked)."""
+    if not interpret and not is_hopper(device):
+        return f"needs a Hopper GPU (sm_90), this is {_device_name(device)}"
+    if act_dtype is not None and jnp.dtype(act_dtype) != jnp.dtype(jnp.bfloat16):
+        return f"needs bf16 activations, the model runs in {jnp.dtype(act_dtype).name}"
+    bad = [f"{name} {dim}" for name, dim in (("in", in_features), ("out", out_features)) if dim % MOSAIC_DIM_MULTIPLE]
+    return f"{' and '.join(bad)} features not a multiple of {MOSAIC_DIM_MULTIPLE}" if bad else None
+
+
+def choose_linear_layout(*, act_dtype, scale_dtype, in_features: int, out_features: int, impl: str = AUTO,
+                         device=None, interpret: bool = False) -> Choice:
+    """Which layout a canonical INT4 dense weight should run in: "mosaic_gpu" (convert once to MosaicInt4Weight)
+    or "xla" (keep the Int4Weight). impl: the requested linear kernel; "mosaic_gpu" raises where it cannot run.
+    float32 scales stay canonical under auto (the Mosaic layout rounds them to bf16)."""
     _check_impl("linear", impl)
-    if not isinstance(weight, Int4Weight):
-        kind = type(weight).__name__
-        raise KernelUnavailableError(f"the W4A16 linear takes an Int4Weight (checkpoint layout), got {kind}"
-                                     + (": the Mosaic layout is for routed experts only"
-                                        if isinstance(weight, MosaicInt4Weight) else ""))
     device = device or default_device()
     if impl == "xla":
         return Choice("xla", "asked for")
-    why = _pallas_runs(device, interpret)
-    if impl == "triton":
+    why = mosaic_linear_unsupported(device, interpret, act_dtype, in_features, out_features)
+    if why is None and impl == AUTO and jnp.dtype(scale_dtype) != jnp.dtype(jnp.bfloat16):
+        why = f"the INT4 scales are {jnp.dtype(scale_dtype).name}, not bfloat16"
+    if impl == "mosaic_gpu":
         if why:
-            raise _unavailable("linear", impl, why, "use the XLA reference (impl 'xla') or interpret mode")
-        return Choice("triton", "asked for")
-    if why:
-        return Choice("xla", why)
-    return Choice("triton", "interpret mode" if interpret and not is_gpu(device) else "GPU")
+            raise _unavailable("linear", impl, why, "use the XLA path (impl 'xla')")
+        return Choice("mosaic_gpu", "asked for")
+    return Choice("xla", why) if why else Choice("mosaic_gpu", "Hopper GPU, bf16")
+
+
+def choose_linear(weight: Any, *, impl: str = AUTO, device=None, interpret: bool = False, rows: int | None = None,
+                  act_dtype=None) -> Choice:
+    """A dense INT4 linear of `rows` rows (None: a decode-size call) from its weight's layout: a MosaicInt4Weight runs
+    the dense Mosaic GPU kernel (a Hopper GPU or interpret mode, bf16 activations, dims multiples of 64, at most
+    LINEAR_MAX_ROWS rows), an Int4Weight XLA. Under auto a call the kernel cannot take runs XLA over the same
+    weight; an explicit "mosaic_gpu" raises there."""
+    _check_impl("linear", impl)
+    if not isinstance(weight, Int4Weight | MosaicInt4Weight):
+        raise KernelUnavailableError(f"the W4A16 linear takes an Int4Weight or MosaicInt4Weight, got "
+                                     f"{type(weight).__name__}")
+    device = device or default_device()
+    if impl == "xla":
+        return Choice("xla", "asked for")
+    if isinstance(weight, Int4Weight):
+        if impl == "mosaic_gpu":
+            raise KernelUnavailableError("linear impl='mosaic_gpu' needs the weight in the Mosaic layout "
+                                         "(MosaicInt4Weight), got an Int4Weight: convert the params once "
+                                         "(kdtree_jax.kernels.prepare_params) with the same kernel choice")
+        return Choice("xla", "checkpoint layout (Int4Weight)")
+    why = mosaic_linear_unsupported(device, interpret, act_dtype, weight.in_features, weight.out_features)
+    if why is None and rows is not None and rows > LINEAR_MAX_ROWS:
+        why = f"{rows} rows > {LINEAR_MAX_ROWS} (tokens are the kernel's wgmma N)"
+    if why is None:
+        return Choice("mosaic_gpu", "asked for" if impl == "mosaic_gpu" else
+                      ("interpret mode" if interpret and not is_gpu(device) else "Hopper GPU, bf16"))
+    if impl == "mosaic_gpu":
+        raise _unavailable("linear", impl, why, "use the XLA path (impl 'xla')")
+    return Choice("xla", why)
 
 
 # ------------------------------------------------------------------------------------------- moe

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import re
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import kdtree_jax as kj
+
+# Stand-in devices for the kernel choosers (pallas_kernels.dispatch reads only platform, compute capability and name).
+CPU = types.SimpleNamespace(platform="cpu", device_kind="cpu")
+H200 = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
+A100 = types.SimpleNamespace(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100")
 
 # The one tiny config every test file starts from (conftest's `tiny_cfg` / `small_cfg` fixtures return these;
 # module constants in parametrize decorators import them from here).

@@ -38,7 +38,23 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.int4 import GROUP_SIZE
 from pallas_kernels.moe_w4a16.grouping import group_assignments
-from pallas_kernels.w4a16.triton import _dequant_tile
+
+
+def _dequant_tile(words, scale, *, method: str, out_dtype):
+    """words int16 [bn, bk/4], scale [bn, bk/32] -> W tile [bn, bk] in out_dtype. method "magic" (bf16 only): OR each
+    nibble into the mantissa of bf16 128.0 and subtract 136 (q exact in bf16, no int -> float convert); else convert."""
+    bn, nwords = words.shape
+    bk = nwords * 4
+    shifts = (lax.broadcasted_iota(jnp.int16, (1, 1, 4), 2) * 4).astype(jnp.int16)
+    nib = lax.shift_right_logical(words.reshape(bn, nwords, 1), shifts) & jnp.int16(0xF)  # [bn, bk/4, 4]
+    if method == "magic" and out_dtype == jnp.bfloat16:
+        q = lax.bitcast_convert_type(nib | jnp.int16(0x4300), jnp.bfloat16) - jnp.bfloat16(136.0)
+        q = q.reshape(bn, bk // GROUP_SIZE, GROUP_SIZE)  # [bn, G, 32], exact integers in bf16
+        w = q * scale.astype(jnp.bfloat16).reshape(bn, bk // GROUP_SIZE, 1)
+    else:
+        q = (nib.astype(jnp.int32) - 8).astype(jnp.float32).reshape(bn, bk // GROUP_SIZE, GROUP_SIZE)
+        w = q * scale.astype(jnp.float32).reshape(bn, bk // GROUP_SIZE, 1)
+    return w.reshape(bn, bk).astype(out_dtype)
 
 
 @dataclasses.dataclass(frozen=True)

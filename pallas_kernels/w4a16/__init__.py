@@ -1,10 +1,13 @@
-"""W4A16 GEMM: y[M, N] = x[M, K] @ dequant(W)^T with an INT4 group-32 `Int4Weight`.
+"""W4A16 GEMM: y[M, N] = x[M, K] @ dequant(W)^T with an INT4 group-32 weight.
 
 `w4a16_matmul` is the public entry: it checks shapes/dtypes and asks `pallas_kernels.dispatch.choose_linear`
-which implementation runs: "triton" (the Pallas Triton kernel, `triton.py`; natively on a GPU, on CPU with
-interpret=True) or "xla" (`reference.py`: dequantize then dot). Block sizes: `tuned.py`.
-The Mosaic GPU tile loop in `mosaic_gpu.py` is shared by the routed MoE kernel and the dense prototype in
-`pallas_kernels.experimental`.
+which implementation runs; the kernel follows from the weight's layout:
+  MosaicInt4Weight (int4 [N, K], bf16 scales [K/32, N]) -> "mosaic_gpu" (`mosaic_gpu.py`: a Hopper GPU, bf16
+      activations, N and K multiples of 64, M <= 256 rows a call), converted once at load time
+      (kdtree_jax.prepare_params);
+  Int4Weight (the checkpoint layout), impl="xla", or a call the kernel cannot take under impl="auto"
+      -> "xla" (`reference.w4a16_matmul_xla`: dequantize, then XLA's dot).
+Tiling and split-K: `tuned.py`.
 """
 
 from __future__ import annotations
@@ -13,22 +16,22 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import dispatch
-from pallas_kernels.int4 import GROUP_SIZE, Int4Weight
-from pallas_kernels.w4a16.reference import w4a16_matmul_reference
-from pallas_kernels.w4a16.triton import BlockConfig, w4a16_matmul_pallas
-from pallas_kernels.w4a16.tuned import get_config, heuristic_config
+from pallas_kernels.int4 import GROUP_SIZE, Int4Weight, MosaicInt4Weight
+from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig, gpu_interpret_params, w4a16_matmul_mgpu_kernel
+from pallas_kernels.w4a16.reference import w4a16_matmul_reference, w4a16_matmul_xla
+from pallas_kernels.w4a16.tuned import dense_config
 
-__all__ = ["BlockConfig", "get_config", "heuristic_config", "w4a16_matmul", "w4a16_matmul_reference"]
+__all__ = ["MgpuConfig", "dense_config", "w4a16_matmul", "w4a16_matmul_reference", "w4a16_matmul_xla"]
 
 _ACT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
-def _check(x: jax.Array, w: Int4Weight) -> tuple[int, int, int]:
-    if not isinstance(w, Int4Weight):
-        raise ValueError(f"w must be an Int4Weight (pallas_kernels.int4), got {type(w).__name__}")
+def _check(x: jax.Array, w) -> tuple[int, int, int]:
+    if not isinstance(w, Int4Weight | MosaicInt4Weight):
+        raise ValueError(f"w must be an Int4Weight or MosaicInt4Weight (pallas_kernels.int4), got {type(w).__name__}")
     n, k = w.check()
-    if w.qweight.ndim != 2:
-        raise ValueError(f"w must be one unstacked weight (qweight [N, K/4]), got qweight {tuple(w.qweight.shape)}")
+    if w.lead_shape:
+        raise ValueError(f"w must be one unstacked weight ([N, K] = [{n}, {k}]), got leading dims {w.lead_shape}")
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K], got shape {x.shape}")
     if jnp.dtype(x.dtype) not in _ACT_DTYPES:
@@ -42,20 +45,27 @@ def _check(x: jax.Array, w: Int4Weight) -> tuple[int, int, int]:
     return x.shape[0], k, n
 
 
-def w4a16_matmul(x: jax.Array, w: Int4Weight, *, impl: str = "auto", interpret: bool = False,
-                 config: BlockConfig | None = None) -> jax.Array:
+def w4a16_matmul(x: jax.Array, w: Int4Weight | MosaicInt4Weight, *, impl: str = "auto", interpret=False,
+                 config: MgpuConfig | None = None, split_k: int | None = None) -> jax.Array:
     """x [M, K] bf16|f32 @ dequant(W)^T -> [M, N] in x.dtype (float32 accumulation).
 
-    w: Int4Weight, qweight int16 [N, K/4], scale bf16|f32 [N, K/32]. impl: "auto" | "triton" | "xla"
-    (pallas_kernels.dispatch; a kernel that cannot run here raises KernelUnavailableError).
-    config: block sizes for the Triton kernel (default: tuned table, else heuristic)."""
+    impl: "auto" | "mosaic_gpu" | "xla" (pallas_kernels.dispatch.choose_linear; an explicit kernel that cannot run
+    here raises KernelUnavailableError, never a fallback). interpret: run the Mosaic kernel in Mosaic GPU interpret
+    mode (True or an InterpretGPUParams; tests: the default tiling then stages the dequantized tile in SMEM, the
+    only form the interpreter simulates). config / split_k: the Mosaic tiling (default: tuned.dense_config)."""
     m, k, n = _check(x, w)
-    choice = dispatch.choose_linear(w, impl=impl, interpret=interpret)
+    choice = dispatch.choose_linear(w, impl=impl, interpret=bool(interpret), rows=m, act_dtype=x.dtype)
     if choice.impl == "xla":
-        return w4a16_matmul_reference(x, w)
-    cfg = config or get_config(m, k, n)
-    if n % cfg.block_n:
-        raise ValueError(f"N={n} must be divisible by block_n={cfg.block_n}")
-    if k % (cfg.block_k * cfg.split_k):
-        raise ValueError(f"K={k} must be divisible by block_k*split_k={cfg.block_k}*{cfg.split_k}")
-    return w4a16_matmul_pallas(x, w.qweight, w.scale, cfg=cfg, interpret=interpret)
+        return w4a16_matmul_xla(x, w)
+    assert isinstance(w, MosaicInt4Weight)  # choose_linear runs the kernel on the Mosaic layout only
+    tuned_config, tuned_split = dense_config(k, n)
+    if config is None:
+        config = tuned_config if not interpret else MgpuConfig(block_n=tuned_config.block_n,
+                                                               block_k=tuned_config.block_k, a_operand="smem")
+    mp = -(-m // 8) * 8
+    x_p = jnp.pad(x, ((0, mp - m), (0, 0)))  # [Mp, K]
+    interp = gpu_interpret_params() if interpret is True else (interpret or None)
+    partials = w4a16_matmul_mgpu_kernel(x_p, w.w_i4, w.scale_t, config=config,
+                                        split_k=tuned_split if split_k is None else split_k,
+                                        interpret=interp)  # [split, N, Mp] f32
+    return partials.sum(0)[:, :m].T.astype(x.dtype)  # [M, N]

@@ -1,7 +1,7 @@
-"""The Mosaic GPU (plgpu) W4A16 group-32 tile loop for Hopper, y^T = dequant(W) @ x^T over one block_n slice
-of W, with W a `MosaicInt4Weight` (int4 [N, K], bf16 scales [K/32, N]). Shared by the routed MoE kernel
-(`pallas_kernels.moe_w4a16.mosaic_gpu`, wired) and the dense GEMM prototype
-(`pallas_kernels.experimental.w4a16_mosaic_gpu`, not wired); this module launches nothing itself.
+"""The Mosaic GPU (plgpu) W4A16 group-32 GEMM for Hopper: the tile loop y^T = dequant(W) @ x^T over one block_n
+slice of W, with W a `MosaicInt4Weight` (int4 [N, K], bf16 scales [K/32, N]), shared by the routed MoE kernel
+(`pallas_kernels.moe_w4a16.mosaic_gpu`), and the dense GEMM on it (`w4a16_matmul_mgpu_kernel`: the model's INT4
+dense linears, chosen by `pallas_kernels.dispatch.choose_linear`).
 
 "Swap AB": the weights are the wgmma A operand (block_n output features per CTA) and the tokens are the
 narrow wgmma N dimension (M padded to a multiple of 8), so tiny decode batches waste no tensor-core rows.
@@ -12,12 +12,16 @@ int4 -> bf16 (Mosaic's fast PRMT cast), multiplies each 32-column group (a stati
 scale row broadcast along K, and issues wgmma with A from registers (or, for
 GPU interpret mode, staged through SMEM) and B = the transposed activation tile, accumulating f32.
 block_k >= 64 because the smallest TMA swizzle Mosaic accepts is 32 B (= 64 int4).
+
+Dense split-K: a weight with few block_n slices (N = 2048 is 32 CTAs on 132 SMs) also splits K over a second
+grid axis; each CTA writes its float32 partial [block_n, Mp] and XLA sums the split_k partials.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -135,6 +139,41 @@ def scratch_types(config: MgpuConfig, mp: int) -> dict:
         scratch["a_smem"] = plgpu.SMEM((config.block_n, config.block_k), jnp.bfloat16,
                                        transforms=smem_transforms(config.block_k, jnp.bfloat16))
     return scratch
+
+
+def w4a16_matmul_mgpu_kernel(x: jax.Array, w_i4: jax.Array, scale_t: jax.Array, *, config: MgpuConfig = MgpuConfig(),
+                             split_k: int = 1, interpret=None) -> jax.Array:
+    """The dense GEMM: x bf16 [Mp, K] (Mp % 8 == 0), w_i4 int4 [N, K], scale_t bf16 [K/32, N] -> float32 partial
+    sums [split_k, N, Mp] (y^T = their sum). Grid (N / block_n, split_k): CTA (j, s) streams K columns
+    [s K/split_k, (s + 1) K/split_k) of its block_n weight rows."""
+    mp, k = x.shape
+    n = w_i4.shape[0]
+    if split_k < 1 or k % split_k:
+        raise ValueError(f"split_k={split_k} must be a positive divisor of K={k}")
+    k_chunk = k // split_k
+    check_config(config, n, k_chunk, mp, interpret)
+    block_n, groups = config.block_n, k_chunk // GROUP_SIZE
+    tile_matmul = make_tile_matmul(config, k_chunk, mp)
+
+    def kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
+        n_slice = pl.ds(lax.axis_index("n") * block_n, block_n)
+        split = lax.axis_index("k")
+        k_slice = pl.ds(split * k_chunk, k_chunk)
+        o_smem[...] = tile_matmul(w_gmem.at[n_slice, k_slice], x_gmem.at[:, k_slice],
+                                  s_gmem.at[pl.ds(split * groups, groups), n_slice], a_smem)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[split, n_slice])
+        plgpu.wait_smem_to_gmem(0)
+
+    f = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((split_k, n, mp), jnp.float32),
+        grid=(n // block_n, split_k),
+        grid_names=("n", "k"),
+        scratch_types=scratch_types(config, mp),
+        interpret=interpret,
+    )
+    return f(x, w_i4, scale_t)
 
 
 def gpu_interpret_params(**kwargs):

@@ -1,4 +1,5 @@
-"""The W4A16 GEMM's plain-jnp reference: the test oracle and the op's "xla" implementation."""
+"""The W4A16 GEMM's plain-jnp forms: the float32 reference (the test oracle, and the op's "xla" implementation for
+float32 activations) and the bfloat16 XLA form (the "xla" implementation for bfloat16 activations)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.int4 import GROUP_SIZE, Int4Weight
+from pallas_kernels.int4 import GROUP_SIZE, Int4Weight, MosaicInt4Weight
 
 
 def dequantize_words(qweight: jax.Array, scale: jax.Array) -> jax.Array:
@@ -19,10 +20,25 @@ def dequantize_words(qweight: jax.Array, scale: jax.Array) -> jax.Array:
     return (q * scale.astype(jnp.float32)[..., None]).reshape(*lead, n, k)
 
 
-def w4a16_matmul_reference(x: jax.Array, w: Int4Weight) -> jax.Array:
+def _dense(w: Int4Weight | MosaicInt4Weight) -> jax.Array:
+    """float32 W [N, K] of either layout."""
+    return dequantize_words(w.qweight, w.scale) if isinstance(w, Int4Weight) else w.dequantize(jnp.float32)
+
+
+def w4a16_matmul_reference(x: jax.Array, w: Int4Weight | MosaicInt4Weight) -> jax.Array:
     """x [M, K] @ dequant(W)^T -> [M, N] in x.dtype: W dequantized to float32, dot in float32 at HIGHEST
     precision (XLA does not fuse the dequantization into the GEMM: correct, not fast)."""
-    dense = dequantize_words(w.qweight, w.scale)  # [N, K] f32
-    y = lax.dot_general(x.astype(jnp.float32), dense, (((1,), (1,)), ((), ())),
+    y = lax.dot_general(x.astype(jnp.float32), _dense(w), (((1,), (1,)), ((), ())),
                         precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
+
+
+def w4a16_matmul_xla(x: jax.Array, w: Int4Weight | MosaicInt4Weight) -> jax.Array:
+    """The op's "xla" implementation: float32 x runs the reference; bfloat16 x multiplies W dequantized to
+    bfloat16 (each q * scale rounded to bf16, as the Mosaic kernel rounds it) on the tensor cores, accumulating in
+    float32, rounded to bf16."""
+    if x.dtype != jnp.bfloat16:
+        return w4a16_matmul_reference(x, w)
+    dense = _dense(w).astype(jnp.bfloat16)  # [N, K]
+    y = lax.dot_general(x, dense, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return y.astype(jnp.bfloat16)

@@ -2,20 +2,15 @@
 kernel cannot run; kj.kernel_plan on this CPU and on faked GPUs (the devices are stand-ins: only their platform,
 compute capability and name are read)."""
 
-import types
-
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import A100, CPU, H200
 
 import kdtree_jax as kj
 from pallas_kernels import dispatch
 from pallas_kernels.dispatch import Choice, Kernels, KernelUnavailableError
 from pallas_kernels.int4 import Int4Weight
-
-CPU = types.SimpleNamespace(platform="cpu", device_kind="cpu")
-H200 = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
-A100 = types.SimpleNamespace(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100")
 
 
 def _experts(num_experts=4, hidden=128, inter=64, scale_dtype=jnp.bfloat16):
@@ -99,18 +94,6 @@ def test_attention_auto_runs_what_measured_fastest():
                                      impl="mosaic_gpu") == Choice("mosaic_gpu", "asked for")
 
 
-def test_linear_rules():
-    w = _experts()["gate"]
-    w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), w)  # one unstacked weight
-    assert dispatch.choose_linear(w, device=A100) == Choice("triton", "GPU")
-    assert dispatch.choose_linear(w, device=CPU).impl == "xla"
-    assert dispatch.choose_linear(w, device=CPU, impl="xla") == Choice("xla", "asked for")
-    with pytest.raises(KernelUnavailableError, match="linear impl='triton' cannot run: no GPU"):
-        dispatch.choose_linear(w, device=CPU, impl="triton")
-    with pytest.raises(KernelUnavailableError, match="takes an Int4Weight .* got ShapeDtypeStruct"):
-        dispatch.choose_linear(w.qweight, device=A100)
-
-
 def test_moe_kernel_follows_the_weight_type():
     canonical, act = _experts(num_experts=384, hidden=7168, inter=2048), jnp.bfloat16  # K2.6's routed stack
     mosaic = _mosaic(canonical)
@@ -177,16 +160,19 @@ def test_kernel_plan_on_this_cpu_and_a_faked_h200(small_cfg):
                                                 "all_mlp"))
     on_cpu = kj.kernel_plan(params, cfg, device=CPU)
     assert on_cpu == {"attention": ("xla", "no GPU, this is cpu"),
-                      "linear": ("xla", "no GPU, this is cpu; 6 INT4 weights"),  # layer 0 MLP + layer 1 shared
+                      # layer 0's MLP + layer 1's shared expert
+                      "linear": ("xla", "needs a Hopper GPU (sm_90), this is cpu; 6 INT4 weights"),
                       "moe": ("xla", "no GPU, this is cpu"), "tree": ("xla", "no GPU, this is cpu"),
                       "mla": ("folded", "small model: 0.1 MiB more a layer, fewer launches")}
-    assert kj.plan_summary(on_cpu) == ("attention xla (no GPU, this is cpu), linear xla (no GPU, this is cpu; "
-                                       "6 INT4 weights), moe xla (no GPU, this is cpu), tree xla (no GPU, this is "
-                                       "cpu), mla folded (small model: 0.1 MiB more a layer, fewer launches)")
+    assert kj.plan_summary(on_cpu) == ("attention xla (no GPU, this is cpu), linear xla (needs a Hopper GPU "
+                                       "(sm_90), this is cpu; 6 INT4 weights), moe xla (no GPU, this is cpu), tree "
+                                       "xla (no GPU, this is cpu), mla folded (small model: 0.1 MiB more a layer, "
+                                       "fewer launches)")
     on_h200 = kj.kernel_plan(params, cfg, device=H200)
     assert on_h200["attention"] == ("xla", f"not measured faster than XLA at H={cfg.num_attention_heads}, "
                                     f"c={cfg.kv_lora_rank}, r={cfg.qk_rope_head_dim}, bfloat16")
-    assert on_h200["linear"][0] == "triton"
+    assert on_h200["linear"] == ("mosaic_gpu", "Hopper GPU, bf16; 6 of 6 INT4 weights converted to the Mosaic "
+                                               "layout once at load")
     assert on_h200["moe"] == ("mosaic_gpu", "experts converted to the Mosaic layout once at load; GPU")
     pinned = kj.kernel_plan(params, cfg, device=H200, kernels=Kernels(attention="xla", moe="triton"))
     assert pinned["attention"] == ("xla", "asked for") and pinned["moe"] == ("triton", "asked for")

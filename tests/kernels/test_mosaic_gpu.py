@@ -1,6 +1,6 @@
-"""Mosaic GPU W4A16: the dense prototype (pallas_kernels.experimental.w4a16_mosaic_gpu) over the shared tile
-loop (pallas_kernels.w4a16.mosaic_gpu) vs the plain-jnp float32 reference (pallas_kernels.w4a16.reference), and
-the tiling config the grouped MoE shares.
+"""Mosaic GPU W4A16: the dense GEMM (pallas_kernels.w4a16, impl="mosaic_gpu", over the tile loop of
+pallas_kernels.w4a16.mosaic_gpu, with split-K) vs the plain-jnp float32 reference (pallas_kernels.w4a16.reference),
+and the tiling config the grouped MoE shares.
 
 On CPU the kernel body runs in Mosaic GPU interpret mode (simulated threads, SMEM, TMA, barriers, with the
 race detector on); the register-A path, which that interpreter cannot run, is covered by the CUDA lowering
@@ -15,10 +15,15 @@ import numpy as np
 import pytest
 
 from pallas_kernels import dispatch
-from pallas_kernels.experimental.w4a16_mosaic_gpu import w4a16_matmul_mgpu
 from pallas_kernels.int4 import Int4Weight
-from pallas_kernels.w4a16 import w4a16_matmul_reference
-from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig, gpu_interpret_params
+from pallas_kernels.w4a16 import dense_config, w4a16_matmul, w4a16_matmul_reference
+from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig, gpu_interpret_params, w4a16_matmul_mgpu_kernel
+
+
+def w4a16_matmul_mgpu(x, w, **kw):
+    """The dense Mosaic kernel through the public entry (the weight converted to its layout first)."""
+    w = w.to_mosaic() if isinstance(w, Int4Weight) else w
+    return w4a16_matmul(x, w, impl="mosaic_gpu", **kw)
 
 
 @pytest.fixture(autouse=True)
@@ -42,21 +47,24 @@ def _rel_err(got, want):
     return np.max(np.abs(np.asarray(got.astype(jnp.float32), np.float64) - want)) / np.max(np.abs(want))
 
 
-# (M, N, K, config): padded M (5 -> 8, 1 -> 8), 2 N tiles x 2 K steps with 4 groups per step, block_n 128.
+# (M, N, K, config, split_k): padded M (5 -> 8, 1 -> 8), 2 N tiles x 2 K steps with 4 groups per step, block_n
+# 128; split-K: 2 and 4 K chunks (each its own scale rows), with 2 N tiles.
 INTERPRET_CASES = [
-    (5, 64, 64, MgpuConfig(a_operand="smem")),
-    (16, 128, 256, MgpuConfig(block_n=64, block_k=128, max_concurrent_steps=2, a_operand="smem")),
-    (1, 128, 128, MgpuConfig(block_n=128, block_k=64, a_operand="smem")),
+    (5, 64, 64, MgpuConfig(a_operand="smem"), 1),
+    (16, 128, 256, MgpuConfig(block_n=64, block_k=128, max_concurrent_steps=2, a_operand="smem"), 1),
+    (1, 128, 128, MgpuConfig(block_n=128, block_k=64, a_operand="smem"), 1),
+    (3, 128, 256, MgpuConfig(block_n=64, block_k=64, max_concurrent_steps=2, a_operand="smem"), 2),
+    (9, 64, 256, MgpuConfig(a_operand="smem"), 4),
 ]
 
 
-@pytest.mark.parametrize("m,n,k,cfg", INTERPRET_CASES)
-def test_interpret_matches_reference(m, n, k, cfg):
+@pytest.mark.parametrize("m,n,k,cfg,split_k", INTERPRET_CASES)
+def test_interpret_matches_reference(m, n, k, cfg, split_k):
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
     x, leaf, want = _problem(m, n, k, seed=m + n + k)
     got = jax.block_until_ready(  # the interpreter runs at execution (async dispatch): wait before asking
-        w4a16_matmul_mgpu(x, leaf, interpret=gpu_interpret_params(detect_races=True), config=cfg))
+        w4a16_matmul_mgpu(x, leaf, interpret=gpu_interpret_params(detect_races=True), config=cfg, split_k=split_k))
     assert got.shape == (m, n) and got.dtype == jnp.bfloat16
     assert not get_races().races_found
     # bf16 dequantized weights (2^-9 relative) and a bf16 output bound the error.
@@ -64,9 +72,19 @@ def test_interpret_matches_reference(m, n, k, cfg):
 
 
 def test_interpret_default_config_and_f32_scales():
-    """interpret=True picks a_operand="smem"; float32 scales are rounded to bf16 by the layout conversion."""
+    """interpret=True picks a_operand="smem" and the tuned split (here K / 64 = 2 chunks: one 64-wide N tile is far
+    from 132 CTAs); float32 scales are rounded to bf16 by the layout conversion."""
     x, leaf, want = _problem(3, 64, 128, seed=7, scale_dtype=jnp.float32)
+    assert dense_config(128, 64) == (MgpuConfig(block_n=64, block_k=64), 2)
     assert _rel_err(w4a16_matmul_mgpu(x, leaf, interpret=True), want) < 1e-2
+
+
+def test_dense_tiling_rule():
+    """The fewest K splits that fill the H200's 132 SMs with 64-wide N tiles, and the deepest block_k per split."""
+    assert dense_config(7168, 18432) == (MgpuConfig(block_n=64, block_k=256), 1)  # 288 CTAs already
+    assert dense_config(7168, 2048) == (MgpuConfig(block_n=64, block_k=256), 7)  # 32 tiles x 7: 1024-wide chunks
+    assert dense_config(2048, 7168) == (MgpuConfig(block_n=64, block_k=256), 2)  # 112 x 2
+    assert dense_config(384, 1024) == (MgpuConfig(block_n=64, block_k=64), 6)  # never fills: one step a split
 
 
 def test_lowers_for_cuda_at_k2_shapes():
@@ -76,14 +94,17 @@ def test_lowers_for_cuda_at_k2_shapes():
 
     mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
                                                                num_cores=132))
-    for m, n, k, cfg in [(1, 7168, 2048, MgpuConfig()), (16, 2048, 7168, MgpuConfig(block_n=128, block_k=128)),
-                         (64, 512, 7168, MgpuConfig(a_operand="smem"))]:
-        args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
-                Int4Weight(jax.ShapeDtypeStruct((n, k // 4), jnp.int16),
-                           jax.ShapeDtypeStruct((n, k // 32), jnp.bfloat16)))
+    for m, n, k, cfg, split in [(8, 7168, 2048, MgpuConfig(), 1),
+                                (16, 2048, 7168, MgpuConfig(block_n=128, block_k=128), 1),
+                                (64, 512, 7168, MgpuConfig(a_operand="smem"), 1),
+                                (8, 2048, 7168, *dense_config(7168, 2048))]:  # split-K 7
+        args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.int4),
+                jax.ShapeDtypeStruct((k // 32, n), jnp.bfloat16))
         with jax.sharding.use_abstract_mesh(mesh):
-            text = jax.jit(lambda x, leaf, cfg=cfg: w4a16_matmul_mgpu(x, leaf, config=cfg)).trace(*args).lower(
-                lowering_platforms=("cuda",)).as_text()
+            f = jax.jit(lambda x, w, s, cfg=cfg, split=split: w4a16_matmul_mgpu_kernel(x, w, s, config=cfg,
+                                                                                         split_k=split))
+            assert f.eval_shape(*args).shape == (split, n, m)
+            text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert set(re.findall(r"custom_call @(\w+)", text)) == {"mosaic_gpu_v2"}
 
 
@@ -94,8 +115,21 @@ def test_native_gpu(m, n, k, a_operand):
     if not dispatch.is_hopper(jax.devices()[0]):
         pytest.skip("the Mosaic GPU kernel needs a Hopper GPU (sm_90)")
     x, leaf, want = _problem(m, n, k, seed=m + n + k)
-    got = w4a16_matmul_mgpu(x, leaf, config=MgpuConfig(a_operand=a_operand))
+    got = w4a16_matmul_mgpu(x, leaf, config=MgpuConfig(a_operand=a_operand), split_k=1)
     assert _rel_err(got, want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 16, 64, 256])
+@pytest.mark.parametrize("k,n", [(7168, 2048), (2048, 7168), (7168, 18432), (384, 1024)])
+def test_native_gpu_tuned_split_k(m, k, n):
+    """The tiling and split-K auto uses (tuned.dense_config), at K2.6 and shipped-pair shapes, M up to 256."""
+    if not dispatch.is_hopper(jax.devices()[0]):
+        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU (sm_90)")
+    x, leaf, want = _problem(m, n, k, seed=m + n + k)
+    mosaic = leaf.to_mosaic()
+    assert dispatch.choose_linear(mosaic, rows=m, act_dtype=x.dtype).impl == "mosaic_gpu"
+    assert _rel_err(w4a16_matmul(x, mosaic), want) < 1e-2
 
 
 def test_value_errors():
@@ -108,14 +142,18 @@ def test_value_errors():
         w4a16_matmul_mgpu(x, leaf, interpret=True, config=MgpuConfig(block_k=32, a_operand="smem"))
     with pytest.raises(ValueError, match="N=64 must be divisible by block_n=128"):
         w4a16_matmul_mgpu(x, leaf, interpret=True, config=MgpuConfig(block_n=128, a_operand="smem"))
-    with pytest.raises(ValueError, match="x must be bf16"):
+    with pytest.raises(dispatch.KernelUnavailableError, match="needs bf16 activations, the model runs in float32"):
         w4a16_matmul_mgpu(x.astype(jnp.float32), leaf, interpret=True)
-    with pytest.raises(ValueError, match="M=300"):
+    with pytest.raises(dispatch.KernelUnavailableError, match="300 rows > 256"):
         w4a16_matmul_mgpu(jnp.zeros((300, 64), jnp.bfloat16), leaf, interpret=True)
-    with pytest.raises(ValueError, match=r"x must be bf16 \[M, K=64\]"):
+    with pytest.raises(ValueError, match="x has K=32 columns, the weight takes K=64"):
         w4a16_matmul_mgpu(x[:, :32], leaf, interpret=True)
-    with pytest.raises(ValueError, match="must be an Int4Weight or MosaicInt4Weight, got dict"):
+    with pytest.raises(ValueError, match="must be an Int4Weight or MosaicInt4Weight .*got dict"):
         w4a16_matmul_mgpu(x, {"qweight": leaf.qweight}, interpret=True)
+    with pytest.raises(ValueError, match="split_k=3 must be a positive divisor of K=64"):
+        w4a16_matmul_mgpu(x, leaf, interpret=True, config=MgpuConfig(a_operand="smem"), split_k=3)
+    with pytest.raises(ValueError, match="block_k=64 must be a multiple of 64 .* dividing K=32"):
+        w4a16_matmul_mgpu(x, leaf, interpret=True, config=MgpuConfig(a_operand="smem"), split_k=2)
 
 
 def test_config_parse_and_the_moe_default_tiling():

@@ -1,16 +1,20 @@
-"""W4A16 Pallas kernel vs an independent float64 NumPy reference (reference/int4.py).
-
-On CPU the very kernel body runs in Pallas interpret mode; on a GPU the native test runs it compiled.
+"""The W4A16 GEMM's public entry (pallas_kernels.w4a16.w4a16_matmul) vs an independent float64 NumPy reference
+(reference/int4.py): its XLA forms in both weight layouts, the choice between them and the dense Mosaic GPU kernel,
+and the model's INT4 dense linears through prepare_params. The Mosaic kernel's own interpret-mode and native tests
+are in test_mosaic_gpu.py.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import A100, CPU, H200, SMALL
 
-from pallas_kernels import dispatch, w4a16
-from pallas_kernels.int4 import Int4Weight
-from pallas_kernels.w4a16 import BlockConfig, w4a16_matmul, w4a16_matmul_reference
+import kdtree_jax as kj
+from pallas_kernels import dispatch
+from pallas_kernels.dispatch import Choice, KernelUnavailableError
+from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
+from pallas_kernels.w4a16 import w4a16_matmul, w4a16_matmul_reference, w4a16_matmul_xla
 from reference import int4 as ref
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -32,54 +36,67 @@ def _rel_err(got, want):
     return np.max(np.abs(np.asarray(got.astype(jnp.float32), np.float64) - want)) / np.max(np.abs(want))
 
 
-# (M, K, N, config): awkward M (1, 3, 17), K = 32, split-K, both dequant methods, M tiles > 1.
-CASES = [
-    (1, 32, 16, BlockConfig(block_n=16, block_k=32)),
-    (3, 64, 32, BlockConfig(block_n=32, block_k=32, split_k=2)),
-    (17, 256, 64, BlockConfig(block_m=16, block_n=64, block_k=64, split_k=2)),
-    (8, 512, 128, BlockConfig(block_n=128, block_k=128, dequant="convert")),
-    (33, 128, 32, BlockConfig(block_m=32, block_n=32, block_k=128)),
-]
+@pytest.mark.parametrize("layout", ["checkpoint", "mosaic"])
+@pytest.mark.parametrize("m,k,n", [(1, 32, 16), (3, 96, 48), (17, 256, 64)])
+def test_xla_forms_match_numpy(m, k, n, layout):
+    """float32 activations: the float32 reference (1e-6); bfloat16: W dequantized to bf16 on the tensor cores (bf16
+    weights and output bound the error); both weight layouts give the same numbers."""
+    for act, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)):
+        x, leaf, want = _problem(m, k, n, act_dtype=act, seed=m + k + n)
+        w = leaf if layout == "checkpoint" else leaf.to_mosaic()
+        got = w4a16_matmul(x, w, impl="xla")
+        assert got.shape == (m, n) and got.dtype == act
+        assert _rel_err(got, want) < tol
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(w4a16_matmul_xla(x, leaf)))
+    x, leaf, want = _problem(m, k, n, act_dtype=jnp.float32, seed=1)
+    assert _rel_err(w4a16_matmul_reference(x, leaf), want) < 1e-6
 
 
-@pytest.mark.parametrize("m,k,n,cfg", CASES)
-@pytest.mark.parametrize("act_dtype", [jnp.bfloat16, jnp.float32])
-def test_kernel_interpret_matches_reference(m, k, n, cfg, act_dtype):
-    x, leaf, want = _problem(m, k, n, act_dtype=act_dtype, seed=m + k + n)
-    got = w4a16_matmul(x, leaf, impl="triton", interpret=True, config=cfg)
-    assert got.shape == (m, n) and got.dtype == act_dtype
-    # bf16 dequantized weights (2^-9 relative) and a bf16 output bound the error.
-    assert _rel_err(got, want) < (2e-2 if act_dtype == jnp.bfloat16 else 1e-5)
+def test_bf16_xla_form_rounds_the_weight_as_the_kernel_does():
+    """bf16 x: the dot runs on W rounded to bf16 ([N, K]), not on float32 W (a mutation check of the form)."""
+    x, leaf, _ = _problem(4, 64, 32, act_dtype=jnp.bfloat16, seed=3)
+    w_bf16 = np.asarray(leaf.to_mosaic().dequantize(jnp.float32).astype(jnp.bfloat16).astype(jnp.float32))
+    want = np.asarray(x.astype(jnp.float32)) @ w_bf16.T
+    got = np.asarray(w4a16_matmul_xla(x, leaf).astype(jnp.float32))
+    np.testing.assert_allclose(got, want, rtol=2**-8, atol=1e-3)
 
 
-def test_float32_scales_interpret():
-    x, leaf, want = _problem(5, 128, 64, scale_dtype=jnp.float32)
-    got = w4a16_matmul(x, leaf, impl="triton", interpret=True, config=BlockConfig(block_n=64, block_k=64))
-    assert _rel_err(got, want) < 2e-2
-
-
-def test_heuristic_config_interpret():
-    x, leaf, want = _problem(2, 1024, 64)
-    cfg = w4a16.heuristic_config(2, 1024, 64)
-    assert cfg.split_k > 1  # few N tiles -> split K to fill the SMs
-    got = w4a16_matmul(x, leaf, impl="triton", interpret=True)
-    assert _rel_err(got, want) < 2e-2
-
-
-def test_xla_reference_path_matches_numpy():
-    x, leaf, want = _problem(3, 96, 48, act_dtype=jnp.float32)
-    got = w4a16_matmul_reference(x, leaf)
-    assert _rel_err(got, want) < 1e-6
-
-
-@pytest.mark.skipif(ON_GPU, reason="checks the CPU plan of impl='auto'; on a GPU auto runs the kernel")
-def test_auto_on_cpu_runs_the_reference_and_an_explicit_kernel_raises():
-    x, leaf, want = _problem(2, 64, 32)
-    assert dispatch.choose_linear(leaf).impl == "xla"
-    assert dispatch.choose_linear(leaf, interpret=True).impl == "triton"
-    assert _rel_err(w4a16_matmul(x, leaf), want) < 2e-2
-    with pytest.raises(dispatch.KernelUnavailableError, match="linear impl='triton' cannot run: no GPU"):
-        w4a16_matmul(x, leaf, impl="triton")
+def test_linear_rules():
+    """The kernel follows the layout: a MosaicInt4Weight runs the Mosaic kernel on a Hopper GPU (or in interpret
+    mode) for bf16 calls of <= 256 rows, XLA otherwise under auto; an Int4Weight runs XLA; explicit kernels that
+    cannot run raise."""
+    canonical = _problem(1, 256, 128)[1]
+    mosaic = jax.eval_shape(Int4Weight.to_mosaic, canonical)
+    choose = dispatch.choose_linear
+    assert choose(mosaic, device=H200, act_dtype=jnp.bfloat16) == Choice("mosaic_gpu", "Hopper GPU, bf16")
+    assert choose(mosaic, device=H200, act_dtype=jnp.bfloat16, rows=256).impl == "mosaic_gpu"
+    assert choose(mosaic, device=H200, act_dtype=jnp.bfloat16, rows=257) == Choice(
+        "xla", "257 rows > 256 (tokens are the kernel's wgmma N)")
+    assert choose(mosaic, device=H200, act_dtype=jnp.float32) == Choice(
+        "xla", "needs bf16 activations, the model runs in float32")
+    assert choose(mosaic, device=A100, act_dtype=jnp.bfloat16).reason == (
+        "needs a Hopper GPU (sm_90), this is NVIDIA A100")
+    assert choose(mosaic, device=CPU, interpret=True, act_dtype=jnp.bfloat16) == Choice("mosaic_gpu", "interpret mode")
+    assert choose(canonical, device=H200) == Choice("xla", "checkpoint layout (Int4Weight)")
+    assert choose(mosaic, device=H200, impl="xla") == Choice("xla", "asked for")
+    with pytest.raises(KernelUnavailableError, match="needs the weight in the Mosaic layout"):
+        choose(canonical, device=H200, impl="mosaic_gpu")
+    with pytest.raises(KernelUnavailableError, match="linear impl='mosaic_gpu' cannot run: 300 rows > 256"):
+        choose(mosaic, device=H200, impl="mosaic_gpu", rows=300, act_dtype=jnp.bfloat16)
+    with pytest.raises(KernelUnavailableError, match="takes an Int4Weight or MosaicInt4Weight, got ShapeDtypeStruct"):
+        choose(jax.ShapeDtypeStruct((128, 64), jnp.int16), device=H200)
+    with pytest.raises(ValueError, match="linear impl must be one of"):
+        choose(canonical, impl="triton")
+    layout = lambda **kw: dispatch.choose_linear_layout(  # noqa: E731
+        **{"act_dtype": jnp.bfloat16, "scale_dtype": jnp.bfloat16, "in_features": 7168, "out_features": 2048,
+           "device": H200, **kw})
+    assert layout() == Choice("mosaic_gpu", "Hopper GPU, bf16")
+    assert layout(out_features=96) == Choice("xla", "out 96 features not a multiple of 64")
+    assert layout(scale_dtype=jnp.float32) == Choice("xla", "the INT4 scales are float32, not bfloat16")
+    assert layout(device=A100).impl == "xla" and layout(impl="xla") == Choice("xla", "asked for")
+    assert layout(scale_dtype=jnp.float32, impl="mosaic_gpu") == Choice("mosaic_gpu", "asked for")
+    with pytest.raises(KernelUnavailableError, match="linear impl='mosaic_gpu' cannot run: needs a Hopper GPU"):
+        layout(device=CPU, impl="mosaic_gpu")
 
 
 def test_bad_inputs_raise_clearly():
@@ -93,24 +110,79 @@ def test_bad_inputs_raise_clearly():
         w4a16_matmul(x, Int4Weight(leaf.qweight, leaf.scale[:, :1]), impl="xla")
     with pytest.raises(ValueError, match="qweight must be int16"):
         w4a16_matmul(x, Int4Weight(leaf.qweight.astype(jnp.int32), leaf.scale), impl="xla")
-    with pytest.raises(ValueError, match="must be an Int4Weight"):
+    with pytest.raises(ValueError, match="must be an Int4Weight or MosaicInt4Weight"):
         w4a16_matmul(x, {"qweight": leaf.qweight, "scale": leaf.scale}, impl="xla")
-    with pytest.raises(ValueError, match="got MosaicInt4Weight"):
-        w4a16_matmul(x, leaf.to_mosaic(), impl="xla")
-    with pytest.raises(dispatch.KernelUnavailableError, match="Mosaic layout is for routed experts only"):
-        dispatch.choose_linear(leaf.to_mosaic())
     with pytest.raises(ValueError, match="the weight takes K=64"):
         w4a16_matmul(jnp.zeros((2, 96), jnp.bfloat16), leaf, impl="xla")
-    with pytest.raises(ValueError, match="divisible by block_n"):
-        w4a16_matmul(x, leaf, impl="triton", interpret=True, config=BlockConfig(block_n=64, block_k=32))
+    with pytest.raises(ValueError, match="one unstacked weight"):
+        w4a16_matmul(x, jax.tree.map(lambda a: a[None], leaf), impl="xla")
+    with pytest.raises(ValueError, match="x must be \\[M, K\\]"):
+        w4a16_matmul(x[0], leaf, impl="xla")
     with pytest.raises(ValueError, match="linear impl must be one of"):
         w4a16_matmul(x, leaf, impl="pallas")
+    if not ON_GPU:
+        with pytest.raises(KernelUnavailableError, match="linear impl='mosaic_gpu' cannot run: needs a Hopper GPU"):
+            w4a16_matmul(x, leaf.to_mosaic(), impl="mosaic_gpu")
+
+
+# ----------------------------------------------------------------------------------- the model's INT4 linears
+def _all_mlp_model():
+    cfg = SMALL  # hidden 192, dense MLP 384, shared expert 64: every dim a multiple of 64
+    params = kj.quantize(kj.init_params(cfg, jax.random.key(0), jnp.bfloat16), cfg, "all_mlp")
+    return cfg, params
+
+
+def test_prepare_params_converts_the_dense_int4_weights():
+    """prepare_params gives the dense INT4 weights (layer 0's MLP, layer 1's shared expert) the Mosaic layout where
+    the linear kernel runs (interpret mode here) and leaves the rest; the forward then runs the Mosaic kernel on
+    them and matches the XLA path on the checkpoint layout; the plan says so."""
+    cfg, params = _all_mlp_model()
+    kernels = kj.Kernels(attention="xla", linear="mosaic_gpu", moe="xla", interpret=True)
+    prepared = kj.prepare_params(params, cfg, kernels)
+    dense = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(
+        prepared, is_leaf=lambda x: isinstance(x, Int4Weight | MosaicInt4Weight))[0]
+        if isinstance(leaf, Int4Weight | MosaicInt4Weight) and "experts" not in jax.tree_util.keystr(path)]
+    assert len(dense) == 6 and all(isinstance(w, MosaicInt4Weight) for w in dense)
+    assert isinstance(prepared["layers_1"]["moe"]["experts"]["gate"], Int4Weight)  # moe="xla": canonical
+    assert kj.kernel_plan(prepared, cfg, kernels=kernels)["linear"] == (
+        "mosaic_gpu", "asked for; 6 of 6 INT4 weights converted to the Mosaic layout once at load")
+    tokens = jnp.asarray([[3, 17, 42, 5]], jnp.int32)
+    got = kj.forward(prepared, cfg, tokens, kernels=kernels)
+    want = kj.forward(params, cfg, tokens, kernels=kj.Kernels(attention="xla", linear="xla", moe="xla"))
+    err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+    assert err < 0.05 * float(jnp.max(jnp.abs(want.astype(jnp.float32)))), err
+    auto = kj.prepare_params(params, cfg, kj.Kernels())  # auto on this machine
+    if not ON_GPU:  # a CPU keeps the checkpoint layout (XLA)
+        assert auto["layers_0"]["mlp"]["gate"] is params["layers_0"]["mlp"]["gate"]
+        with pytest.raises(KernelUnavailableError, match="linear impl='mosaic_gpu' cannot run: needs a Hopper GPU"):
+            kj.prepare_params(params, cfg, kj.Kernels(linear="mosaic_gpu"))
+
+
+def test_kernel_plan_counts_weights_the_kernel_cannot_take():
+    """On an H200, a shared expert 96 wide stays on XLA beside the converted dense MLP, and the plan says how many."""
+    cfg = SMALL.replace(moe_intermediate_size=96)
+    params = jax.eval_shape(lambda: kj.quantize(kj.init_params(cfg, jax.random.key(0), jnp.bfloat16), cfg,
+                                                "all_mlp"))
+    assert kj.kernel_plan(params, cfg, device=H200)["linear"] == (
+        "mosaic_gpu", "Hopper GPU, bf16; 3 of 6 INT4 weights converted to the Mosaic layout once at load, 3 on XLA "
+                      "(in 96 features not a multiple of 64)")
+    assert kj.kernel_plan(params, cfg, device=H200, sharded=True)["linear"] == (
+        "xla", "sharded over a mesh; 6 INT4 weights")
+    assert kj.kernel_plan(params, cfg, device=CPU)["linear"] == (
+        "xla", "needs a Hopper GPU (sm_90), this is cpu; 6 INT4 weights")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 3, 17, 64, 128, 256])
-@pytest.mark.parametrize("k,n", [(7168, 2048), (2048, 7168)])
-def test_kernel_native_gpu(m, k, n):
-    x, leaf, want = _problem(m, k, n, seed=m)
-    got = w4a16_matmul(x, leaf, impl="triton")
-    assert _rel_err(got, want) < 2e-2
+def test_model_linears_run_the_kernel_natively():
+    """On a Hopper GPU auto converts and runs the Mosaic kernel for the dense INT4 weights, and the bf16 forward
+    matches the XLA path's."""
+    if not dispatch.is_hopper(jax.devices()[0]):
+        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU (sm_90)")
+    cfg, params = _all_mlp_model()
+    prepared = kj.prepare_params(params, cfg)
+    assert isinstance(prepared["layers_0"]["mlp"]["gate"], MosaicInt4Weight)
+    assert kj.kernel_plan(prepared, cfg)["linear"][0] == "mosaic_gpu"
+    tokens = jnp.asarray([[3, 17, 42, 5, 9, 11, 2, 8]], jnp.int32)
+    got = kj.forward(prepared, cfg, tokens).astype(jnp.float32)
+    want = kj.forward(params, cfg, tokens, kernels=kj.Kernels(linear="xla")).astype(jnp.float32)
+    assert float(jnp.max(jnp.abs(got - want))) < 0.05 * float(jnp.max(jnp.abs(want)))

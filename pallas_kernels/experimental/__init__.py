@@ -1,1 +1,0 @@
-"""Kernel prototypes not wired into any dispatcher (pallas_kernels.dispatch never picks them)."""
