@@ -184,10 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--linear-kernel", choices=("auto", *KERNEL_CHOICES["linear"]), default="auto",
                    help="kernel for INT4 dense linears (shared experts and dense MLPs of a checkpoint quantized "
                    "with kj.quantize(policy='experts+shared' or 'all_mlp')): mosaic_gpu (a Hopper GPU, bf16; the "
-                   "weights converted to its layout once at load; calls of more than 256 rows, a long prefill, run "
-                   "XLA) or xla "
-                   "(dequantize, then XLA's dot); auto (default): mosaic_gpu where it runs (dims multiples of 64, "
-                   "bf16 scales), else xla")
+                   "weights converted to its layout once at load; calls of more than 64 rows, a prefill, run XLA) or "
+                   "xla "
+                   "(dequantize, then XLA's dot); auto (default): mosaic_gpu where it runs and measured faster "
+                   "(dims multiples of 64, bf16 scales, weights of 1 M elements or more), else xla")
     g.add_argument("--tree-kernel", choices=("auto", *KERNEL_CHOICES["tree"]), default="auto",
                    help="DDTree tree build: triton (one kernel launch per round, a GPU) or xla (the jnp builder, "
                    "about five XLA kernels per draft depth); both build the same tree. auto (default): triton on a "

@@ -198,6 +198,9 @@ def _prepare_linears(params: dict, kernels: Kernels, device) -> dict:
                                                       "sharded over a mesh, which the dense Mosaic layout does not "
                                                       "support; use the XLA path (impl 'xla')")
             return leaf
+        converted.append("/".join(keys))
         return convert(leaf)
 
-    return jax.tree_util.tree_map_with_path(prepare, params, is_leaf=is_quantized)
+    converted: list[str] = []
+    out = jax.tree_util.tree_map_with_path(prepare, params, is_leaf=is_quantized)
+    return out if converted else params  # nothing to convert: the very params given

@@ -23,7 +23,8 @@ Rules for impl="auto" (from backend, dtype, shape and weight type):
     measured faster (moe_w4a16.tuned.measured_fastest), runs "xla" on a GPU too;
   - an INT4 dense linear follows from its weight's type the same way: MosaicInt4Weight -> "mosaic_gpu" (a Hopper
     GPU, bf16 activations, dims multiples of 64, at most LINEAR_MAX_ROWS rows a call; a longer call, a prefill,
-    runs XLA over the same weight), Int4Weight -> "xla".
+    runs XLA over the same weight), Int4Weight -> "xla"; a weight under LINEAR_MIN_ELEMENTS keeps the checkpoint
+    layout (XLA measured faster there).
 An explicit impl that cannot run where it is asked for raises KernelUnavailableError (never a fallback).
 Which layout the routed experts and the INT4 dense weights should be in (`choose_moe_layout`,
 `choose_linear_layout`) is decided here too; the engine converts them once (kdtree_jax.kernels.prepare_params)
@@ -259,7 +260,13 @@ def choose_tree(*, budget: int, depth_count: int, impl: str = AUTO, device=None,
 
 
 # ------------------------------------------------------------------------------------------- linear
-LINEAR_MAX_ROWS = 256  # the dense Mosaic kernel's rows a call (tokens are the wgmma N); more run XLA
+# The dense Mosaic kernel under auto, from benchmarks/results/w4a16_results.md (H200, 2026-12-03, CUPTI): at most
+# LINEAR_MAX_ROWS rows a call (measured up to 64: at K2.6 shapes 2.6-6.7x faster than XLA's INT4 form; 256 rows
+# overflow its shared memory at block_k 256, 65..255 were not measured: XLA), and weights of at least
+# LINEAR_MIN_ELEMENTS (at 384 x 1024, 0.4 M, XLA took 1.3 us at M = 1 against the kernel's 3.7; the kernel was
+# 1.2-1.6x faster at M 8..64, by at most 1.8 us; sizes between that and 2048 x 7168 were not measured).
+LINEAR_MAX_ROWS = 64
+LINEAR_MIN_ELEMENTS = 1 << 20
 
 
 def mosaic_linear_unsupported(device, interpret: bool, act_dtype, in_features: int, out_features: int) -> str | None:
@@ -270,6 +277,14 @@ def mosaic_linear_unsupported(device, interpret: bool, act_dtype, in_features: i
         return f"needs bf16 activations, the model runs in {jnp.dtype(act_dtype).name}"
     bad = [f"{name} {dim}" for name, dim in (("in", in_features), ("out", out_features)) if dim % MOSAIC_DIM_MULTIPLE]
     return f"{' and '.join(bad)} features not a multiple of {MOSAIC_DIM_MULTIPLE}" if bad else None
+
+
+def _linear_xla_faster(in_features: int, out_features: int) -> str | None:
+    """Why XLA runs a weight this small under auto (measured faster at one row), or None."""
+    elements = in_features * out_features
+    if elements < LINEAR_MIN_ELEMENTS:
+        return f"small weight ({in_features} x {out_features}): XLA measured faster at one row"
+    return None
 
 
 def choose_linear_layout(*, act_dtype, scale_dtype, in_features: int, out_features: int, impl: str = AUTO,
@@ -284,6 +299,8 @@ def choose_linear_layout(*, act_dtype, scale_dtype, in_features: int, out_featur
     why = mosaic_linear_unsupported(device, interpret, act_dtype, in_features, out_features)
     if why is None and impl == AUTO and jnp.dtype(scale_dtype) != jnp.dtype(jnp.bfloat16):
         why = f"the INT4 scales are {jnp.dtype(scale_dtype).name}, not bfloat16"
+    if why is None and impl == AUTO:
+        why = _linear_xla_faster(in_features, out_features)
     if impl == "mosaic_gpu":
         if why:
             raise _unavailable("linear", impl, why, "use the XLA path (impl 'xla')")
@@ -295,8 +312,8 @@ def choose_linear(weight: Any, *, impl: str = AUTO, device=None, interpret: bool
                   act_dtype=None) -> Choice:
     """A dense INT4 linear of `rows` rows (None: a decode-size call) from its weight's layout: a MosaicInt4Weight runs
     the dense Mosaic GPU kernel (a Hopper GPU or interpret mode, bf16 activations, dims multiples of 64, at most
-    LINEAR_MAX_ROWS rows), an Int4Weight XLA. Under auto a call the kernel cannot take runs XLA over the same
-    weight; an explicit "mosaic_gpu" raises there."""
+    LINEAR_MAX_ROWS rows; under auto on a GPU also at least LINEAR_MIN_ELEMENTS weights), an Int4Weight XLA.
+    Under auto a call the kernel cannot take runs XLA over the same weight; an explicit "mosaic_gpu" raises there."""
     _check_impl("linear", impl)
     if not isinstance(weight, Int4Weight | MosaicInt4Weight):
         raise KernelUnavailableError(f"the W4A16 linear takes an Int4Weight or MosaicInt4Weight, got "
@@ -312,7 +329,9 @@ def choose_linear(weight: Any, *, impl: str = AUTO, device=None, interpret: bool
         return Choice("xla", "checkpoint layout (Int4Weight)")
     why = mosaic_linear_unsupported(device, interpret, act_dtype, weight.in_features, weight.out_features)
     if why is None and rows is not None and rows > LINEAR_MAX_ROWS:
-        why = f"{rows} rows > {LINEAR_MAX_ROWS} (tokens are the kernel's wgmma N)"
+        why = f"{rows} rows > {LINEAR_MAX_ROWS} (measured faster up to {LINEAR_MAX_ROWS})"
+    if why is None and impl == AUTO and not interpret:
+        why = _linear_xla_faster(weight.in_features, weight.out_features)
     if why is None:
         return Choice("mosaic_gpu", "asked for" if impl == "mosaic_gpu" else
                       ("interpret mode" if interpret and not is_gpu(device) else "Hopper GPU, bf16"))

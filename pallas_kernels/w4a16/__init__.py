@@ -3,8 +3,8 @@
 `w4a16_matmul` is the public entry: it checks shapes/dtypes and asks `pallas_kernels.dispatch.choose_linear`
 which implementation runs; the kernel follows from the weight's layout:
   MosaicInt4Weight (int4 [N, K], bf16 scales [K/32, N]) -> "mosaic_gpu" (`mosaic_gpu.py`: a Hopper GPU, bf16
-      activations, N and K multiples of 64, M <= 256 rows a call), converted once at load time
-      (kdtree_jax.prepare_params);
+      activations, N and K multiples of 64, M <= dispatch.LINEAR_MAX_ROWS rows a call), converted once at load
+      time (kdtree_jax.prepare_params);
   Int4Weight (the checkpoint layout), impl="xla", or a call the kernel cannot take under impl="auto"
       -> "xla" (`reference.w4a16_matmul_xla`: dequantize, then XLA's dot).
 Tiling and split-K: `tuned.py`.

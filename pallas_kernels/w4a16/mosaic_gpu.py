@@ -70,6 +70,19 @@ def smem_transforms(minor_elems: int, dtype) -> tuple:
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
+MAX_SMEM_BYTES = 232448  # shared memory one CTA may take on an H200 (227 KiB)
+
+
+def smem_bytes(config: MgpuConfig, mp: int) -> int:
+    """Shared memory of one CTA: max_concurrent_steps buffers of the int4 weight, bf16 activation and bf16 scale
+    tiles, the float32 [block_n, Mp] output staging, and the SMEM-A tile (Mosaic's own barriers not counted; 256
+    rows at block_k 256 measured 626720 B on the H200 against this formula's 626688)."""
+    bn, bk = config.block_n, config.block_k
+    step = bn * bk // 2 + mp * bk * 2 + (bk // GROUP_SIZE) * bn * 2
+    a_tile = bn * bk * 2 if config.a_operand == "smem" else 0
+    return config.max_concurrent_steps * step + bn * mp * 4 + a_tile
+
+
 def check_config(config: MgpuConfig, n: int, k: int, mp: int, interpret) -> None:
     if config.block_k % 64 or k % config.block_k:
         raise ValueError(f"block_k={config.block_k} must be a multiple of 64 (int4 swizzle >= 32 B) dividing K={k}")
@@ -84,6 +97,9 @@ def check_config(config: MgpuConfig, n: int, k: int, mp: int, interpret) -> None
         raise ValueError(f"N={n} must be divisible by block_n={config.block_n}")
     if mp % 8 or mp > 256:
         raise ValueError(f"padded M={mp} must be a multiple of 8 and <= 256 (wgmma N)")
+    if (need := smem_bytes(config, mp)) > MAX_SMEM_BYTES:
+        raise ValueError(f"tiling {config} at M={mp} needs {need} B of shared memory, the H200 has {MAX_SMEM_BYTES}: "
+                         "use a smaller block_k or fewer pipeline steps")
 
 
 def make_tile_matmul(config: MgpuConfig, k: int, mp: int):

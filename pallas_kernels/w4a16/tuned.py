@@ -7,7 +7,6 @@ from __future__ import annotations
 from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig
 
 NUM_SMS = 132  # H200
-MAX_ROWS = 256  # tokens are the wgmma N dimension: at most 256 rows a launch (more run XLA)
 
 
 def dense_config(k: int, n: int) -> tuple[MgpuConfig, int]:

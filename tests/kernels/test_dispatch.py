@@ -171,8 +171,7 @@ def test_kernel_plan_on_this_cpu_and_a_faked_h200(small_cfg):
     on_h200 = kj.kernel_plan(params, cfg, device=H200)
     assert on_h200["attention"] == ("xla", f"not measured faster than XLA at H={cfg.num_attention_heads}, "
                                     f"c={cfg.kv_lora_rank}, r={cfg.qk_rope_head_dim}, bfloat16")
-    assert on_h200["linear"] == ("mosaic_gpu", "Hopper GPU, bf16; 6 of 6 INT4 weights converted to the Mosaic "
-                                               "layout once at load")
+    assert on_h200["linear"] == ("xla", "small weight (384 x 192): XLA measured faster at one row; 6 INT4 weights")
     assert on_h200["moe"] == ("mosaic_gpu", "experts converted to the Mosaic layout once at load; GPU")
     pinned = kj.kernel_plan(params, cfg, device=H200, kernels=Kernels(attention="xla", moe="triton"))
     assert pinned["attention"] == ("xla", "asked for") and pinned["moe"] == ("triton", "asked for")

@@ -79,6 +79,17 @@ def test_interpret_default_config_and_f32_scales():
     assert _rel_err(w4a16_matmul_mgpu(x, leaf, interpret=True), want) < 1e-2
 
 
+def test_shared_memory_is_checked_up_front():
+    """The formula matches what Mosaic reported on the H200 (626720 B with its barriers) for 256 rows at block_k
+    256, 4 steps, and such a tiling is refused with a clear error before compiling."""
+    from pallas_kernels.w4a16.mosaic_gpu import MAX_SMEM_BYTES, check_config, smem_bytes
+
+    assert smem_bytes(MgpuConfig(block_k=256), 256) == 626688
+    assert smem_bytes(MgpuConfig(block_k=256), 64) < MAX_SMEM_BYTES  # the engine's largest call
+    with pytest.raises(ValueError, match="needs 626688 B of shared memory"):
+        check_config(MgpuConfig(block_k=256), 7168, 7168, 256, None)
+
+
 def test_dense_tiling_rule():
     """The fewest K splits that fill the H200's 132 SMs with 64-wide N tiles, and the deepest block_k per split."""
     assert dense_config(7168, 18432) == (MgpuConfig(block_n=64, block_k=256), 1)  # 288 CTAs already
@@ -123,13 +134,17 @@ def test_native_gpu(m, n, k, a_operand):
 @pytest.mark.parametrize("m", [1, 8, 16, 64, 256])
 @pytest.mark.parametrize("k,n", [(7168, 2048), (2048, 7168), (7168, 18432), (384, 1024)])
 def test_native_gpu_tuned_split_k(m, k, n):
-    """The tiling and split-K auto uses (tuned.dense_config), at K2.6 and shipped-pair shapes, M up to 256."""
+    """The tiling and split-K the engine uses (tuned.dense_config), at K2.6 and shipped-pair shapes, M up to 64; at
+    256 rows auto runs XLA (the block_k 256 tiling would need 627 KB of shared memory: refused up front)."""
     if not dispatch.is_hopper(jax.devices()[0]):
         pytest.skip("the Mosaic GPU kernel needs a Hopper GPU (sm_90)")
     x, leaf, want = _problem(m, n, k, seed=m + n + k)
     mosaic = leaf.to_mosaic()
-    assert dispatch.choose_linear(mosaic, rows=m, act_dtype=x.dtype).impl == "mosaic_gpu"
+    auto = dispatch.choose_linear(mosaic, rows=m, act_dtype=x.dtype).impl
+    assert auto == ("mosaic_gpu" if m <= 64 and k * n >= dispatch.LINEAR_MIN_ELEMENTS else "xla")
     assert _rel_err(w4a16_matmul(x, mosaic), want) < 1e-2
+    if m <= 64:
+        assert _rel_err(w4a16_matmul(x, mosaic, impl="mosaic_gpu"), want) < 1e-2
 
 
 def test_value_errors():
@@ -144,7 +159,7 @@ def test_value_errors():
         w4a16_matmul_mgpu(x, leaf, interpret=True, config=MgpuConfig(block_n=128, a_operand="smem"))
     with pytest.raises(dispatch.KernelUnavailableError, match="needs bf16 activations, the model runs in float32"):
         w4a16_matmul_mgpu(x.astype(jnp.float32), leaf, interpret=True)
-    with pytest.raises(dispatch.KernelUnavailableError, match="300 rows > 256"):
+    with pytest.raises(dispatch.KernelUnavailableError, match="300 rows > 64"):
         w4a16_matmul_mgpu(jnp.zeros((300, 64), jnp.bfloat16), leaf, interpret=True)
     with pytest.raises(ValueError, match="x has K=32 columns, the weight takes K=64"):
         w4a16_matmul_mgpu(x[:, :32], leaf, interpret=True)

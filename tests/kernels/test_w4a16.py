@@ -63,15 +63,21 @@ def test_bf16_xla_form_rounds_the_weight_as_the_kernel_does():
 
 def test_linear_rules():
     """The kernel follows the layout: a MosaicInt4Weight runs the Mosaic kernel on a Hopper GPU (or in interpret
-    mode) for bf16 calls of <= 256 rows, XLA otherwise under auto; an Int4Weight runs XLA; explicit kernels that
-    cannot run raise."""
-    canonical = _problem(1, 256, 128)[1]
+    mode) for bf16 calls of <= 64 rows and weights of >= 1 M elements, XLA otherwise under auto; an Int4Weight runs
+    XLA; explicit kernels that cannot run raise."""
+    canonical = Int4Weight(jax.ShapeDtypeStruct((1024, 2048 // 4), jnp.int16),  # [N, K/4]: 2048 -> 1024
+                           jax.ShapeDtypeStruct((1024, 2048 // 32), jnp.bfloat16))
     mosaic = jax.eval_shape(Int4Weight.to_mosaic, canonical)
+    small = jax.eval_shape(Int4Weight.to_mosaic, Int4Weight(jax.ShapeDtypeStruct((1024, 96), jnp.int16),
+                                                            jax.ShapeDtypeStruct((1024, 12), jnp.bfloat16)))
     choose = dispatch.choose_linear
     assert choose(mosaic, device=H200, act_dtype=jnp.bfloat16) == Choice("mosaic_gpu", "Hopper GPU, bf16")
-    assert choose(mosaic, device=H200, act_dtype=jnp.bfloat16, rows=256).impl == "mosaic_gpu"
-    assert choose(mosaic, device=H200, act_dtype=jnp.bfloat16, rows=257) == Choice(
-        "xla", "257 rows > 256 (tokens are the kernel's wgmma N)")
+    assert choose(mosaic, device=H200, act_dtype=jnp.bfloat16, rows=64).impl == "mosaic_gpu"
+    assert choose(mosaic, device=H200, act_dtype=jnp.bfloat16, rows=65) == Choice(
+        "xla", "65 rows > 64 (measured faster up to 64)")
+    assert choose(small, device=H200, act_dtype=jnp.bfloat16) == Choice(
+        "xla", "small weight (384 x 1024): XLA measured faster at one row")
+    assert choose(small, device=H200, act_dtype=jnp.bfloat16, impl="mosaic_gpu") == Choice("mosaic_gpu", "asked for")
     assert choose(mosaic, device=H200, act_dtype=jnp.float32) == Choice(
         "xla", "needs bf16 activations, the model runs in float32")
     assert choose(mosaic, device=A100, act_dtype=jnp.bfloat16).reason == (
@@ -81,7 +87,7 @@ def test_linear_rules():
     assert choose(mosaic, device=H200, impl="xla") == Choice("xla", "asked for")
     with pytest.raises(KernelUnavailableError, match="needs the weight in the Mosaic layout"):
         choose(canonical, device=H200, impl="mosaic_gpu")
-    with pytest.raises(KernelUnavailableError, match="linear impl='mosaic_gpu' cannot run: 300 rows > 256"):
+    with pytest.raises(KernelUnavailableError, match="linear impl='mosaic_gpu' cannot run: 300 rows > 64"):
         choose(mosaic, device=H200, impl="mosaic_gpu", rows=300, act_dtype=jnp.bfloat16)
     with pytest.raises(KernelUnavailableError, match="takes an Int4Weight or MosaicInt4Weight, got ShapeDtypeStruct"):
         choose(jax.ShapeDtypeStruct((128, 64), jnp.int16), device=H200)
@@ -92,6 +98,9 @@ def test_linear_rules():
            "device": H200, **kw})
     assert layout() == Choice("mosaic_gpu", "Hopper GPU, bf16")
     assert layout(out_features=96) == Choice("xla", "out 96 features not a multiple of 64")
+    assert layout(in_features=384, out_features=1024) == Choice(
+        "xla", "small weight (384 x 1024): XLA measured faster at one row")
+    assert layout(in_features=384, out_features=1024, impl="mosaic_gpu") == Choice("mosaic_gpu", "asked for")
     assert layout(scale_dtype=jnp.float32) == Choice("xla", "the INT4 scales are float32, not bfloat16")
     assert layout(device=A100).impl == "xla" and layout(impl="xla") == Choice("xla", "asked for")
     assert layout(scale_dtype=jnp.float32, impl="mosaic_gpu") == Choice("mosaic_gpu", "asked for")
@@ -159,8 +168,9 @@ def test_prepare_params_converts_the_dense_int4_weights():
 
 
 def test_kernel_plan_counts_weights_the_kernel_cannot_take():
-    """On an H200, a shared expert 96 wide stays on XLA beside the converted dense MLP, and the plan says how many."""
-    cfg = SMALL.replace(moe_intermediate_size=96)
+    """On an H200, a shared expert 96 wide stays on XLA beside the converted dense MLP (1024 x 1024), and the plan
+    says how many; SMALL's weights (192 x 384) are under the size where the kernel measured faster."""
+    cfg = SMALL.replace(hidden_size=1024, intermediate_size=1024, moe_intermediate_size=96)
     params = jax.eval_shape(lambda: kj.quantize(kj.init_params(cfg, jax.random.key(0), jnp.bfloat16), cfg,
                                                 "all_mlp"))
     assert kj.kernel_plan(params, cfg, device=H200)["linear"] == (
@@ -170,19 +180,24 @@ def test_kernel_plan_counts_weights_the_kernel_cannot_take():
         "xla", "sharded over a mesh; 6 INT4 weights")
     assert kj.kernel_plan(params, cfg, device=CPU)["linear"] == (
         "xla", "needs a Hopper GPU (sm_90), this is cpu; 6 INT4 weights")
+    small = jax.eval_shape(lambda: kj.quantize(kj.init_params(SMALL, jax.random.key(0), jnp.bfloat16), SMALL,
+                                               "all_mlp"))
+    assert kj.kernel_plan(small, SMALL, device=H200)["linear"] == (
+        "xla", "small weight (384 x 192): XLA measured faster at one row; 6 INT4 weights")
 
 
 @pytest.mark.gpu
 def test_model_linears_run_the_kernel_natively():
-    """On a Hopper GPU auto converts and runs the Mosaic kernel for the dense INT4 weights, and the bf16 forward
-    matches the XLA path's."""
+    """On a Hopper GPU linear="mosaic_gpu" converts and runs the Mosaic kernel for the dense INT4 weights (SMALL's
+    are under the size auto gives the kernel), and the bf16 forward matches the XLA path's."""
     if not dispatch.is_hopper(jax.devices()[0]):
         pytest.skip("the Mosaic GPU kernel needs a Hopper GPU (sm_90)")
     cfg, params = _all_mlp_model()
-    prepared = kj.prepare_params(params, cfg)
+    kernels = kj.Kernels(linear="mosaic_gpu")
+    prepared = kj.prepare_params(params, cfg, kernels)
     assert isinstance(prepared["layers_0"]["mlp"]["gate"], MosaicInt4Weight)
-    assert kj.kernel_plan(prepared, cfg)["linear"][0] == "mosaic_gpu"
+    assert kj.kernel_plan(prepared, cfg, kernels=kernels)["linear"][0] == "mosaic_gpu"
     tokens = jnp.asarray([[3, 17, 42, 5, 9, 11, 2, 8]], jnp.int32)
-    got = kj.forward(prepared, cfg, tokens).astype(jnp.float32)
+    got = kj.forward(prepared, cfg, tokens, kernels=kernels).astype(jnp.float32)
     want = kj.forward(params, cfg, tokens, kernels=kj.Kernels(linear="xla")).astype(jnp.float32)
     assert float(jnp.max(jnp.abs(got - want))) < 0.05 * float(jnp.max(jnp.abs(want)))
