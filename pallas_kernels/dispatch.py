@@ -260,9 +260,9 @@ def choose_tree(*, budget: int, depth_count: int, impl: str = AUTO, device=None,
 
 
 # ------------------------------------------------------------------------------------------- linear
-# The dense Mosaic kernel under auto, from benchmarks/results/w4a16_results.md (H200, 2026-12-03, CUPTI): at most
-# LINEAR_MAX_ROWS rows a call (measured up to 64: at K2.6 shapes 2.6-6.7x faster than XLA's INT4 form; 256 rows
-# overflow its shared memory at block_k 256, 65..255 were not measured: XLA), and weights of at least
+# The dense Mosaic kernel under auto, from benchmarks/results/w4a16_mosaic_h200_s16.md (H200, 2026-12-03, CUPTI):
+# at most LINEAR_MAX_ROWS rows a call (measured up to 64: at K2.6 shapes 2.6-6.7x faster than XLA's INT4 form; 256 rows
+# overflowed its shared memory at block_k 256, 65..255 were not measured: XLA), and weights of at least
 # LINEAR_MIN_ELEMENTS (at 384 x 1024, 0.4 M, XLA took 1.3 us at M = 1 against the kernel's 3.7; the kernel was
 # 1.2-1.6x faster at M 8..64, by at most 1.8 us; sizes between that and 2048 x 7168 were not measured).
 LINEAR_MAX_ROWS = 64
@@ -299,7 +299,7 @@ def choose_linear_layout(*, act_dtype, scale_dtype, in_features: int, out_featur
     why = mosaic_linear_unsupported(device, interpret, act_dtype, in_features, out_features)
     if why is None and impl == AUTO and jnp.dtype(scale_dtype) != jnp.dtype(jnp.bfloat16):
         why = f"the INT4 scales are {jnp.dtype(scale_dtype).name}, not bfloat16"
-    if why is None and impl == AUTO:
+    if why is None and impl == AUTO and not interpret:
         why = _linear_xla_faster(in_features, out_features)
     if impl == "mosaic_gpu":
         if why:
