@@ -18,15 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
-from pallas_kernels.w4a16.reference import dequantize_words
-
-
-def dequantize_stack(w: Int4Weight | MosaicInt4Weight) -> jax.Array:
-    """A stacked INT4 weight [E, ...] -> float32 W [E, N, K]."""
-    if isinstance(w, Int4Weight):
-        return dequantize_words(w.qweight, w.scale)
-    return w.dequantize(jnp.float32)
+from pallas_kernels.w4a16.reference import dequantize_any as dequantize_stack  # [E, ...] -> float32 [E, N, K]
 
 
 def grouped_moe_w4a16_reference(x, experts, expert_ids, weights):

@@ -20,15 +20,15 @@ def dequantize_words(qweight: jax.Array, scale: jax.Array) -> jax.Array:
     return (q * scale.astype(jnp.float32)[..., None]).reshape(*lead, n, k)
 
 
-def _dense(w: Int4Weight | MosaicInt4Weight) -> jax.Array:
-    """float32 W [N, K] of either layout."""
+def dequantize_any(w: Int4Weight | MosaicInt4Weight) -> jax.Array:
+    """float32 W [..., N, K] of an INT4 weight in either layout (stacked or not)."""
     return dequantize_words(w.qweight, w.scale) if isinstance(w, Int4Weight) else w.dequantize(jnp.float32)
 
 
 def w4a16_matmul_reference(x: jax.Array, w: Int4Weight | MosaicInt4Weight) -> jax.Array:
     """x [M, K] @ dequant(W)^T -> [M, N] in x.dtype: W dequantized to float32, dot in float32 at HIGHEST
     precision (XLA does not fuse the dequantization into the GEMM: correct, not fast)."""
-    y = lax.dot_general(x.astype(jnp.float32), _dense(w), (((1,), (1,)), ((), ())),
+    y = lax.dot_general(x.astype(jnp.float32), dequantize_any(w), (((1,), (1,)), ((), ())),
                         precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
 
@@ -39,6 +39,6 @@ def w4a16_matmul_xla(x: jax.Array, w: Int4Weight | MosaicInt4Weight) -> jax.Arra
     float32, rounded to bf16."""
     if x.dtype != jnp.bfloat16:
         return w4a16_matmul_reference(x, w)
-    dense = _dense(w).astype(jnp.bfloat16)  # [N, K]
+    dense = dequantize_any(w).astype(jnp.bfloat16)  # [N, K]
     y = lax.dot_general(x, dense, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return y.astype(jnp.bfloat16)
