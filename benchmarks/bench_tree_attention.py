@@ -271,9 +271,18 @@ def main():
 
 # --mosaic: split counts per (S, T) (block_kv 64 and a 2-deep ring: all that fits SMEM at c = 512). T * H / 64 row
 # tiles x splits CTAs; 132 SMs.
+# --mosaic: per (S, T), the Mosaic kernel variants timed (schedule, split count). "replicated" = each warpgroup its own
+# QK^T (measured 2026-12-02); "shared_qk" = one QK^T handed over in SMEM (docs/tree_attention.md).
+_SCHEDULES = ("replicated", "shared_qk")
 MOSAIC_PLAN = {
-    (4096, 1): [16, 32], (4096, 33): [2, 4], (4096, 129): [1, 2],
-    (32768, 1): [64, 128], (32768, 33): [4, 8], (32768, 129): [1, 2],
+    (4096, 1): [dict(num_splits=n, schedule=s) for n in (16, 32) for s in _SCHEDULES],
+    (4096, 9): [dict(num_splits=n, schedule=s) for n in (4, 8) for s in _SCHEDULES],
+    (4096, 33): [dict(num_splits=n, schedule=s) for n in (2, 4) for s in _SCHEDULES],
+    (4096, 129): [dict(num_splits=n, schedule=s) for n in (1, 2) for s in _SCHEDULES],
+    (32768, 1): [dict(num_splits=n, schedule=s) for n in (64, 128) for s in _SCHEDULES],
+    (32768, 9): [dict(num_splits=n, schedule=s) for n in (16, 32) for s in _SCHEDULES],
+    (32768, 33): [dict(num_splits=n, schedule=s) for n in (4, 8) for s in _SCHEDULES],
+    (32768, 129): [dict(num_splits=n, schedule=s) for n in (1, 2) for s in _SCHEDULES],
 }
 MOSAIC_TARGET_US = {(32768, 1): 18, (32768, 33): 300, (32768, 129): 1100, (4096, 1): 10, (4096, 33): 45}
 
@@ -298,7 +307,14 @@ def mosaic_main(args):
 
     def timed(fn, sets, ref0):
         timing, per_op = time_program(timer, fn, sets)
-        return dict(us=timing.device_s * per_op, wall_us=timing.wall_s * per_op, rel_err=rel_err(timing.out[0], ref0))
+        # the costliest kernel by name (for the Mosaic variants: the attention kernel itself) beside the call's
+        # other kernels (bit-mask build, q pad, split combine)
+        by_name: dict[str, float] = {}
+        for name, sec in timing.kernels:
+            by_name[name] = by_name.get(name, 0.0) + sec * per_op
+        top = sorted(by_name.items(), key=lambda k: -k[1])
+        return dict(us=timing.device_s * per_op, wall_us=timing.wall_s * per_op, rel_err=rel_err(timing.out[0], ref0),
+                    kernel_us=top[0][1] if top else None, kernels=top[:6])
 
     plan = MOSAIC_PLAN
     if args.mosaic_shapes:
@@ -307,7 +323,7 @@ def mosaic_main(args):
         if unknown:
             sys.exit(f"--mosaic-shapes {unknown} not in MOSAIC_PLAN {sorted(MOSAIC_PLAN)}")
         plan = {st: MOSAIC_PLAN[st] for st in wanted}
-    for (S, T), splits in plan.items():
+    for (S, T), variants in plan.items():
         if time.time() - t_begin > args.budget_s:
             break
         n_buf = int(min(8, max(2, math.ceil(160e6 / ((S + T) * (c + r) * 2))))) if T == 1 else 2
@@ -325,15 +341,15 @@ def mosaic_main(args):
                 row[name] = timed(fn, sets, ref0)
             except Exception as ex:  # noqa: BLE001 - record and go on: one failure must not lose the run
                 row[name] = dict(error=repr(ex)[:300])
-        for ns in splits:
-            cfg = MosaicAttentionConfig(num_splits=ns)
+        for variant in variants:
+            cfg = MosaicAttentionConfig(**variant)
             try:
                 rec = timed(lambda *a, cfg=cfg: tree_attention_mosaic(*a, scale=scale, value_dim=c, config=cfg),
                             sets, ref0)
             except Exception as ex:  # noqa: BLE001
                 rec = dict(error=repr(ex)[:400])
-            row["mosaic"].append(dict(rec, num_splits=ns))
-            print(S, T, ns, rec, flush=True)
+            row["mosaic"].append(dict(rec, **variant))
+            print(S, T, variant, {k: v for k, v in rec.items() if k != "kernels"}, flush=True)
         rows.append(row)
         write_json(stem, meta, dict(rows=rows))
         print({k: v for k, v in row.items() if k != "mosaic"}, flush=True)
@@ -353,14 +369,17 @@ def mosaic_table(meta, rows) -> str:
              f"S + T rounded up to 64; {meta['method']}. "
              "us = CUPTI summed kernel time per op (all kernels of the call), wall = wall clock per op. XLA = "
              "tree_mla_attention_xla (bf16 einsums, float32 softmax); Triton = its tuned config; Mosaic = the best "
-             "split count that passed (rel err < 2e-2 vs the float32 reference). Floor = max(bytes / 3.4 TB/s, "
-             "FLOPs / 800 TFLOP/s).", "",
-             "| S | T | floor us | target us | XLA us (wall) | Triton us (wall) | Mosaic us (wall) | splits | "
-             "Mosaic / XLA | of floor | rel err |",
+             "variant (schedule, split count) that passed (rel err < 2e-2 vs the float32 reference). Floor = "
+             "max(bytes / 3.4 TB/s, FLOPs / 800 TFLOP/s).", "",
+             "| S | T | floor us | target us | XLA us (wall) | Triton us (wall) | Mosaic us (wall) | "
+             "schedule, splits | Mosaic / XLA | of floor | rel err |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
     def cell(d):
         return f"{d['us']:.1f} ({d['wall_us']:.1f})" if d and "us" in d else "error"
+
+    def variant(m):
+        return f"{m.get('schedule', 'replicated')}, {m['num_splits']}"
 
     for row in rows:
         best = best_mosaic(row)
@@ -368,9 +387,23 @@ def mosaic_table(meta, rows) -> str:
         first_failure = [m.get("error", m.get("rel_err")) for m in row["mosaic"]][:1]
         lines.append(f"| {row['S']} | {row['T']} | {row['floor_us']:.1f} | {row['target_us'] or '-'} | "
                      f"{cell(row.get('xla'))} | {cell(row.get('triton'))} | {cell(best)} | "
-                     f"{best['num_splits'] if best else '-'} | {f'{best['us'] / x:.2f}' if best and x else '-'} | "
+                     f"{variant(best) if best else '-'} | {f'{best['us'] / x:.2f}' if best and x else '-'} | "
                      f"{f'{row['floor_us'] / best['us']:.0%}' if best else '-'} | "
                      f"{f'{best['rel_err']:.1e}' if best else first_failure} |")
+    if any("kernel_us" in m for row in rows for m in row["mosaic"]):
+        lines += ["", "Every Mosaic variant: us = the call (CUPTI, all its kernels), kernel us = the Mosaic kernel "
+                  "alone (the rest: bit-mask build, q pad, split combine).", "",
+                  "| S | T | schedule | splits | us | kernel us | wall us | rel err |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for row in rows:
+            for m in row["mosaic"]:
+                if "us" not in m:
+                    lines.append(f"| {row['S']} | {row['T']} | {m.get('schedule', 'replicated')} | {m['num_splits']} | "
+                                 f"error: {m.get('error', '')[:80]} | | | |")
+                    continue
+                lines.append(f"| {row['S']} | {row['T']} | {m.get('schedule', 'replicated')} | {m['num_splits']} | "
+                             f"{m['us']:.1f} | {m.get('kernel_us') or float('nan'):.1f} | {m['wall_us']:.1f} | "
+                             f"{m['rel_err']:.1e} |")
     return "\n".join(lines)
 
 

@@ -9,15 +9,20 @@ rows (row = t * H + h), cut into tiles of 64 rows (one wgmma M). Grid (B, row ti
   * the value (output) columns are cut into num_wg chunks of value_block (<= 256, so that a [64, value_block]
     float32 accumulator fits one warpgroup's registers: c = 512 needs 2 warpgroups, FlashMLA's O_L / O_R);
     warpgroup w owns output columns [w * value_block, (w + 1) * value_block);
-  * every warpgroup computes the full [64, block_kv] score tile S = q . row (the c latent columns as num_wg
-    chunked wgmmas plus one RoPE wgmma) itself, so the two never exchange softmax statistics. That repeats
-    the QK^T work once per warpgroup (FlashMLA's "seesaw" avoids it; a later step);
-  * warpgroup 0 streams the cache with TMA through a ring of `max_concurrent_steps` SMEM slots (latent
-    columns in num_wg chunks + the RoPE columns, one barrier per copy); a slot is refilled only after every
-    warpgroup arrived on its "consumed" barrier;
+  * the [64, block_kv] score tile S = q . row (the c latent columns as num_wg chunked wgmmas plus one RoPE
+    wgmma) is computed by one of two schedules (`MosaicAttentionConfig.schedule`):
+      "shared_qk": warpgroup 0 alone computes S and the online softmax, and hands P (input dtype) and
+        the row rescale to warpgroup 1 through SMEM (barriers p_ready / p_free); both then run their half of
+        P @ V. The tensor cores do the QK^T once (1088 instead of 1664 multiply-adds per score at K2 widths);
+      "replicated" (default, the schedule measured on the H200 so far): every warpgroup computes the whole S and
+        its own softmax, no hand-off, twice the QK^T work;
+  * the cache streams with TMA through a ring of `max_concurrent_steps` SMEM slots (latent columns in num_wg
+    chunks + the RoPE columns, one barrier per copy). replicated: warpgroup 0 issues every copy and refills a
+    slot once every warpgroup arrived on its "consumed" barrier; shared_qk: each warpgroup refills the chunk it
+    read last (warpgroup 0 also the RoPE columns), right after its P @ V;
   * online softmax in float32 (exp2, log2(e) folded into the scale), P cast to the input dtype for the
-    value wgmma, fed from registers natively (p_operand "registers") or staged in SMEM ("smem", the only
-    form jax 0.11's GPU interpreter simulates; the default picks by `interpret`).
+    value wgmma; replicated: fed from registers natively (p_operand "registers") or staged in SMEM ("smem",
+    the only form jax 0.11's GPU interpreter simulates; the default picks by `interpret`); shared_qk: SMEM.
 
 The KV range of batch row b is [0, start[b] + T):
   * full prefix tiles [0, start // block_kv) are visible to every query row: no mask at all; they are shared
@@ -72,13 +77,17 @@ class MosaicAttentionConfig:
     value_block: output columns per warpgroup (None: min(c, 256)); c / value_block warpgroups, at most 2.
     p_operand: "registers" (wgmma A straight from registers; native only), "smem" (P staged in SMEM: the only
       form jax 0.11's GPU interpreter simulates; 16 KiB more SMEM, which c = 512 does not have at block_kv 64
-      and depth 2), or None: registers natively, smem in interpret mode."""
+      and depth 2), or None: registers natively, smem in interpret mode. Replicated schedule only.
+    schedule: with two value warpgroups, "shared_qk" (warpgroup 0 computes the score tile and the softmax once and
+      hands P and the row rescale to warpgroup 1 through SMEM) or "replicated" (each warpgroup computes the whole
+      score tile itself, no hand-off). One warpgroup: the same kernel either way."""
 
     block_kv: int = 64
     num_splits: int = 1
     max_concurrent_steps: int = 2
     value_block: int | None = None
     p_operand: str | None = None
+    schedule: str = "replicated"
 
 
 def _check(q, cache, start, tree_mask, value_dim, config: MosaicAttentionConfig, interpret) -> int:
@@ -110,6 +119,10 @@ def _check(q, cache, start, tree_mask, value_dim, config: MosaicAttentionConfig,
     if config.num_splits < 1 or config.max_concurrent_steps < 1:
         raise ValueError(f"num_splits ({config.num_splits}) and max_concurrent_steps "
                          f"({config.max_concurrent_steps}) must be >= 1")
+    if config.schedule not in ("shared_qk", "replicated"):
+        raise ValueError(f"schedule must be 'shared_qk' or 'replicated', got {config.schedule!r}")
+    if config.schedule == "shared_qk" and c // vb > 1 and config.p_operand == "registers":
+        raise ValueError("p_operand='registers' is the replicated schedule's: shared_qk hands P over in SMEM")
     if config.p_operand not in (None, "smem", "registers"):
         raise ValueError(f"p_operand must be None, 'smem' or 'registers', got {config.p_operand!r}")
     if interpret and config.p_operand == "registers":
@@ -157,13 +170,17 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
     nwg = c // vb
     bk, ns, depth = config.block_kv, config.num_splits, config.max_concurrent_steps
     words = -(-num_tree // 32)
-    p_register = (config.p_operand or ("registers" if interpret is None else "smem")) == "registers"
+    shared = config.schedule == "shared_qk" and nwg > 1
+    p_register = not shared and (config.p_operand or ("registers" if interpret is None else "smem")) == "registers"
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def kernel(start_ref, q_ref, cache_ref, bits_ref, *out_refs, scratch):
-        (qc_smem, qr_smem, kc_smem, kr_smem, p_smem, lse_smem), (q_bar, kc_bar, kr_bar), consumed, sync = \
-            scratch
+        (qc_smem, qr_smem, kc_smem, kr_smem, p_smem, row_smem), (q_bar, kc_bar, kr_bar), consumed, sync, \
+            p_ready, p_free = scratch
+        # one row of float32 per query row: the rescale (shared_qk, in the loop), then warpgroup 0's final
+        # denominator (shared_qk) and the log2-sum-exp staging (splits), when no warpgroup reads the rescale any more
+        alpha_smem = denom_smem = lse_smem = row_smem
         b, tile, split = lax.axis_index("b"), lax.axis_index("tile"), lax.axis_index("split")
         wg = lax.axis_index("wg")
         row0 = tile * ROWS
@@ -185,13 +202,20 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
         def actual_k0(step):  # a tail tile never runs past the cache: it is moved back to end at S_max
             return jnp.minimum(nominal_k0(step), s_max - bk)
 
-        def issue(step):  # warpgroup 0 only: TMA of KV tile `step` into slot step % depth
+        def issue_chunk(step, j):  # TMA of latent chunk j of KV tile `step` into slot step % depth
             slot = lax.rem(step, depth)
-            rows = pl.ds(actual_k0(step), bk)
+            plgpu.copy_gmem_to_smem(cache_ref.at[b, pl.ds(actual_k0(step), bk), pl.ds(j * vb, vb)],
+                                    kc_smem.at[slot, j], kc_bar.at[slot * nwg + j])
+
+        def issue_rope(step):
+            slot = lax.rem(step, depth)
+            plgpu.copy_gmem_to_smem(cache_ref.at[b, pl.ds(actual_k0(step), bk), pl.ds(c, r)], kr_smem.at[slot],
+                                    kr_bar.at[slot])
+
+        def issue(step):  # the whole tile
             for j in range(nwg):
-                plgpu.copy_gmem_to_smem(cache_ref.at[b, rows, pl.ds(j * vb, vb)], kc_smem.at[slot, j],
-                                        kc_bar.at[slot * nwg + j])
-            plgpu.copy_gmem_to_smem(cache_ref.at[b, rows, pl.ds(c, r)], kr_smem.at[slot], kr_bar.at[slot])
+                issue_chunk(step, j)
+            issue_rope(step)
 
         @pl.when(wg == 0)
         def _():
@@ -202,42 +226,42 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
             for s in range(depth):
                 pl.when(s < n_steps)(functools.partial(issue, s))
 
-        for j in range(nwg + 1):
-            plgpu.barrier_wait(q_bar.at[j])
+        if shared:
+            @pl.when(wg == 0)
+            def _():
+                for j in range(nwg + 1):
+                    plgpu.barrier_wait(q_bar.at[j])
+        else:
+            for j in range(nwg + 1):
+                plgpu.barrier_wait(q_bar.at[j])
 
         word_rows = [plgpu.load(bits_ref.at[b, w, pl.ds(row0, ROWS)], layout=row_layout,
                                 optimized=False) for w in range(words)]
 
-        def step_body(step, carry, masked: bool):
-            acc, m, denom = carry
-            slot = lax.rem(step, depth)
+        def wait_tile(slot):
             for j in range(nwg):
                 plgpu.barrier_wait(kc_bar.at[slot * nwg + j])
             plgpu.barrier_wait(kr_bar.at[slot])
-            k0 = actual_k0(step)
-            if masked:
-                col = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1, layout=wgmma_layout) + k0  # cache row
-                # rows already covered by the previous tile (a clamped last tile) or >= start + T: never
-                rel = col - start  # position in the tree, < 0 for the prefix
-                visible = rel < 0
-                for w in range(words):
-                    word = lax.broadcast_in_dim(word_rows[w], (ROWS, bk), [0])
-                    in_word = (rel >= 32 * w) & (rel < 32 * w + 32)
-                    bit = lax.shift_right_logical(word, jnp.clip(rel - 32 * w, 0, 31)) & 1
-                    visible = visible | (in_word & (bit != 0))
-                visible = visible & (rel < num_tree) & (col >= nominal_k0(step))
-                # Zero the latent columns of rows >= kv_end (garbage, maybe NaN: 0 * NaN in the value wgmma
-                # would poison the accumulator) in this warpgroup's chunk; the sync keeps every warpgroup's
-                # QK^T reads of the tile after all the zeroing. (NaN RoPE columns only reach masked scores,
-                # which the select replaces.)
-                kv_rows = plgpu.broadcasted_iota(jnp.int32, (bk, vb), 0, layout=wgmma_layout) + k0
-                chunk = kc_smem.at[slot, wg]
-                chunk[...] = jnp.where(kv_rows < kv_end, plgpu.load(chunk, layout=wgmma_layout),
-                                       jnp.zeros((), dtype))
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(sync)
-                plgpu.barrier_wait(sync)
 
+        def visibility(step, k0):
+            col = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1, layout=wgmma_layout) + k0  # cache row
+            # rows already covered by the previous tile (a clamped last tile) or >= start + T: never
+            rel = col - start  # position in the tree, < 0 for the prefix
+            visible = rel < 0
+            for w in range(words):
+                word = lax.broadcast_in_dim(word_rows[w], (ROWS, bk), [0])
+                in_word = (rel >= 32 * w) & (rel < 32 * w + 32)
+                bit = lax.shift_right_logical(word, jnp.clip(rel - 32 * w, 0, 31)) & 1
+                visible = visible | (in_word & (bit != 0))
+            return visible & (rel < num_tree) & (col >= nominal_k0(step))
+
+        def zero_garbage(chunk, k0):
+            # Zero the latent columns of rows >= kv_end (garbage, maybe NaN: 0 * NaN in the value wgmma would
+            # poison the accumulator). (NaN RoPE columns only reach masked scores, which the select replaces.)
+            kv_rows = plgpu.broadcasted_iota(jnp.int32, (bk, vb), 0, layout=wgmma_layout) + k0
+            chunk[...] = jnp.where(kv_rows < kv_end, plgpu.load(chunk, layout=wgmma_layout), jnp.zeros((), dtype))
+
+        def scores(slot):  # [64, bk] float32 in log2 units
             def qk(acc_ref):
                 for j in range(nwg):
                     plgpu.wgmma(acc_ref, qc_smem.at[j], kc_smem.at[slot, j].T)
@@ -245,15 +269,34 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
                 plgpu.wgmma_wait(0)
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32)) * scale_log2  # [64, bk] log2 units
-            if masked:
+            return pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32)) * scale_log2
+
+        def softmax_step(s, m, denom, visible):
+            """Online softmax of one score tile: (p float32, m_new, alpha, denom_new)."""
+            if visible is not None:
                 s = jnp.where(visible, s, NEG)
             m_new = jnp.maximum(m, s.max(axis=1))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            if masked:  # a row with nothing visible yet has m_new == NEG and would get p == 1
+            if visible is not None:  # a row with nothing visible yet has m_new == NEG and would get p == 1
                 p = jnp.where(visible, p, 0.0)
-            denom = denom * alpha + p.sum(axis=1)
+            return p, m_new, alpha, denom * alpha + p.sum(axis=1)
+
+        def step_replicated(step, carry, masked: bool):
+            acc, m, denom = carry
+            slot = lax.rem(step, depth)
+            wait_tile(slot)
+            k0 = actual_k0(step)
+            visible = None
+            if masked:
+                visible = visibility(step, k0)
+                # each warpgroup zeroes its own chunk; the sync keeps every warpgroup's QK^T reads of the tile
+                # after all the zeroing
+                zero_garbage(kc_smem.at[slot, wg], k0)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(sync)
+                plgpu.barrier_wait(sync)
+            p, m_new, alpha, denom = softmax_step(scores(slot), m, denom, visible)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p16 = p.astype(dtype)
             if not p_register:
@@ -273,25 +316,94 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
 
             return acc, m_new, denom
 
-        carry = (plgpu.layout_cast(jnp.zeros((ROWS, vb), jnp.float32), wgmma_layout),
-                 plgpu.layout_cast(jnp.full((ROWS,), NEG, jnp.float32), row_layout),
-                 plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout))
-        carry = lax.fori_loop(0, n_prefix, functools.partial(step_body, masked=False), carry)
-        acc, m, denom = lax.fori_loop(n_prefix, n_steps, functools.partial(step_body, masked=True), carry)
+        def step_shared(step, carry, masked: bool):
+            acc, m, denom = carry  # m, denom: warpgroup 0's softmax state (the others carry it unused)
+            slot = lax.rem(step, depth)
 
-        @pl.when(wg == 0)
-        def _():  # observe the last `depth` consumed phases too (never left pending, as the interpreter checks)
-            @pl.loop(jnp.maximum(n_steps - depth, 0), n_steps)
-            def _(step):
-                plgpu.barrier_wait(consumed.at[lax.rem(step, depth)])
+            def score_and_hand_off(m, denom):  # warpgroup 0: the score tile, the softmax, P and the rescale out
+                wait_tile(slot)
+                k0 = actual_k0(step)
+                visible = None
+                if masked:
+                    visible = visibility(step, k0)
+                    for j in range(nwg):  # warpgroup 0 zeroes every chunk: it reads them all first (QK^T)
+                        zero_garbage(kc_smem.at[slot, j], k0)
+                    plgpu.commit_smem()
+                p, m_new, alpha, denom = softmax_step(scores(slot), m, denom, visible)
+
+                @pl.when(step > 0)
+                def _():
+                    plgpu.barrier_wait(p_free)  # the other warpgroups are done with the previous P
+
+                p_smem[...] = p.astype(dtype)
+                alpha_smem[...] = alpha
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p_ready)
+                return m_new, denom
+
+            m, denom = lax.cond(wg == 0, score_and_hand_off, lambda m, denom: (m, denom), m, denom)
+
+            @pl.when(wg != 0)
+            def _():
+                plgpu.barrier_wait(p_ready)
+
+            alpha = plgpu.load(alpha_smem, layout=row_layout, optimized=False)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            acc = _accumulate(acc, p_smem, kc_smem.at[slot, wg], interpret)
+
+            @pl.when(wg != 0)
+            def _():
+                plgpu.barrier_arrive(p_free)
+
+            # Each warpgroup refills what it read last: its latent chunk (warpgroup 0 also the RoPE columns,
+            # which only its QK^T reads), so no warpgroup waits for another before the next tile's loads.
+            for j in range(nwg):
+                @pl.when((wg == j) & (step + depth < n_steps))
+                def _(j=j):
+                    issue_chunk(step + depth, j)
+                    if j == 0:
+                        issue_rope(step + depth)
+
+            return acc, m, denom
+
+        acc0 = plgpu.layout_cast(jnp.zeros((ROWS, vb), jnp.float32), wgmma_layout)
+        carry = (acc0, plgpu.layout_cast(jnp.full((ROWS,), NEG, jnp.float32), row_layout),
+                 plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout))
+        if shared:
+            carry = lax.fori_loop(0, n_prefix, functools.partial(step_shared, masked=False), carry)
+            acc, m, denom = lax.fori_loop(n_prefix, n_steps, functools.partial(step_shared, masked=True), carry)
+
+            @pl.when(wg == 0)
+            def _():
+                @pl.when(n_steps > 0)
+                def _():  # observe the last P release too (never left pending, as the interpreter checks)
+                    plgpu.barrier_wait(p_free)
+
+                denom_smem[...] = denom  # for the other warpgroups' normalization
+                plgpu.commit_smem()
+
+            plgpu.barrier_arrive(sync)  # warpgroup 0's denominator is in SMEM, its last QK^T done
+            plgpu.barrier_wait(sync)
+            denom = plgpu.load(denom_smem, layout=row_layout, optimized=False)
+        else:
+            carry = lax.fori_loop(0, n_prefix, functools.partial(step_replicated, masked=False), carry)
+            acc, m, denom = lax.fori_loop(n_prefix, n_steps, functools.partial(step_replicated, masked=True), carry)
+
+            @pl.when(wg == 0)
+            def _():  # observe the last `depth` consumed phases too (never left pending, as the interpreter checks)
+                @pl.loop(jnp.maximum(n_steps - depth, 0), n_steps)
+                def _(step):
+                    plgpu.barrier_wait(consumed.at[lax.rem(step, depth)])
 
         # Rows with nothing visible (denom == 0) occur only in a split that got no prefix tiles: lse = NEG.
         has = denom > 0
         out = acc / lax.broadcast_in_dim(jnp.where(has, denom, 1.0), acc.shape, [0])
         # The output is staged in this warpgroup's q chunk (SMEM is tight at c = 512: 72 KiB of q + 2 x 72 KiB
-        # of cache ring); the sync keeps it after every warpgroup's last QK^T read of the q chunks.
-        plgpu.barrier_arrive(sync)
-        plgpu.barrier_wait(sync)
+        # of cache ring); a sync keeps it after every warpgroup's last QK^T read of the q chunks (shared_qk: the
+        # one above).
+        if not shared:
+            plgpu.barrier_arrive(sync)
+            plgpu.barrier_wait(sync)
         o_smem = qc_smem
         o_smem.at[wg][...] = out.astype(dtype)
         cols = pl.ds(wg * vb, vb)
@@ -301,6 +413,9 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
             plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[b, pl.ds(row0, ROWS), cols])
         else:
             o_ref, lse_ref = out_refs
+            if shared:  # every warpgroup has read the denominator that the lse now overwrites
+                plgpu.barrier_arrive(sync)
+                plgpu.barrier_wait(sync)
 
             @pl.when(wg == 0)
             def _():
@@ -316,21 +431,29 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
         plgpu.wait_smem_to_gmem(0)
 
     def entry(start_ref, q_ref, cache_ref, bits_ref, *out_refs):
+        if shared:  # one P tile, written by warpgroup 0, read by all
+            p_buf = plgpu.SMEM((ROWS, bk), dtype, transforms=smem_transforms(bk, dtype))
+        elif p_register:
+            p_buf = None
+        else:
+            p_buf = plgpu.SMEM((nwg, ROWS, bk), dtype, transforms=smem_transforms(bk, dtype))
         smem = (
             plgpu.SMEM((nwg, ROWS, vb), dtype, transforms=smem_transforms(vb, dtype)),  # q latent chunks
             plgpu.SMEM((ROWS, r), dtype, transforms=smem_transforms(r, dtype)),  # q RoPE part
             plgpu.SMEM((depth, nwg, bk, vb), dtype, transforms=smem_transforms(vb, dtype)),  # cache latent ring
             plgpu.SMEM((depth, bk, r), dtype, transforms=smem_transforms(r, dtype)),  # cache RoPE ring
-            None if p_register else plgpu.SMEM((nwg, ROWS, bk), dtype, transforms=smem_transforms(bk, dtype)),  # P
-            plgpu.SMEM((ROWS,), jnp.float32),  # lse staging (splits)
+            p_buf,
+            plgpu.SMEM((ROWS,), jnp.float32),  # see alpha_smem
         )
         barriers = (plgpu.Barrier(num_barriers=nwg + 1), plgpu.Barrier(num_barriers=depth * nwg),
                     plgpu.Barrier(num_barriers=depth))
         pl.run_scoped(
             lambda *scratch: kernel(start_ref, q_ref, cache_ref, bits_ref, *out_refs, scratch=scratch),
             smem, barriers,
-            plgpu.Barrier(num_arrivals=nwg, num_barriers=depth),  # consumed
-            plgpu.Barrier(num_arrivals=nwg),  # sync before the QK^T of a tail tile
+            plgpu.Barrier(num_arrivals=nwg, num_barriers=depth),  # consumed (replicated)
+            plgpu.Barrier(num_arrivals=nwg),  # sync
+            plgpu.Barrier(num_arrivals=1),  # p_ready (shared_qk): warpgroup 0 wrote P and the rescale
+            plgpu.Barrier(num_arrivals=max(nwg - 1, 1)),  # p_free (shared_qk): the others are done with P
             collective_axes="wg",
         )
 
@@ -379,6 +502,10 @@ def tree_attention_mosaic(q, cache, start, tree_mask, *, scale: float, value_dim
         num_threads=nwg,
         thread_name="wg",
         interpret=interpret,
+        # The row reductions (max, sum over a score tile's columns) stay inside a warp in the WGMMA layout and need
+        # no SMEM scratch; the default reserves 2 KiB for cross-warp ones, which the shared_qk schedule's P tile
+        # needs at c = 512 (it would exceed the 227 KiB by 112 B). A reduction that did need scratch fails to lower.
+        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
     )
     outs = f(start.astype(jnp.int32), q_rows, cache, bits)
     if ns == 1:

@@ -1,4 +1,4 @@
-"""The Mosaic GPU tree-attention kernel (pallas_kernels/tree_attention/mosaic_gpu.py, not wired) against the
+"""The Mosaic GPU tree-attention kernel (pallas_kernels/tree_attention/mosaic_gpu.py, both schedules) against the
 float64 NumPy truth of test_tree_attention.py: Mosaic GPU interpret mode on CPU (race detector on, tiny shapes),
 its CUDA lowering at K2 shapes against an abstract H200, and natively on a Hopper GPU."""
 
@@ -39,7 +39,8 @@ def _run_interpret(q, cache, start, tree, *, value_dim, config):
 # (B, T, H, c, r, S_max, starts, config, chain). Every case has NaN in the rows >= start + T.
 CASES = [
     # random tree, B = 2 with different starts, neither tile aligned; two warpgroups (value_block 64 of c 128)
-    (2, 5, 16, 128, 32, 150, [37, 145], MosaicAttentionConfig(value_block=64), False),
+    # sharing one QK^T (P handed over in SMEM)
+    (2, 5, 16, 128, 32, 150, [37, 145], MosaicAttentionConfig(value_block=64, schedule="shared_qk"), False),
     # chain, start = 0 (no prefix tile: the tail alone), T * H = 80 rows: a padded second row tile
     (1, 5, 16, 64, 16, 64, [0], MosaicAttentionConfig(), True),
     # start + T == S_max, S_max not a multiple of block_kv: the last tile is moved back and overlaps
@@ -52,8 +53,15 @@ CASES = [
     (1, 40, 8, 64, 16, 200, [100], MosaicAttentionConfig(block_kv=128), False),
     # cache shorter than a tile (padded by the wrapper)
     (2, 3, 8, 64, 16, 10, [7, 2], MosaicAttentionConfig(), False),
-    # two warpgroups, splits and a 3-deep ring over a 4-tile prefix
-    (2, 3, 16, 128, 16, 300, [200, 5], MosaicAttentionConfig(num_splits=2, value_block=64, max_concurrent_steps=3),
+    # two warpgroups sharing QK^T, splits and a 3-deep ring over a 4-tile prefix
+    (2, 3, 16, 128, 16, 300, [200, 5], MosaicAttentionConfig(num_splits=2, value_block=64, max_concurrent_steps=3,
+                                                             schedule="shared_qk"), False),
+    # the replicated schedule (each warpgroup its own QK^T): two warpgroups, a tail tile over the tree, splits
+    (2, 5, 16, 128, 32, 150, [37, 145], MosaicAttentionConfig(value_block=64, schedule="replicated"), False),
+    (1, 3, 16, 128, 16, 300, [200], MosaicAttentionConfig(num_splits=3, value_block=64, schedule="replicated"),
+     True),
+    # shared_qk over a tree of 40 tokens (two mask words) with block_kv 128 and two warpgroups
+    (1, 40, 8, 128, 16, 200, [100], MosaicAttentionConfig(block_kv=128, value_block=64, schedule="shared_qk"),
      False),
 ]
 
@@ -92,6 +100,8 @@ def test_mgpu_argument_errors():
                               interpret=_mgpu_interpret())
     with pytest.raises(ValueError, match="block_kv"):
         tree_attention_mosaic(q, cache, start, tree, **kw, config=MosaicAttentionConfig(block_kv=32))
+    with pytest.raises(ValueError, match="schedule must be"):
+        tree_attention_mosaic(q, cache, start, tree, **kw, config=MosaicAttentionConfig(schedule="seesaw"))
     q, cache, start, tree, _ = make_inputs(9, B=1, T=2, H=8, c=64, r=24, S_max=20, starts=[5], dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="RoPE width r = 24"):
         tree_attention_mosaic(q, cache, start, tree, **kw)
@@ -99,11 +109,18 @@ def test_mgpu_argument_errors():
     with pytest.raises(ValueError, match="value_block = 64 must"):
         tree_attention_mosaic(q, cache, start, tree, scale=0.1, value_dim=192,
                               config=MosaicAttentionConfig(value_block=64))  # 3 warpgroups
+    q, cache, start, tree, _ = make_inputs(9, B=1, T=2, H=8, c=128, r=16, S_max=20, starts=[5], dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="shared_qk hands P over in SMEM"):
+        tree_attention_mosaic(q, cache, start, tree, scale=0.1, value_dim=128,
+                              config=MosaicAttentionConfig(value_block=64, p_operand="registers",
+                                                           schedule="shared_qk"))
 
 
-def test_mgpu_lowers_for_cuda_at_k2_shapes():
-    """The native form (register-A P, block_kv 64, 2-deep ring, 2 warpgroups) lowers to one Mosaic GPU custom
-    call for an abstract H200 at K2 shapes (c 512, r 64, H 64, bf16)."""
+@pytest.mark.parametrize("schedule", ["shared_qk", "replicated"])
+def test_mgpu_lowers_for_cuda_at_k2_shapes(schedule):
+    """The native forms (block_kv 64, 2-deep ring, 2 warpgroups; shared_qk: P handed over in SMEM, replicated:
+    register-A P) lower to one Mosaic GPU custom call for an abstract H200 at K2 shapes (c 512, r 64, H 64, bf16):
+    both fit the 227 KiB of shared memory."""
     from jax._src.mesh import AbstractDevice
     from jax.sharding import AbstractMesh
 
@@ -114,7 +131,7 @@ def test_mgpu_lowers_for_cuda_at_k2_shapes():
     for T, S_max, splits in [(1, 32768, 64), (33, 4096, 2), (129, 4096, 1), (1, 4097, 16), (33, 4129, 2)]:
         args = (S((1, T, 64, 576), jnp.bfloat16), S((1, S_max, 576), jnp.bfloat16), S((1,), jnp.int32),
                 S((1, T, T), jnp.bool_))
-        config = MosaicAttentionConfig(num_splits=splits)
+        config = MosaicAttentionConfig(num_splits=splits, schedule=schedule)
 
         def fn(q, c, s, m, config=config):
             return tree_attention_mosaic(q, c, s, m, scale=0.04, value_dim=512, config=config)
@@ -125,15 +142,16 @@ def test_mgpu_lowers_for_cuda_at_k2_shapes():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["shared_qk", "replicated"])
 @pytest.mark.parametrize("T,S_max,start,splits", [(1, 4096, 4000, 8), (2, 4352, 4096, 4), (33, 2048, 1500, 2),
                                                   (129, 1024, 600, 1)])
-def test_mgpu_native_gpu_k2(T, S_max, start, splits):
+def test_mgpu_native_gpu_k2(T, S_max, start, splits, schedule):
     if not dispatch.is_hopper(jax.devices()[0]):
         pytest.skip("the Mosaic GPU attention kernel needs a Hopper GPU (sm_90)")
     q, cache, s, tree, truth = make_inputs(4, B=1, T=T, H=64, c=512, r=64, S_max=S_max, starts=[start],
                                            dtype=jnp.bfloat16)
     out = tree_attention_mosaic(q, cache, s, tree, scale=0.3 / np.sqrt(576), value_dim=512,
-                                config=MosaicAttentionConfig(num_splits=splits))
+                                config=MosaicAttentionConfig(num_splits=splits, schedule=schedule))
     assert rel_err(out, truth) < 2e-2
 
 
