@@ -205,3 +205,31 @@ def test_validate_packages_refuses_a_repeated_name():
 def test_license_ids_splits_spdx_expressions():
     assert corpus.license_ids("MIT OR Apache-2.0") == ["MIT", "Apache-2.0"]
     assert corpus.license_ids("(BSD-2-Clause AND PSF-2.0)") == ["BSD-2-Clause", "PSF-2.0"]
+
+
+def test_subset_keeps_every_kth_piece_and_the_whole_heldout(tmp_path):
+    """training.data.write_subset: pieces 0, k, 2k, ... of the training stream (the last one partial), the held-out
+    stream as it was, corpus.json counts what the files hold (load_token_file checks it)."""
+    import json
+    import lzma
+
+    import numpy as np
+
+    from training.data import TOKEN_DTYPE, load_token_file, write_subset
+
+    src = tmp_path / "full"
+    src.mkdir()
+    streams = {"train": np.arange(10_000) % 4096, "heldout": np.arange(777) % 4096}
+    for split, stream in streams.items():
+        with lzma.open(src / f"{split}.u16.xz", "wb") as f:
+            f.write(stream.astype(TOKEN_DTYPE).tobytes())
+    (src / "corpus.json").write_text(json.dumps({"tokenizer_sha256": "x", "splits": {
+        s: {"files": 1, "tokens": int(v.size), "bytes": 1} for s, v in streams.items()}}))
+    meta = write_subset(src, tmp_path / "sub", keep_every=3, chunk=1000)
+    train = load_token_file(tmp_path / "sub", "train")
+    want = np.concatenate([streams["train"][i:i + 1000] for i in range(0, 10_000, 3000)])
+    np.testing.assert_array_equal(train, want)  # pieces 0, 3, 6, 9
+    np.testing.assert_array_equal(load_token_file(tmp_path / "sub", "heldout"), streams["heldout"])
+    assert meta["subset"]["keep_every"] == 3 and meta["splits"]["train"]["tokens"] == 4000
+    with pytest.raises(ValueError, match="keep_every"):
+        write_subset(src, tmp_path / "bad", keep_every=0)

@@ -22,6 +22,8 @@ from helpers import TINY
 import kdtree_jax as kj
 from kdtree_jax.drafter import drafter_extend_context, drafter_forward, init_drafter_cache
 from pallas_kernels.int4 import Int4Weight
+from training import degeneracy
+from training.degeneracy import top_line_share
 
 ASSETS = Path(kj.__file__).parent / "assets"
 MAX_SHIPPED_BYTES = 40_000_000  # target + drafter + tokenizer + prompts (issue 17: 40 MB at most)
@@ -34,10 +36,10 @@ NEW_TOKENS = 32
 # float-order differences across machines but fail on a broken, swapped or untrained drafter (1.0) and on a return
 # to any earlier drafter, greedy and at temperature 1.
 ACCEPTANCE_FLOOR = {"greedy": 3.03, "temperature 1": 1.95}
-# Degeneracy: the share of a 64-token greedy completion's lines taken by its most frequent line (blank lines
-# count); at DEGENERACY_LIMIT or above the completion is one line over and over. Measured when shipped (CPU,
-# 2026-12-01): 13 of the 32 held-out prompts and 5 of the 16 newline-ending prompts (healed) reach it.
-DEGENERACY_LIMIT = 0.5
+# Degeneracy (training/degeneracy.py): the share of a 64-token greedy completion's lines taken by its most frequent
+# line (blank lines count); at degeneracy.DEGENERACY_LIMIT (0.5) or above the completion is one line over and over.
+# Measured when shipped (CPU, 2026-12-01): 13 of the 32 held-out prompts and 5 of the 16 newline-ending prompts
+# (healed) reach it.
 DEGENERATE_MEASURED = {"heldout": 13, "newline": 5}
 
 
@@ -220,40 +222,30 @@ def test_shipped_greedy_tokens_are_pinned(greedy_runs):
 
 
 # ------------------------------------------------------------------------------------- degeneracy
-def top_line_share(completion: str) -> float:
-    """The share of the completion's lines (split at "\\n", trailing spaces dropped, blank lines count) taken
-    by its most frequent line: 1.0 is one line over and over (or a single line)."""
-    lines = [line.rstrip() for line in completion.split("\n")]
-    return max(lines.count(line) for line in lines) / len(lines)
+def test_top_line_share_measure():
+    assert top_line_share("a\nb\nc\nd") == 0.25
+    assert top_line_share("x = 1\nx = 1  \nx = 1\ny") == 0.75  # trailing spaces do not make a line new
+    assert top_line_share("FORCE_FORCE_FORCE") == 1.0  # a single line is all one line
 
 
 @pytest.fixture(scope="module")
 def completion_shares(shipped):
     """Top-line shares of 64-token greedy completions: the held-out prompts, and the newline-ending prompts
-    healed as the CLI heals them."""
-    from kdtree_jax.healing import heal
-
+    healed as the CLI heals them (training.degeneracy)."""
     cfg, params, _, _, tok, prompts = shipped
-    out = kj.generate(cfg, params, _ids(prompts), 64, stop_tokens=())
-    heldout = [top_line_share(tok.decode(r)) for r in _rows(out)]
-    texts = prompts["newline_prompts"]
-    healed = [heal(tok, tok.encode(t).ids, vocab_size=cfg.vocab_size) for t in texts]
-    out = kj.generate(cfg, params, [h[0] for h in healed], 64, stop_tokens=(),
-                      first_token_mask=np.stack([h[1] for h in healed]))
-    newline = [top_line_share(tok.decode(h[0] + r)[len(t):]) for h, r, t in zip(healed, _rows(out), texts, strict=True)]
-    return {"heldout": heldout, "newline": newline}
+    return degeneracy.completion_shares(cfg, params, tok, prompts)
 
 
 @pytest.mark.xfail(strict=True, reason=(
     "issue 17's target, not met by the shipped 33.9 M-parameter target (CPU, greedy, 2026-12-01): 13 of 32 "
     "held-out and 5 of 16 newline-ending 64-token completions repeat one line for half their lines or more"))
 def test_no_completion_degenerates(completion_shares):
-    bad = {k: sum(s >= DEGENERACY_LIMIT for s in v) for k, v in completion_shares.items()}
+    bad = degeneracy.degenerate_counts(completion_shares)
     assert bad == {"heldout": 0, "newline": 0}, bad
 
 
 def test_degenerate_completions_do_not_increase(completion_shares):
-    bad = {k: sum(s >= DEGENERACY_LIMIT for s in v) for k, v in completion_shares.items()}
+    bad = degeneracy.degenerate_counts(completion_shares)
     assert all(bad[k] <= DEGENERATE_MEASURED[k] for k in bad), bad
     # the measure itself separates: most completions are far from one repeated line
     assert np.median(completion_shares["heldout"]) < 0.4

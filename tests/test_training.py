@@ -1,6 +1,7 @@
 """The training scripts' step loop: a jitted train step compiles once, also when training starts from a loaded
 checkpoint (the time budget calibrates on the first steps' time, so a second compile on step 2 cut
-`train_drafter --init --time-budget-s 190` to 469 steps)."""
+`train_drafter --init --time-budget-s 190` to 469 steps); the unlikelihood fine-tune's candidates, loss and INT4 round
+trip (training/unlikelihood.py)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,79 @@ def test_several_data_caches_refuse_missing_or_mismatched(tmp_path):
     c = _cache_file(tmp_path / "c.npz", 2, 6, fill=2, ev_fill=9)
     with pytest.raises(SystemExit, match="different lengths"):
         load_caches([a, c], lambda **kw: None)
+
+
+# ------------------------------------------------------------------------ unlikelihood fine-tune
+def _repeat_candidates_loop(cont, n):
+    """The sequence-level candidates by a Python loop over n-gram tuples."""
+    import numpy as np
+
+    out = np.zeros(cont.shape, bool)
+    for b, row in enumerate(cont.tolist()):
+        seen = set()
+        for t in range(n - 1, len(row)):
+            gram = tuple(row[t - n + 1: t + 1])
+            out[b, t] = gram in seen
+            seen.add(gram)
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_repeat_candidates_match_a_loop(n):
+    import numpy as np
+
+    from training.degeneracy import repeat_candidates
+
+    cont = np.random.default_rng(n).integers(0, 3, (4, 24))  # 3 symbols: many repeats
+    cont[0] = [5, 6, 7, 8] * 6  # one loop: every token from the second lap on repeats a 4-gram
+    got = np.asarray(repeat_candidates(jnp.asarray(cont), n))
+    np.testing.assert_array_equal(got, _repeat_candidates_loop(cont, n))
+    if n == 4:
+        assert not got[0, :7].any() and got[0, 7:].all()
+
+
+def test_unlikelihood_loss_matches_float64():
+    """-log(1 - p) over the candidates, from the model's own logits (kj.forward, checked against the float64
+    reference elsewhere) in float64 NumPy."""
+    import numpy as np
+    from helpers import TINY, random_params
+
+    import kdtree_jax as kj
+    from training.unlikelihood import unlikelihood_loss
+
+    cfg = TINY
+    params = random_params(cfg, seed=3)
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(4, cfg.vocab_size, (2, 11)), jnp.int32)  # prefix 5, continuation 6
+    cand = np.zeros((2, 6), bool)
+    cand[0, [1, 4]] = cand[1, 5] = True
+    with jax.default_matmul_precision("highest"):
+        got = float(unlikelihood_loss(params, cfg, tokens, jnp.asarray(cand), jnp.float32))
+        logits = np.asarray(kj.forward(params, cfg, tokens[:, :-1]), np.float64)[:, -6:]
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    p = np.exp(np.take_along_axis(logp, np.asarray(tokens[:, -6:])[..., None], -1)[..., 0])
+    want = -np.log(1 - p)[cand].sum() / cand.size
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_dequantize_params_round_trips_int4():
+    """The INT4 checkpoint as a float tree: quantizing it again gives the same words and scales."""
+    import numpy as np
+    from helpers import SMALL, random_params
+
+    import kdtree_jax as kj
+    from pallas_kernels.int4 import Int4Weight
+    from training.unlikelihood import dequantize_params
+
+    q = kj.quantize(random_params(SMALL, seed=4), SMALL, policy="experts")
+    dense = dequantize_params(q)
+    again = kj.quantize(dense, SMALL, policy="experts")
+    leaves = jax.tree.leaves(q, is_leaf=lambda x: isinstance(x, Int4Weight))
+    redone = jax.tree.leaves(again, is_leaf=lambda x: isinstance(x, Int4Weight))
+    int4 = [(a, b) for a, b in zip(leaves, redone, strict=True) if isinstance(a, Int4Weight)]
+    assert int4 and not any(isinstance(x, Int4Weight) for x in jax.tree.leaves(
+        dense, is_leaf=lambda x: isinstance(x, Int4Weight)))
+    for a, b in int4:
+        np.testing.assert_array_equal(np.asarray(a.qweight), np.asarray(b.qweight))
+        np.testing.assert_array_equal(np.asarray(a.scale, np.float32), np.asarray(b.scale, np.float32))

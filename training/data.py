@@ -205,6 +205,32 @@ def load_streams(data_dir: Path | None, tokenizer, tokenizer_path: Path) -> tupl
     return tuple(token_stream(tokenizer, corpus_files(split, source="all")) for split in ("train", "heldout"))
 
 
+def write_subset(source_dir: Path, out: Path, keep_every: int, chunk: int = 1024) -> dict:
+    """A smaller copy of a `write_token_files` folder for a device whose working-tree copy is limited: the training
+    stream cut into `chunk`-token pieces of which every `keep_every`-th is kept (pieces 0, k, 2k, ...: spread over
+    every source, not the first files alone), the held-out stream whole. corpus.json records the rule."""
+    if keep_every < 1 or chunk < 1:
+        raise ValueError(f"keep_every ({keep_every}) and chunk ({chunk}) must be >= 1")
+    meta = json.loads((Path(source_dir) / "corpus.json").read_text())
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "heldout"):
+        stream = load_token_file(source_dir, split)
+        if split == "train":
+            pieces = [stream[i: i + chunk] for i in range(0, stream.size, chunk * keep_every)]
+            stream = np.concatenate(pieces)
+        path = out / f"{split}.u16.xz"
+        partial = path.with_name(path.name + ".partial")
+        with lzma.open(partial, "wb", preset=6) as f:
+            f.write(stream.astype(TOKEN_DTYPE).tobytes())
+        os.replace(partial, path)
+        meta["splits"][split] = {**meta["splits"][split], "tokens": int(stream.size)}
+    meta["subset"] = {"of": str(source_dir), "keep_every": keep_every, "chunk": chunk,
+                      "rule": "training stream: every keep_every-th chunk of `chunk` tokens; held-out: whole"}
+    (out / "corpus.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
 def main() -> None:
     from training.common import TOKENIZER_PATH
 
@@ -214,7 +240,17 @@ def main() -> None:
                         help="tokenizer.json (default: the shipped one, %(default)s)")
     parser.add_argument("--source", choices=SOURCES, default="all", help="corpus (default: %(default)s)")
     parser.add_argument("--out", type=Path, required=True, help="folder for train.u16.xz, heldout.u16.xz, corpus.json")
+    parser.add_argument("--subset-of", type=Path, help="instead of tokenizing: a folder this command wrote, of which "
+                        "--out gets every --keep-every-th 1024-token piece of the training stream (and the whole "
+                        "held-out stream): a copy that fits a device's limited working tree")
+    parser.add_argument("--keep-every", type=int, default=3, help="with --subset-of (default: %(default)s)")
     args = parser.parse_args()
+    if args.subset_of is not None:
+        meta = write_subset(args.subset_of, args.out, args.keep_every)
+        print(f"{args.out}: {meta['splits']['train']['tokens'] / 1e6:.2f} M training tokens (1 in "
+              f"{args.keep_every} pieces of {args.subset_of}), {meta['splits']['heldout']['tokens'] / 1e6:.2f} M "
+              "held-out", flush=True)
+        return
     write_token_files(args.tokenizer, args.out, args.source)
 
 
