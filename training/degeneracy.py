@@ -3,8 +3,9 @@ target in, and the repeat rate the unlikelihood fine-tune (training/unlikelihood
 
   top_line_share(text)      the share of a completion's lines taken by its most frequent line (1.0: one line
                             over and over); a completion at DEGENERACY_LIMIT or above is degenerate;
-  completion_shares(...)    top-line shares of 64-token greedy completions of the shipped held-out prompts and of
-                            the newline-ending prompts (healed as the CLI heals text prompts);
+  greedy_completions(...)   64-token greedy completions of the shipped held-out prompts and of the newline-ending
+                            prompts (healed as the CLI heals text prompts); completion_shares(...) their top-line
+                            shares;
   repeat_candidates(c, n)   which tokens of continuations c [B, L] complete an n-gram that already occurred earlier
                             in the same continuation (jnp, traceable): the repeats unlikelihood training pushes down.
 """
@@ -32,22 +33,28 @@ def _rows(out) -> list[list[int]]:
     return [tokens[b, :lengths[b]].tolist() for b in range(tokens.shape[0])]
 
 
-def completion_shares(cfg: kj.ModelConfig, params, tokenizer, prompts: dict,
-                      new_tokens: int = NEW_TOKENS) -> dict[str, list[float]]:
-    """Top-line shares of `new_tokens`-token greedy completions: "heldout" (the 32 shipped 64-token prompts, as
-    ids) and "newline" (the newline-ending texts, healed: kdtree_jax.healing). `prompts` is the parsed
+def greedy_completions(cfg: kj.ModelConfig, params, tokenizer, prompts: dict,
+                       new_tokens: int = NEW_TOKENS) -> dict[str, list[str]]:
+    """The text of `new_tokens`-token greedy completions: "heldout" (the 32 shipped 64-token prompts, as ids) and
+    "newline" (the newline-ending texts, healed: kdtree_jax.healing). `prompts` is the parsed
     kdtree_jax/assets/heldout_prompts.json. No stop tokens: every completion has `new_tokens` tokens."""
     from kdtree_jax.healing import heal
 
     out = kj.generate(cfg, params, [p["ids"] for p in prompts["prompts"]], new_tokens, stop_tokens=())
-    heldout = [top_line_share(tokenizer.decode(r)) for r in _rows(out)]
+    heldout = [tokenizer.decode(r) for r in _rows(out)]
     texts = prompts["newline_prompts"]
     healed = [heal(tokenizer, tokenizer.encode(t).ids, vocab_size=cfg.vocab_size) for t in texts]
     out = kj.generate(cfg, params, [h[0] for h in healed], new_tokens, stop_tokens=(),
                       first_token_mask=np.stack([h[1] for h in healed]))
-    newline = [top_line_share(tokenizer.decode(h[0] + r)[len(t):])
-               for h, r, t in zip(healed, _rows(out), texts, strict=True)]
+    newline = [tokenizer.decode(h[0] + r)[len(t):] for h, r, t in zip(healed, _rows(out), texts, strict=True)]
     return {"heldout": heldout, "newline": newline}
+
+
+def completion_shares(cfg: kj.ModelConfig, params, tokenizer, prompts: dict,
+                      new_tokens: int = NEW_TOKENS) -> dict[str, list[float]]:
+    """Top-line shares of the `greedy_completions`."""
+    texts = greedy_completions(cfg, params, tokenizer, prompts, new_tokens)
+    return {name: [top_line_share(t) for t in values] for name, values in texts.items()}
 
 
 def degenerate_counts(shares: dict[str, list[float]], limit: float = DEGENERACY_LIMIT) -> dict[str, int]:

@@ -21,8 +21,9 @@ The start is the INT4 target as shipped (routed experts dequantized to float32, 
 float32 master weights, the forward in `--compute-dtype`; AdamW as training.train_target, peak `--lr` after
 `--warmup` steps, cosine to a tenth. The result is stored like the shipped target (dense weights bfloat16, routed
 experts INT4 again: kj.quantize(policy="experts")) in OUT/int4, with OUT/summary.json: held-out bits per byte
-(float32, full matmul precision) and degenerate 64-token greedy completions (training.degeneracy) of the start
-and of the result, OUT/log.jsonl and OUT/loss.png.
+(float32, full matmul precision; the result also with its routed experts in bfloat16, the cost of INT4) and
+degenerate 64-token greedy completions (training.degeneracy, with their text) of the start and of the result,
+OUT/log.jsonl and OUT/loss.png.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from training.common import (
     token_byte_lengths,
 )
 from training.data import load_streams, random_windows
-from training.degeneracy import completion_shares, degenerate_counts, repeat_candidates
+from training.degeneracy import degenerate_counts, greedy_completions, repeat_candidates, top_line_share
 from training.train_target import (
     StepSchedule,
     bits_per_byte,
@@ -95,12 +96,14 @@ def unlikelihood_loss(params, cfg: kj.ModelConfig, tokens: jax.Array, candidates
 
 
 def degeneracy_report(cfg, params, tok, prompts: dict) -> dict:
-    """Degenerate greedy completions of `params` (float32, full matmul precision) on the held-out prompts."""
+    """Degenerate greedy completions of `params` (float32, full matmul precision) on the held-out prompts, with
+    the completions' text."""
     with jax.default_matmul_precision("highest"):
-        shares = completion_shares(cfg, cast_params(params, jnp.float32, cfg), tok, prompts)
+        texts = greedy_completions(cfg, cast_params(params, jnp.float32, cfg), tok, prompts)
+    shares = {name: [top_line_share(t) for t in values] for name, values in texts.items()}
     return {"degenerate": degenerate_counts(shares), "of": {k: len(v) for k, v in shares.items()},
             "median_top_line_share": {k: float(np.median(v)) for k, v in shares.items()},
-            "top_line_shares": shares}
+            "top_line_shares": shares, "completions": texts}
 
 
 def main() -> None:
@@ -129,6 +132,9 @@ def main() -> None:
     parser.add_argument("--degeneracy-prompts", type=int, help="score only the first N prompts of each set "
                         "(default: all; a CPU smoke run)")
     parser.add_argument("--prompts", type=Path, default=PROMPTS_PATH, help="held-out prompts (default: %(default)s)")
+    parser.add_argument("--no-start-eval", action="store_true", help="skip the evaluation of the starting weights "
+                        "(bits per byte and degeneracy of the target as given: known already; two minutes on an H200, "
+                        "mostly compiles); the summary's \"start\" is then null")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("/tmp/kdtree_train/unlikelihood"))
     args = parser.parse_args()
@@ -151,10 +157,12 @@ def main() -> None:
     lengths = token_byte_lengths(tok)
     eval_batch = min(32, len(windows))
 
-    start = {"bits_per_byte": bits_per_byte(stored, cfg, windows, lengths, eval_batch),
-             **degeneracy_report(cfg, stored, tok, prompts)}
+    start = None
+    if not args.no_start_eval:
+        start = {"bits_per_byte": bits_per_byte(stored, cfg, windows, lengths, eval_batch),
+                 **degeneracy_report(cfg, stored, tok, prompts)}
     log(event="start", device=describe_device(), jax=jax.__version__, params=param_count(dequantize_params(stored)),
-        heldout_bpb=start["bits_per_byte"]["bits_per_byte"], degenerate=start["degenerate"],
+        heldout_bpb=start and start["bits_per_byte"]["bits_per_byte"], degenerate=start and start["degenerate"],
         **{k: str(v) for k, v in vars(args).items()})
 
     params = cast_params(dequantize_params(stored), jnp.float32, cfg)
@@ -198,22 +206,23 @@ def main() -> None:
             t_last = now
     log(event="trained", total_steps=step, train_s=round(schedule.train_s, 1))
 
-    result = kj.quantize(cast_params(params, jnp.bfloat16, cfg), cfg, policy="experts")  # stored as shipped
+    dense = cast_params(params, jnp.bfloat16, cfg)
+    result = kj.quantize(dense, cfg, policy="experts")  # stored as shipped
     kj.save_checkpoint(args.out / "int4", cfg, result, overwrite=True)
     end = {"bits_per_byte": bits_per_byte(result, cfg, windows, lengths, eval_batch),
+           "bits_per_byte_bf16_experts": bits_per_byte(dense, cfg, windows, lengths, eval_batch),
            **degeneracy_report(cfg, result, tok, prompts)}
-    summary = {"total_steps": step, "train_s": round(schedule.train_s, 1), "start": start, "result": end,
-               "bits_per_byte_cost": end["bits_per_byte"]["bits_per_byte"] - start["bits_per_byte"]["bits_per_byte"]}
-    log(event="heldout", start_bpb=start["bits_per_byte"]["bits_per_byte"],
-        result_bpb=end["bits_per_byte"]["bits_per_byte"], start_degenerate=start["degenerate"],
-        result_degenerate=end["degenerate"])
+    summary = {"total_steps": step, "train_s": round(schedule.train_s, 1), "start": start, "result": end}
+    if start is not None:
+        summary["bits_per_byte_cost"] = end["bits_per_byte"]["bits_per_byte"] - start["bits_per_byte"]["bits_per_byte"]
+    log(event="heldout", result_bpb=end["bits_per_byte"]["bits_per_byte"], result_degenerate=end["degenerate"],
+        result_int4_nats=end["bits_per_byte"]["nats_per_token"])
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot_curves(args.out / "log.jsonl", args.out / "loss.png", "unlikelihood fine-tune of the target",
                 ("train_loss", "ul_loss", "repeat_rate"))
-    print(f"saved {args.out}/int4, {args.out}/summary.json; degenerate {start['degenerate']} -> {end['degenerate']}, "
-          f"held-out bits per byte {start['bits_per_byte']['bits_per_byte']:.4f} -> "
+    print(f"saved {args.out}/int4, {args.out}/summary.json; degenerate {start and start['degenerate']} -> "
+          f"{end['degenerate']}, held-out bits per byte {start and start['bits_per_byte']['bits_per_byte']} -> "
           f"{end['bits_per_byte']['bits_per_byte']:.4f}", flush=True)
-
 
 if __name__ == "__main__":
     main()
