@@ -407,9 +407,9 @@ def mosaic_table(meta, rows) -> str:
                     lines.append(f"| {row['S']} | {row['T']} | {m.get('schedule', 'replicated')} | {m['num_splits']} | "
                                  f"error: {m.get('error', '')[:80]} | | | |")
                     continue
+                kernel = f"{m['kernel_us']:.1f}" if m.get("kernel_us") else "-"  # not recorded before 2026-12-04
                 lines.append(f"| {row['S']} | {row['T']} | {m.get('schedule', 'replicated')} | {m['num_splits']} | "
-                             f"{m['us']:.1f} | {m.get('kernel_us') or float('nan'):.1f} | {m['wall_us']:.1f} | "
-                             f"{m['rel_err']:.1e} |")
+                             f"{m['us']:.1f} | {kernel} | {m['wall_us']:.1f} | {m['rel_err']:.1e} |")
     return "\n".join(lines)
 
 
