@@ -11,11 +11,12 @@ rows (row = t * H + h), cut into tiles of 64 rows (one wgmma M). Grid (B, row ti
     warpgroup w owns output columns [w * value_block, (w + 1) * value_block);
   * the [64, block_kv] score tile S = q . row (the c latent columns as num_wg chunked wgmmas plus one RoPE
     wgmma) is computed by one of two schedules (`MosaicAttentionConfig.schedule`):
-      "shared_qk": warpgroup 0 alone computes S and the online softmax, and hands P (input dtype) and
+      "shared_qk" (default): warpgroup 0 alone computes S and the online softmax, and hands P (input dtype) and
         the row rescale to warpgroup 1 through SMEM (barriers p_ready / p_free); both then run their half of
-        P @ V. The tensor cores do the QK^T once (1088 instead of 1664 multiply-adds per score at K2 widths);
-      "replicated" (default, the schedule measured on the H200 so far): every warpgroup computes the whole S and
-        its own softmax, no hand-off, twice the QK^T work;
+        P @ V. The tensor cores do the QK^T once (1088 instead of 1664 multiply-adds per score at K2 widths):
+        6-7% faster at S = 32768, T = 33 / 129 on the H200, the same at T = 1;
+      "replicated": every warpgroup computes the whole S and its own softmax, no hand-off, twice the QK^T work
+        (the T = 1 choice of tuned.mosaic_config, as measured there);
   * the cache streams with TMA through a ring of `max_concurrent_steps` SMEM slots (latent columns in num_wg
     chunks + the RoPE columns, one barrier per copy). replicated: warpgroup 0 issues every copy and refills a
     slot once every warpgroup arrived on its "consumed" barrier; shared_qk: each warpgroup refills the chunk it
@@ -39,9 +40,9 @@ num_splits > 1: each split writes its normalized partial output (in the input dt
 SMEM) and its float32 log2-sum-exp; an XLA combine weights them by exp2(lse - max lse), as the Triton kernel
 does.
 
-Status: checked in Mosaic GPU interpret mode on CPU (tests/kernels/test_tree_attention_mgpu.py, tiny shapes), its
-CUDA lowering at K2 shapes (c 512, r 64, H 64), and natively on an H200 (the @gpu tests of that file; timed in
-benchmarks/results/tree_attention_mosaic_h200.md). pallas_kernels.dispatch runs it where it was measured fastest
+Status: checked in Mosaic GPU interpret mode on CPU (tests/kernels/test_tree_attention_mgpu.py, tiny shapes, both
+schedules), its CUDA lowering at K2 shapes (c 512, r 64, H 64), and natively on an H200 (the @gpu tests of that file,
+both schedules; timed in benchmarks/results/tree_attention_mosaic_h200.md). pallas_kernels.dispatch runs it where it was measured fastest
 (tuned.measured_fastest). What jax 0.11.2's GPU interpreter cannot run, and so only the native tests cover: wgmma
 with A (P) from registers (interpret mode stages P in SMEM) and accumulating into a carried accumulator with
 pl.run_state (interpret mode adds a fresh product in registers instead, see `_accumulate`). Its race detector
@@ -87,7 +88,7 @@ class MosaicAttentionConfig:
     max_concurrent_steps: int = 2
     value_block: int | None = None
     p_operand: str | None = None
-    schedule: str = "replicated"
+    schedule: str = "shared_qk"
 
 
 def _check(q, cache, start, tree_mask, value_dim, config: MosaicAttentionConfig, interpret) -> int:

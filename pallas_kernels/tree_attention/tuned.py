@@ -39,6 +39,7 @@ TUNED: dict[tuple[int, int, int], list[tuple[int, int, BlockConfig]]] = {(512, 6
 # CUPTI us, wall clock per op in brackets; XLA = the bf16 jnp form):
 #   S 32768: T 1: Mosaic 35.3 (103), Triton 44.1 (119), XLA 90.6 (168);  T 33: Mosaic 319 (574), XLA 554 (699),
 #            Triton 570 (828);  T 129: Mosaic 1205 (1496), XLA 1862 (2115), Triton 2187 (2541);
+#            (2026-12-04, the shared_qk schedule: T 33 300.6 (554), XLA 528.7 (663); T 129 1134 (1490), XLA 1854 (2044))
 #   S 4096:  T 1: XLA 23.3 (62), Mosaic 24.0 (118), Triton 34.0 (90);  T 33: Mosaic 58.5 (241), XLA 65.9 (230),
 #            Triton 94.8 (222);  T 129: Mosaic 188.7 (342), XLA 191.9 (293), Triton 311.8 (468).
 # So: the Mosaic kernel at S_max >= 32768 for T = 1 and T >= 33 (both timings agree); XLA at S_max < 32768 (there the
@@ -71,9 +72,13 @@ def measured_fastest(*, num_heads: int, latent_dim: int, rope_dim: int, dtype, n
 
 
 def mosaic_config(*, batch: int, num_tree: int, cache_rows: int) -> MosaicAttentionConfig:
-    """The Mosaic kernel's KV split count measured best at B = 1 (tree_attention_mosaic_h200.md), divided by B."""
+    """The Mosaic kernel's KV split count measured best at B = 1 (tree_attention_mosaic_h200.md), divided by B, and its
+    schedule: "shared_qk" (one QK^T for both value warpgroups) for T > 1, measured faster at S = 32768 (2026-12-04:
+    T = 33 300.6 vs 324.8 us at 4 splits, T = 129 1134 vs 1207 at 1 split); at T = 1 "replicated", as measured at 128
+    splits (35-36 us; shared_qk at 64 splits 39.5 vs 39.8: the same)."""
     splits = 128 if num_tree == 1 and cache_rows >= 32768 else 32 if num_tree == 1 else 4 if num_tree <= 33 else 1
-    return MosaicAttentionConfig(num_splits=max(1, -(-splits // batch)))
+    return MosaicAttentionConfig(num_splits=max(1, -(-splits // batch)),
+                                 schedule="replicated" if num_tree == 1 else "shared_qk")
 
 
 def _num_splits(row_tiles: int, kv_tiles: int) -> int:

@@ -189,3 +189,16 @@ def test_auto_runs_the_mosaic_kernel_natively_where_it_measured_fastest(T, S_max
                                            dtype=jnp.bfloat16)
     out = tree_mla_attention(q, cache, s, tree, scale=0.3 / np.sqrt(576), value_dim=512)
     assert rel_err(out, truth) < 2e-2
+
+
+def test_mosaic_config_follows_the_measurements():
+    """tuned.mosaic_config: shared_qk where it measured faster (T = 33 and 129 at S = 32768, 2026-12-04), replicated
+    at T = 1 (measured at 128 splits); the split counts of the B = 1 measurements, divided by the batch."""
+    from pallas_kernels.tree_attention.tuned import mosaic_config
+
+    assert mosaic_config(batch=1, num_tree=33, cache_rows=32832) == MosaicAttentionConfig(num_splits=4,
+                                                                                           schedule="shared_qk")
+    assert mosaic_config(batch=1, num_tree=129, cache_rows=32960) == MosaicAttentionConfig(schedule="shared_qk")
+    assert mosaic_config(batch=1, num_tree=1, cache_rows=32832) == MosaicAttentionConfig(num_splits=128,
+                                                                                          schedule="replicated")
+    assert mosaic_config(batch=8, num_tree=1, cache_rows=32832).num_splits == 16
