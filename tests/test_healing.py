@@ -264,8 +264,9 @@ def shipped_completions(shipped, which: str) -> dict[str, str]:
 
 
 def test_healing_completes_the_name_and_the_indentation(shipped):
-    """What healing buys on the shipped pair, measured on CPU (greedy, 2026-12-01): the prompt cut inside
-    `os.listd` continues as `os.listdir(` healed and as `os.listd(` (no such name) plain; the prompt cut
+    """What healing buys on the shipped pair, measured on CPU (greedy, 2026-12-01 and again with the fine-tuned
+    target on 2026-12-04): the prompt cut inside `os.listd` continues as `os.listdir(` healed and as `os.listd(` (no
+    such name) plain; the prompt cut
     inside a method body's indentation ("  " of 8) continues the 8-space line with code healed, and with a
     docstring at the wrong indentation plain. (The newline and ':' endings complete alike with and without
     healing: the split-lines tokenizer keeps newlines out of every merge.)"""
@@ -276,7 +277,7 @@ def test_healing_completes_the_name_and_the_indentation(shipped):
 
     assert line_being_completed("identifier", healed["identifier"]).endswith(
         "os.listdir(directory)]"), healed["identifier"]
-    assert "os.listdir(" not in line_being_completed("identifier", plain["identifier"])
+    assert "os.listd(" in line_being_completed("identifier", plain["identifier"]), plain["identifier"]
     for completion, good in ((healed["indentation"], True), (plain["indentation"], False)):
         line = line_being_completed("indentation", completion)
         indent = len(line) - len(line.lstrip(" "))
