@@ -86,7 +86,8 @@ def read_log(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def plot_curves(log_path: Path, png_path: Path, title: str, keys: tuple[str, ...]) -> None:
+def plot_curves(log_path: Path, png_path: Path, title: str, keys: tuple[str, ...],
+                ylabel: str = "cross-entropy (nats/token)") -> None:
     """Loss curves (every key that appears in the log) against the step."""
     import matplotlib  # noqa: PLC0415
     matplotlib.use("Agg")
@@ -100,7 +101,7 @@ def plot_curves(log_path: Path, png_path: Path, title: str, keys: tuple[str, ...
             xs, ys = zip(*pts, strict=True)
             ax.plot(xs, ys, label=key, marker="o" if len(pts) < 40 else None)
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()

@@ -204,7 +204,8 @@ def main() -> None:
             log(step=step, train_loss=float(mle), ul_loss=float(ul), repeat_rate=float(repeat_rate), lr=lr,
                 step_s=round((now - t_last) / (1 if step == 1 else 25), 4))  # step 1: the compile
             t_last = now
-    log(event="trained", total_steps=step, train_s=round(schedule.train_s, 1))
+    train_s = schedule.train_s
+    log(event="trained", total_steps=step, train_s=round(train_s, 1))
 
     dense = cast_params(params, jnp.bfloat16, cfg)
     result = kj.quantize(dense, cfg, policy="experts")  # stored as shipped
@@ -212,14 +213,15 @@ def main() -> None:
     end = {"bits_per_byte": bits_per_byte(result, cfg, windows, lengths, eval_batch),
            "bits_per_byte_bf16_experts": bits_per_byte(dense, cfg, windows, lengths, eval_batch),
            **degeneracy_report(cfg, result, tok, prompts)}
-    summary = {"total_steps": step, "train_s": round(schedule.train_s, 1), "start": start, "result": end}
+    summary = {"total_steps": step, "train_s": round(train_s, 1), "start": start, "result": end}
     if start is not None:
         summary["bits_per_byte_cost"] = end["bits_per_byte"]["bits_per_byte"] - start["bits_per_byte"]["bits_per_byte"]
     log(event="heldout", result_bpb=end["bits_per_byte"]["bits_per_byte"], result_degenerate=end["degenerate"],
         result_int4_nats=end["bits_per_byte"]["nats_per_token"])
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot_curves(args.out / "log.jsonl", args.out / "loss.png", "unlikelihood fine-tune of the target",
-                ("train_loss", "ul_loss", "repeat_rate"))
+                ("train_loss", "ul_loss", "repeat_rate"),
+                ylabel="losses: nats/token; repeat_rate: share of greedy tokens")
     print(f"saved {args.out}/int4, {args.out}/summary.json; degenerate {start and start['degenerate']} -> "
           f"{end['degenerate']}, held-out bits per byte {start and start['bits_per_byte']['bits_per_byte']} -> "
           f"{end['bits_per_byte']['bits_per_byte']:.4f}", flush=True)
