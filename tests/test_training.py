@@ -144,3 +144,19 @@ def test_dequantize_params_round_trips_int4():
     for a, b in int4:
         np.testing.assert_array_equal(np.asarray(a.qweight), np.asarray(b.qweight))
         np.testing.assert_array_equal(np.asarray(a.scale, np.float32), np.asarray(b.scale, np.float32))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--steps", "1", "--cont-len", "0"], "--cont-len must be >= 1"),
+    (["--steps", "1", "--ul-weight", "-1"], "--ul-weight must be >= 0"),
+    (["--steps", "1", "--time-budget-s", "9"], "exactly one of --steps and --time-budget-s"),
+])
+def test_unlikelihood_cli_refuses_bad_arguments(argv, message, monkeypatch, capsys):
+    import sys
+
+    from training import unlikelihood
+
+    monkeypatch.setattr(sys, "argv", ["unlikelihood", "--target", "unused", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        unlikelihood.main()
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

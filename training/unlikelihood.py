@@ -126,7 +126,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=30, help="warm-up steps (default: %(default)s)")
     parser.add_argument("--bias-rate", type=float, default=1e-3, help="router-bias step (default: %(default)s)")
-    parser.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="dtype of the forward, backward and greedy continuations (master weights stay float32; "
+                        "default: %(default)s)")
     parser.add_argument("--eval-tokens", type=int, default=500_000, help="held-out predictions for the bits per "
                         "byte (default: %(default)s)")
     parser.add_argument("--degeneracy-prompts", type=int, help="score only the first N prompts of each set "
@@ -135,17 +137,24 @@ def main() -> None:
     parser.add_argument("--no-start-eval", action="store_true", help="skip the evaluation of the starting weights "
                         "(bits per byte and degeneracy of the target as given: known already; two minutes on an H200, "
                         "mostly compiles); the summary's \"start\" is then null")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("/tmp/kdtree_train/unlikelihood"))
+    parser.add_argument("--seed", type=int, default=0, help="seed of the window draws (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/kdtree_train/unlikelihood"),
+                        help="output folder: int4/, summary.json, log.jsonl, loss.png (default: %(default)s)")
     args = parser.parse_args()
     check_step_args(parser, args)
-    if args.prefix_len + args.cont_len > args.seq_len + 1 and args.prefix_len + args.cont_len > 2048:
-        parser.error("--prefix-len + --cont-len exceeds the model's positions")
+    for name in ("batch", "seq_len", "ul_batch", "prefix_len", "cont_len", "ngram"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.ul_weight < 0:
+        parser.error(f"--ul-weight must be >= 0, got {args.ul_weight}")
 
     tok = load_tokenizer(args.tokenizer)
     cfg, stored = kj.load_checkpoint(args.target, expect_kind="target")
     if cfg.vocab_size != tok.get_vocab_size():
         raise ValueError(f"{args.target} has a vocabulary of {cfg.vocab_size}, the tokenizer {tok.get_vocab_size()}")
+    for what, length in (("--seq-len", args.seq_len), ("--prefix-len + --cont-len", args.prefix_len + args.cont_len)):
+        if length > cfg.max_position_embeddings:
+            parser.error(f"{what} = {length} exceeds the target's {cfg.max_position_embeddings} positions")
     train, heldout = load_streams(args.data, tok, args.tokenizer)
     prompts = json.loads(args.prompts.read_text())
     if args.degeneracy_prompts:
