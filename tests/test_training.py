@@ -103,12 +103,12 @@ def test_unlikelihood_loss_matches_float64():
     """-log(1 - p) over the candidates, from the model's own logits (kj.forward, checked against the float64
     reference elsewhere) in float64 NumPy."""
     import numpy as np
-    from helpers import TINY, random_params
+    from helpers import SMALL, random_params
 
     import kdtree_jax as kj
     from training.unlikelihood import unlikelihood_loss
 
-    cfg = TINY
+    cfg = SMALL  # one dense and one MoE layer: every block kind, the least compile time
     params = random_params(cfg, seed=3)
     rng = np.random.default_rng(3)
     tokens = jnp.asarray(rng.integers(4, cfg.vocab_size, (2, 11)), jnp.int32)  # prefix 5, continuation 6
@@ -134,7 +134,7 @@ def test_dequantize_params_round_trips_int4():
     from training.unlikelihood import dequantize_params
 
     q = kj.quantize(random_params(SMALL, seed=4), SMALL, policy="experts")
-    dense = dequantize_params(q)
+    dense = jax.jit(dequantize_params)(q)  # one compile instead of an eager dispatch per op
     again = kj.quantize(dense, SMALL, policy="experts")
     leaves = jax.tree.leaves(q, is_leaf=lambda x: isinstance(x, Int4Weight))
     redone = jax.tree.leaves(again, is_leaf=lambda x: isinstance(x, Int4Weight))
