@@ -546,13 +546,6 @@ def _budget_note(budget, out) -> str:
     return "auto (" + ", ".join(f"{b or 'AR'} x{n}" for b, n in rounds_per_budget(out).items()) + " rounds)"
 
 
-def _rows(out) -> list[list[int]]:
-    import numpy as np  # noqa: PLC0415
-
-    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
-    return [tokens[b, : lengths[b]].tolist() for b in range(tokens.shape[0])]
-
-
 # ---------------------------------------------------------------------------------------- commands
 def cmd_generate(args) -> None:
     if args.budget is not None and args.method not in ("ddtree", "all"):
@@ -602,9 +595,9 @@ def cmd_generate(args) -> None:
     for method in methods:
         out, seconds = _run(cfg, params, prompts, method, drafter, args, first_token_mask)
         results.append((method, out, seconds))
-    reference_rows = _rows(results[0][1])
+    reference_rows = results[0][1].rows()
     for method, out, seconds in results:
-        rows = _rows(out)
+        rows = out.rows()
         new = sum(len(r) for r in rows)
         print(f"\n[{method}] {sampling}" + (f", budget {_budget_note(args.budget, out)}" if method == "ddtree" else ""))
         for b, (prompt, row) in enumerate(zip(prompts, rows, strict=True)):
@@ -628,7 +621,7 @@ def cmd_generate(args) -> None:
     if len(results) > 1:
         print(f"\n{'method':<8} {'tokens/s':>10} {'target fwd':>11} {'mean accept':>12}  same tokens as ar")
         for method, out, seconds in results:
-            rows = _rows(out)
+            rows = out.rows()
             same = "yes" if rows == reference_rows else "no"
             if args.temperature > 0 and method != "ar":
                 same += " (sampling: only the distribution must match)"

@@ -27,6 +27,11 @@ class GenerateOutput(NamedTuple):
     acceptance_lengths: jax.Array  # [B, max_rounds] int32 tokens committed per round, 0 once done
     tree_budgets: jax.Array | None = None  # [max_rounds] int32 drafts verified per round, 0 past the last (DFlash: L)
 
+    def rows(self) -> list[list[int]]:
+        """Each row's new tokens up to its length, as Python lists (on the host)."""
+        tokens, lengths = np.asarray(self.tokens), np.asarray(self.lengths)
+        return [tokens[b, :lengths[b]].tolist() for b in range(tokens.shape[0])]
+
 
 # Temperatures above this sample as this one: uniform over the unmasked tokens for any logit spread < 1e20.
 MAX_EFFECTIVE_TEMPERATURE = 1e30

@@ -34,11 +34,6 @@ def make_drafter(cfg, seed, block_size=4):
     return dcfg, init_drafter_params(dcfg, jax.random.key(seed))
 
 
-def rows(out) -> list[list[int]]:
-    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
-    return [tokens[b, : lengths[b]].tolist() for b in range(tokens.shape[0])]
-
-
 # ------------------------------------------------------------------------------- first_token_mask
 @pytest.fixture(scope="module")
 def tiny(tiny_params):
@@ -67,14 +62,14 @@ def test_the_rest_continues_from_the_forced_token(tiny):
     params, prompts, _, _, masked = tiny
     forced = [p + [int(masked.tokens[b, 0])] for b, p in enumerate(prompts)]
     again = kj.generate(TINY, params, forced, max_new_tokens=NEW - 1, stop_tokens=())
-    assert [r[1:] for r in rows(masked)] == rows(again)
+    assert [r[1:] for r in masked.rows()] == again.rows()
 
 
 def test_all_true_mask_changes_nothing(tiny):
     params, prompts, plain, _, _ = tiny
     out = kj.generate(TINY, params, prompts, max_new_tokens=NEW, stop_tokens=(),
                       first_token_mask=np.ones(TINY.vocab_size, bool))  # [V]: every row
-    assert rows(out) == rows(plain)
+    assert out.rows() == plain.rows()
 
 
 @pytest.mark.parametrize("method,budget", [("ddtree", 1), ("ddtree", 16), ("dflash", None)])
@@ -82,7 +77,7 @@ def test_greedy_speculative_equals_autoregressive_with_a_mask(tiny, method, budg
     params, prompts, _, mask, masked = tiny
     out = kj.generate(TINY, params, prompts, max_new_tokens=NEW, method=method, tree_budget=budget,
                       drafter=make_drafter(TINY, seed=2), stop_tokens=(), first_token_mask=mask)
-    assert rows(out) == rows(masked)
+    assert out.rows() == masked.rows()
 
 
 @pytest.mark.parametrize("method,budget", [("ar", None), ("ddtree", 8)])
@@ -233,14 +228,14 @@ def shipped():
 def test_shipped_healed_first_token_extends_the_removed_text(shipped):
     cfg, _, _, tok, texts, healed, runs = shipped
     table = token_table(tok)
-    for (short, _, removed), row, text in zip(healed, rows(runs["healed"]), texts, strict=True):
+    for (short, _, removed), row, text in zip(healed, runs["healed"].rows(), texts, strict=True):
         assert removed and text.endswith(removed) and len(short) == len(tok.encode(text).ids) - 1
         assert table.token_bytes[row[0]].startswith(removed.encode())
 
 
 def test_shipped_healed_text_keeps_the_prompt(shipped):
     _, _, _, tok, texts, healed, runs = shipped
-    for (short, _, _), row, text in zip(healed, rows(runs["healed"]), texts, strict=True):
+    for (short, _, _), row, text in zip(healed, runs["healed"].rows(), texts, strict=True):
         full = tok.decode(short + row)
         assert full.startswith(text) and len(full) > len(text), (text, full)
 
@@ -251,13 +246,13 @@ def test_shipped_greedy_ddtree_equals_ar_with_healing(shipped):
     for method, budget in (("ddtree", 32), ("dflash", None)):
         out = kj.generate(cfg, params, ids, COMPLETION, method=method, drafter=drafter, tree_budget=budget,
                           first_token_mask=mask, stop_tokens=())
-        assert rows(out) == rows(runs["healed"]), method
+        assert out.rows() == runs["healed"].rows(), method
 
 
 def shipped_completions(shipped, which: str) -> dict[str, str]:
     _, _, _, tok, texts, healed, runs = shipped
     out = {}
-    for name, (short, _, _), row, text in zip(ENDINGS, healed, rows(runs[which]), texts, strict=True):
+    for name, (short, _, _), row, text in zip(ENDINGS, healed, runs[which].rows(), texts, strict=True):
         ids = short if which == "healed" else tok.encode(text).ids
         out[name] = tok.decode(ids + row)[len(text):]
     return out

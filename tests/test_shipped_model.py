@@ -166,16 +166,11 @@ def greedy_runs(shipped):
     return runs
 
 
-def _rows(out):
-    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
-    return [tokens[b, :lengths[b]].tolist() for b in range(tokens.shape[0])]
-
-
 def test_greedy_invariant_on_every_heldout_prompt(greedy_runs):
-    reference = _rows(greedy_runs["ar"])
+    reference = greedy_runs["ar"].rows()
     assert len(reference) == 32 and all(len(r) == NEW_TOKENS for r in reference)
     for name, out in greedy_runs.items():
-        assert _rows(out) == reference, f"{name} greedy output differs from autoregressive"
+        assert out.rows() == reference, f"{name} greedy output differs from autoregressive"
 
 
 def _mean_acceptance(out) -> float:
@@ -202,8 +197,8 @@ def test_acceptance_floor_at_temperature_1(shipped):
 def test_sampling_is_deterministic_for_a_seed(shipped):
     cfg, params, dcfg, dparams, tok, prompts = shipped
     ids = _ids(prompts)[:1]
-    run = lambda seed: _rows(kj.generate(cfg, params, ids, 24, method="ddtree", drafter=(dcfg, dparams),  # noqa: E731
-                                         tree_budget=16, temperature=1.0, key=jax.random.key(seed)))
+    run = lambda seed: kj.generate(cfg, params, ids, 24, method="ddtree", drafter=(dcfg, dparams),  # noqa: E731
+                                   tree_budget=16, temperature=1.0, key=jax.random.key(seed)).rows()
     first = run(3)
     assert run(3) == first
     assert run(4) != first  # a different seed gives another sample (24 tokens at temperature 1)
@@ -217,8 +212,8 @@ def test_shipped_greedy_tokens_are_pinned(greedy_runs):
                     "near-tie (the invariant test checks DDTree == AR on this backend)")
     golden = json.loads((Path(__file__).parent / "fixtures" / "shipped_greedy_tokens.json").read_text())
     assert golden["new_tokens"] == NEW_TOKENS
-    assert _rows(greedy_runs["ar"]) == golden["greedy_tokens"]
-    assert _rows(greedy_runs["ddtree32"]) == golden["greedy_tokens"]
+    assert greedy_runs["ar"].rows() == golden["greedy_tokens"]
+    assert greedy_runs["ddtree32"].rows() == golden["greedy_tokens"]
 
 
 # ------------------------------------------------------------------------------------- degeneracy
