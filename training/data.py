@@ -153,6 +153,16 @@ def file_sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+def _write_token_file(out: Path, split: str, stream: np.ndarray) -> Path:
+    """`stream` as out/<split>.u16.xz, written to a temporary name and then renamed (no half-written file)."""
+    path = out / f"{split}.u16.xz"
+    partial = path.with_name(path.name + ".partial")
+    with lzma.open(partial, "wb", preset=6) as f:
+        f.write(stream.astype(TOKEN_DTYPE).tobytes())
+    os.replace(partial, path)
+    return path
+
+
 def write_token_files(tokenizer_path: Path, out: Path, source: str = "all") -> dict:
     """Tokenize both splits of `source` with the tokenizer at `tokenizer_path` into `out`/{train,heldout}.u16.xz
     (each written to a temporary name, then renamed) and `out`/corpus.json; returns the metadata."""
@@ -167,12 +177,8 @@ def write_token_files(tokenizer_path: Path, out: Path, source: str = "all") -> d
             "splits": {}}
     for split in ("train", "heldout"):
         files = corpus_files(split, source=source)
-        stream = token_stream(tok, files).astype(TOKEN_DTYPE)
-        path = out / f"{split}.u16.xz"
-        partial = path.with_name(path.name + ".partial")
-        with lzma.open(partial, "wb", preset=6) as f:
-            f.write(stream.tobytes())
-        os.replace(partial, path)
+        stream = token_stream(tok, files)
+        path = _write_token_file(out, split, stream)
         meta["splits"][split] = {"files": len(files), "tokens": int(stream.size),
                                  "bytes": sum(len(text.encode("utf-8")) for _, text in files)}
         print(f"{split}: {len(files)} files, {stream.size / 1e6:.2f} M tokens -> {path} "
@@ -219,11 +225,7 @@ def write_subset(source_dir: Path, out: Path, keep_every: int, chunk: int = 1024
         if split == "train":
             pieces = [stream[i: i + chunk] for i in range(0, stream.size, chunk * keep_every)]
             stream = np.concatenate(pieces)
-        path = out / f"{split}.u16.xz"
-        partial = path.with_name(path.name + ".partial")
-        with lzma.open(partial, "wb", preset=6) as f:
-            f.write(stream.astype(TOKEN_DTYPE).tobytes())
-        os.replace(partial, path)
+        _write_token_file(out, split, stream)
         meta["splits"][split] = {**meta["splits"][split], "tokens": int(stream.size)}
     meta["subset"] = {"of": str(source_dir), "keep_every": keep_every, "chunk": chunk,
                       "rule": "training stream: every keep_every-th chunk of `chunk` tokens; held-out: whole"}

@@ -28,11 +28,6 @@ def top_line_share(completion: str) -> float:
     return max(lines.count(line) for line in lines) / len(lines)
 
 
-def _rows(out) -> list[list[int]]:
-    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
-    return [tokens[b, :lengths[b]].tolist() for b in range(tokens.shape[0])]
-
-
 def greedy_completions(cfg: kj.ModelConfig, params, tokenizer, prompts: dict,
                        new_tokens: int = NEW_TOKENS) -> dict[str, list[str]]:
     """The text of `new_tokens`-token greedy completions: "heldout" (the 32 shipped 64-token prompts, as ids) and
@@ -41,20 +36,24 @@ def greedy_completions(cfg: kj.ModelConfig, params, tokenizer, prompts: dict,
     from kdtree_jax.healing import heal
 
     out = kj.generate(cfg, params, [p["ids"] for p in prompts["prompts"]], new_tokens, stop_tokens=())
-    heldout = [tokenizer.decode(r) for r in _rows(out)]
+    heldout = [tokenizer.decode(r) for r in out.rows()]
     texts = prompts["newline_prompts"]
     healed = [heal(tokenizer, tokenizer.encode(t).ids, vocab_size=cfg.vocab_size) for t in texts]
     out = kj.generate(cfg, params, [h[0] for h in healed], new_tokens, stop_tokens=(),
                       first_token_mask=np.stack([h[1] for h in healed]))
-    newline = [tokenizer.decode(h[0] + r)[len(t):] for h, r, t in zip(healed, _rows(out), texts, strict=True)]
+    newline = [tokenizer.decode(h[0] + r)[len(t):] for h, r, t in zip(healed, out.rows(), texts, strict=True)]
     return {"heldout": heldout, "newline": newline}
+
+
+def line_shares(texts: dict[str, list[str]]) -> dict[str, list[float]]:
+    """top_line_share of every completion of every set."""
+    return {name: [top_line_share(t) for t in values] for name, values in texts.items()}
 
 
 def completion_shares(cfg: kj.ModelConfig, params, tokenizer, prompts: dict,
                       new_tokens: int = NEW_TOKENS) -> dict[str, list[float]]:
     """Top-line shares of the `greedy_completions`."""
-    texts = greedy_completions(cfg, params, tokenizer, prompts, new_tokens)
-    return {name: [top_line_share(t) for t in values] for name, values in texts.items()}
+    return line_shares(greedy_completions(cfg, params, tokenizer, prompts, new_tokens))
 
 
 def degenerate_counts(shares: dict[str, list[float]], limit: float = DEGENERACY_LIMIT) -> dict[str, int]:
@@ -75,5 +74,5 @@ def repeat_candidates(continuation: jnp.ndarray, n: int) -> jnp.ndarray:
         shifted = jnp.pad(same[:, :-k, :-k], ((0, 0), (k, 0), (k, 0)), constant_values=False)
         ngram = ngram & shifted
     t = jnp.arange(length)
-    earlier = (t[None, :] < t[:, None]) & (t[None, :] >= n - 1) & (t[:, None] >= n - 1)  # [L(t), L(s)]
+    earlier = t[None, :] < t[:, None]  # [L(t), L(s)]; n-grams reaching before the continuation: the shifts' padding
     return jnp.any(ngram & earlier[None], axis=2)

@@ -53,6 +53,16 @@ from training.data import load_streams, random_windows
 CALIBRATION_STEPS = 20
 
 
+def causal_logits(params, cfg: kj.ModelConfig, inputs: jax.Array, compute_dtype=jnp.float32,
+                  kernels: kj.Kernels | None = None) -> jax.Array:
+    """The training forward: logits [B, T, V] of every position of inputs [B, T] (positions 0..T-1, causal, no
+    cache), the params cast to `compute_dtype` (the master copy stays as given)."""
+    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+    model = Transformer(cfg, compute_dtype, kernels or kj.Kernels())
+    logits, _, _ = model.apply({"params": cast_params(params, compute_dtype, cfg)}, inputs, positions)
+    return logits
+
+
 def lm_loss_and_loads(params, cfg: kj.ModelConfig, tokens: jax.Array, compute_dtype=jnp.float32,
                       kernels: kj.Kernels | None = None):
     """Next-token cross-entropy of tokens [B, T] (mean over B*(T-1) predictions; float32) and the fraction of
@@ -71,10 +81,8 @@ def lm_loss_and_loads(params, cfg: kj.ModelConfig, tokens: jax.Array, compute_dt
         return next_fun(*args, **kwargs)
 
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
-    model = Transformer(cfg, compute_dtype, kernels or kj.Kernels())
     with nn.intercept_methods(record_loads):
-        logits, _, _ = model.apply({"params": cast_params(params, compute_dtype, cfg)}, inputs, positions)
+        logits = causal_logits(params, cfg, inputs, compute_dtype, kernels)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
     return loss, jnp.stack(loads) if loads else jnp.zeros((0, cfg.n_routed_experts))
 
@@ -176,8 +184,7 @@ def bits_per_byte(params, cfg: kj.ModelConfig, windows: np.ndarray, byte_lengths
     def window_nats(p, toks):
         with jax.default_matmul_precision("highest"):
             inputs, labels = toks[:, :-1], toks[:, 1:]
-            positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
-            logits, _, _ = Transformer(cfg, jnp.float32, kernels).apply({"params": p}, inputs, positions)
+            logits = causal_logits(p, cfg, inputs, jnp.float32, kernels)
             return optax.softmax_cross_entropy_with_integer_labels(logits, labels).sum()
 
     p32 = cast_params(params, jnp.float32, cfg)

@@ -39,7 +39,6 @@ import numpy as np
 import optax
 
 import kdtree_jax as kj
-from kdtree_jax.model import Transformer
 from kdtree_jax.weights import cast_params
 from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
 from pallas_kernels.w4a16.reference import dequantize_any
@@ -55,10 +54,11 @@ from training.common import (
     token_byte_lengths,
 )
 from training.data import load_streams, random_windows
-from training.degeneracy import degenerate_counts, greedy_completions, repeat_candidates, top_line_share
+from training.degeneracy import degenerate_counts, greedy_completions, line_shares, repeat_candidates
 from training.train_target import (
     StepSchedule,
     bits_per_byte,
+    causal_logits,
     check_step_args,
     eval_windows,
     lm_loss_and_loads,
@@ -83,10 +83,7 @@ def unlikelihood_loss(params, cfg: kj.ModelConfig, tokens: jax.Array, candidates
     at the continuation positions marked in candidates [B, L] bool: sum of -log(1 - p(token | context)) over the
     candidates / (B * L), float32."""
     length = candidates.shape[1]
-    inputs = tokens[:, :-1]
-    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
-    model = Transformer(cfg, compute_dtype, kj.Kernels())
-    logits, _, _ = model.apply({"params": cast_params(params, compute_dtype, cfg)}, inputs, positions)
+    logits = causal_logits(params, cfg, tokens[:, :-1], compute_dtype)
     logits = logits[:, -length:].astype(jnp.float32)  # [B, L, V]: the predictions of the continuation tokens
     labels = tokens[:, -length:]
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), labels[..., None], axis=-1)[..., 0]
@@ -100,7 +97,7 @@ def degeneracy_report(cfg, params, tok, prompts: dict) -> dict:
     the completions' text."""
     with jax.default_matmul_precision("highest"):
         texts = greedy_completions(cfg, cast_params(params, jnp.float32, cfg), tok, prompts)
-    shares = {name: [top_line_share(t) for t in values] for name, values in texts.items()}
+    shares = line_shares(texts)
     return {"degenerate": degenerate_counts(shares), "of": {k: len(v) for k, v in shares.items()},
             "median_top_line_share": {k: float(np.median(v)) for k, v in shares.items()},
             "top_line_shares": shares, "completions": texts}
@@ -170,11 +167,11 @@ def main() -> None:
     if not args.no_start_eval:
         start = {"bits_per_byte": bits_per_byte(stored, cfg, windows, lengths, eval_batch),
                  **degeneracy_report(cfg, stored, tok, prompts)}
-    log(event="start", device=describe_device(), jax=jax.__version__, params=param_count(dequantize_params(stored)),
+    params = cast_params(dequantize_params(stored), jnp.float32, cfg)
+    log(event="start", device=describe_device(), jax=jax.__version__, params=param_count(params),
         heldout_bpb=start and start["bits_per_byte"]["bits_per_byte"], degenerate=start and start["degenerate"],
         **{k: str(v) for k, v in vars(args).items()})
 
-    params = cast_params(dequantize_params(stored), jnp.float32, cfg)
     optimizer = make_optimizer()
     params, opt_state = on_one_device((params, optimizer.init(params)))  # one compile of train_step
 
