@@ -16,7 +16,9 @@ Two questions, one run.
              grouped MoE kernels drop zero-weight choices, so an expert only they touch is never read) and
              see only themselves; the live count a runtime argument;
    and, per component: the routed MoE at T = 1 + b against the masked MoE at T_max, the attention core at
-   T = 1 + b against T_max (today's tree-attention kernel computes every row it is given), the lm_head.
+   T = 1 + b against T_max (the attention, kernel or XLA, computes every row it is given), the lm_head.
+   Kernels on a GPU: the Mosaic GPU MoE kernel, the Pallas tree build, and the attention on "auto" (the Mosaic GPU
+   kernel at the call shapes where it measured fastest, XLA elsewhere; each point records which ran).
 2. What auto buys at a controlled acceptance. A synthetic drafter stands in for OracleDraft degraded to a
    profile: per round a confidence z ~ N(0, SPREAD^2); at depth d the drafter spreads its mass over
    1 + ALTERNATIVES plausible tokens, rank j getting a share proportional to rho^j with
@@ -222,6 +224,7 @@ def main():
     from kdtree_jax import model as kmodel
     from kdtree_jax.layers import rms_norm
     from kdtree_jax.linear import linear
+    from pallas_kernels.dispatch import choose_attention
 
     on_gpu, timing = slice_device("bench_k26_auto", args.tiny)
     budgets = tuple(sorted({int(v) for v in args.budgets.split(",")}))
@@ -229,7 +232,8 @@ def main():
     profiles = [Profile(float(t), float(o), depth) for o in args.overconfidence.split(",")
                 for t in args.targets.split(",")]
     cfg = slice_config(args.tiny, args.layers)
-    kernels = (kj.Kernels(attention="triton", moe="mosaic_gpu", tree="triton") if on_gpu
+    # attention "auto": the dispatcher's measured choice per call shape (recorded per point as attention_kernel)
+    kernels = (kj.Kernels(attention="auto", moe="mosaic_gpu", tree="triton") if on_gpu
                else kj.Kernels(attention="xla", linear="xla", moe="xla", tree="xla"))
     timer = Timer(args.iters)
     s, t_max, c, r = args.s, 1 + max(budgets), cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -354,6 +358,9 @@ def main():
         t = row["T"]
         row["head_s"] = timer(head, h[0, :t], params["lm_head"]).seconds
         row["attention_s"] = timer(attend, q[:, :t], cache, start, mask[:, :t, :t]).seconds
+        row["attention_kernel"] = choose_attention(  # what mla_attention ran at this shape
+            latent_dim=c, rope_dim=r, impl=kernels.attention, num_heads=cfg.num_attention_heads, dtype=q.dtype,
+            num_tree=t, cache_rows=cache.shape[1]).impl
         print(f"T={t}: head {row['head_s'] * 1e6:.0f} us, attention {row['attention_s'] * 1e6:.1f} us", flush=True)
     save()
 
@@ -515,10 +522,15 @@ def summarize(meta, data):
     pts, layers = measured["points"], meta["layers"]
     top, t_max = pts[-1], pts[-1]["T"]
     verify = costs["verify"] if costs else {"switch": {}, "masked": {}}
+    ran: dict[str, list[str]] = {}  # what the attention ran per T (recorded since attention="auto")
+    for p in [measured.get("ar") or {}, *pts]:
+        if "attention_kernel" in p and f"T={p['T']}" not in ran.get(p["attention_kernel"], []):
+            ran.setdefault(p["attention_kernel"], []).append(f"T={p['T']}")
+    attention = f" (attention ran {'; '.join(f'{k} at {", ".join(v)}' for k, v in ran.items())})" if ran else ""
     md = [f"# tree_budget=\"auto\" at K2.6 width ({meta['device']}, JAX {meta['jax']}, {meta['date']})", note,
           f"{meta['timing']}; {layers} MoE layers of the K2.6 slice (benchmarks/bench_k26_slice.py) at "
-          f"S = {meta['S']}; kernels: {meta.get('kernels', '-')}. Verify = the 61-layer extrapolation of the "
-          f"slice (one-H200-equivalent: the 61 INT4 layers do not fit one H200); round = verify + draft "
+          f"S = {meta['S']}; kernels: {meta.get('kernels', '-')}{attention}. Verify = the 61-layer extrapolation of "
+          f"the slice (one-H200-equivalent: the 61 INT4 layers do not fit one H200); round = verify + draft "
           f"{meta['draft_ms']:g} ms (modelled) + tree build (measured): fixed budget b builds at b and runs "
           "the switch's branch b (CUPTI kernel time, to which the conditional adds no kernels); auto (switch) "
           "builds at the largest budget, runs budget.choose and the chosen branch, plus the switch's own "

@@ -8,8 +8,9 @@ The slice is the model itself: `--layers` MoE decoder layers of ModelConfig.kimi
 heads, 384 INT4 experts of 7168 -> 2048 -> 7168, bf16 attention / shared expert), their params shaped by the
 model's own init and quantize (random values drawn ON THE DEVICE), run by kdtree_jax.model.DecoderLayer. For
 every tree size T in {1, 9, 33, 65, 129} and committed context S in {4096, 32768} it times
-  attention: the model's attention core (kdtree_jax.attention.mla_attention: the tree-attention kernel on a
-             GPU) over S + T latent rows with a random tree mask;
+  attention: the model's attention core (kdtree_jax.attention.mla_attention) over S + T latent rows with a
+             random tree mask; on a GPU with attention="auto": the Mosaic GPU kernel at the call shapes where it
+             measured fastest, XLA elsewhere (pallas_kernels.dispatch.choose_attention; each row records which);
   moe:       the model's routed experts (kdtree_jax.model.routed_experts: with the experts in the Mosaic
              layout (--moe mosaic, the default) the Mosaic GPU kernel, in the checkpoint layout the Triton
              one; the other one is timed beside it), grouping included, and XLA's alternatives in the same
@@ -178,6 +179,7 @@ def main():
     from kdtree_jax import model as kmodel
     from kdtree_jax.layers import rms_norm
     from kdtree_jax.linear import linear
+    from pallas_kernels.dispatch import choose_attention
 
     on_gpu, timing = slice_device("bench_k26_slice", args.tiny)
     cfg = slice_config(args.tiny, args.layers)
@@ -185,11 +187,12 @@ def main():
     ss = [int(v) for v in args.ss.split(",")]
     if args.tiny:
         ts, ss = [t for t in ts if t <= 33] or [1], [64, 256]
-    # Every path names its kernels: on a GPU the Pallas kernels (one that cannot run raises, never an XLA run
-    # reported as the kernel); the CPU smoke run names the XLA references (pallas_kernels.dispatch "xla").
+    # Every path names its kernels: on a GPU the MoE kernels (one that cannot run raises, never an XLA run reported
+    # as the kernel) and the attention on "auto" (the dispatcher's measured choice per call shape, which each row
+    # records); the CPU smoke run names the XLA references (pallas_kernels.dispatch "xla").
     moe_impl = args.moe if on_gpu else "xla"
     alt_impl = {"mosaic": "triton", "triton": "mosaic"}.get(moe_impl)
-    attention_impl = "triton" if on_gpu else "xla"
+    attention_impl = "auto" if on_gpu else "xla"
     kernels_for = {"mosaic": kj.Kernels(attention=attention_impl, moe="mosaic_gpu"),
                    "triton": kj.Kernels(attention=attention_impl, moe="triton"),
                    "xla": kj.Kernels(attention="xla", linear="xla", moe="xla")}
@@ -292,8 +295,10 @@ def main():
             layer_args = (params, h, positions, cache, start, mask)
             rest_s = timer(rest_fn(*layer_args), *layer_args).seconds
             slice_s = timer(slice_fn, by_impl[moe_impl], h, positions, cache, start, mask).seconds
-            row = {"T": t, "S": s, "touched": touched, "attention_s": attn_s, "moe_s": mrow["moe_s"],
-                   "rest_s": rest_s, "layer_s": slice_s / args.layers, "head_s": mrow["head_s"],
+            ran = choose_attention(latent_dim=c, rope_dim=r, impl=attention_impl, num_heads=cfg.num_attention_heads,
+                                   dtype=q.dtype, num_tree=t, cache_rows=cache.shape[1])  # as mla_attention asks
+            row = {"T": t, "S": s, "touched": touched, "attention_s": attn_s, "attention_kernel": ran.impl,
+                   "moe_s": mrow["moe_s"], "rest_s": rest_s, "layer_s": slice_s / args.layers, "head_s": mrow["head_s"],
                    "attention_floor_s": cost.attention_floor(t, s),
                    "moe_floor_s": cost.moe_floor(t, touched), "rest_floor_s": cost.rest_floor(t)}
             row["glue_s"] = row["layer_s"] - row["attention_s"] - row["moe_s"] - row["rest_s"]
@@ -368,9 +373,15 @@ def summarize(meta, rows, moe_rows, checks, model, on_gpu, evaluate_budgets, sat
     """Tables, the 61-layer extrapolation, break-even acceptance and budget advice (markdown + json)."""
     note = "" if on_gpu else "\n**CPU smoke run at tiny width: these numbers are NOT measurements.**\n"
     us = lambda v: f"{v * 1e6:.1f}"  # noqa: E731
+    ran: dict[str, list[str]] = {}  # what the attention ran per point (recorded since attention="auto")
+    for r in rows:
+        if "attention_kernel" in r:
+            ran.setdefault(r["attention_kernel"], []).append(f"T={r['T']} S={r['S']}")
+    attention = meta["attention_impl"] + (
+        f" (ran {'; '.join(f'{k} at {", ".join(v)}' for k, v in ran.items())})" if ran else "")
     md = [f"# K2.6 layer slice, DDTree verification ({meta['device']}, JAX {meta['jax']}, {meta['date']})", note,
           f"{meta['timing']}; copy bandwidth {meta['copy_TBps']:.3g} TB/s; {meta['layers']} MoE layers; attention "
-          f"{meta['attention_impl']}, MoE {meta['moe_impl']}. Floors: benchmarks/cost_model.py (MoE floor from the "
+          f"{attention}, MoE {meta['moe_impl']}. Floors: benchmarks/cost_model.py (MoE floor from the "
           "experts actually touched).", "",
           "## Per layer (us)", "",
           "| T | S | touched | attention | floor | x | MoE | floor | x | rest | floor | layer (slice/L) | glue |",

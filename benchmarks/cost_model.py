@@ -98,9 +98,9 @@ class CostModel:
     @classmethod
     def measured_h200(cls, **overrides) -> CostModel:
         """Kimi K2.6 with the overheads measured on one H200 (benchmarks/results/k26_slice.json,
-        2026-11-30, JAX 0.11.2: the Triton tree-attention kernel and the Mosaic GPU grouped MoE kernel,
-        CUPTI kernel time) and that run's copy bandwidth. tests/test_budget.py checks these against the
-        committed JSON."""
+        2026-11-30, JAX 0.11.2, CUPTI kernel time: the attention was then the Pallas Triton tree-attention kernel,
+        deleted since for the faster Mosaic GPU one; the MoE the Mosaic GPU grouped kernel) and that run's copy
+        bandwidth. tests/test_budget.py checks these against the committed JSON."""
         return cls(**{**MEASURED_H200, **overrides})
 
     # ------------------------------------------------------------------------------- sizes (bytes)

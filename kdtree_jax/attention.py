@@ -1,8 +1,9 @@
 """Absorbed MLA attention over the latent cache: the one attention entry point of the model.
 
 `mla_attention` calls `pallas_kernels.tree_attention.tree_mla_attention` with the implementation the
-caller's `Kernels` asks for (default "auto": pallas_kernels.dispatch picks the tree-masked Triton kernel on
-a GPU, its plain-jnp reference elsewhere; `kdtree_jax.kernels.kernel_plan` says which, once).
+caller's `Kernels` asks for (default "auto": pallas_kernels.dispatch picks the tree-masked Mosaic GPU kernel
+on a Hopper GPU at the bf16 call shapes where it measured fastest, its plain-jnp form elsewhere;
+`kdtree_jax.kernels.kernel_plan` says which, once).
 """
 
 from __future__ import annotations

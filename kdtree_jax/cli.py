@@ -40,7 +40,7 @@ DEFAULT_BUDGET = "auto"
 # jax.random.key keeps the low 32 bits of a seed (64-bit ints are off): 2**32 would give seed 0's numbers.
 MAX_SEED = 2**32 - 1
 # The implementations `--moe-kernel` etc. accept: pallas_kernels.dispatch.IMPLS (not imported here: start-up time).
-KERNEL_CHOICES = {"attention": ("mosaic_gpu", "triton", "xla"), "linear": ("mosaic_gpu", "xla"),
+KERNEL_CHOICES = {"attention": ("mosaic_gpu", "xla"), "linear": ("mosaic_gpu", "xla"),
                   "moe": ("triton", "mosaic_gpu", "xla"), "tree": ("triton", "xla"),
                   "mla": ("folded", "separate")}
 # The trained pair shipped in the package (training/, docs/training.md): target, drafter, tokenizer.
@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "expert stack (measured faster there), else triton on a GPU, else xla. A kernel that cannot "
                    "run here is an error (docs/kernels.md)")
     g.add_argument("--attention-kernel", choices=("auto", *KERNEL_CHOICES["attention"]), default="auto",
-                   help="kernel for the tree attention: mosaic_gpu (a Hopper GPU, bf16), triton (a GPU) or xla "
+                   help="kernel for the tree attention: mosaic_gpu (a Hopper GPU, bf16) or xla "
                    "(the plain-JAX reference); auto (default): on a GPU the one measured fastest at each call "
                    "shape (Mosaic GPU for K2-shaped bf16 attention over >= 32768 cache rows), else xla")
     g.add_argument("--linear-kernel", choices=("auto", *KERNEL_CHOICES["linear"]), default="auto",

@@ -3,7 +3,7 @@ pallas_kernels.dispatch (the one place that decides), and the one-time conversio
 
     kernels = kj.Kernels()                                # or e.g. kj.Kernels(attention="xla")
     params = kj.prepare_params(params, cfg, kernels)      # INT4 weights to the Mosaic layout where it runs
-    kj.kernel_plan(params, cfg, kernels=kernels)          # {"attention": ("triton", "GPU"), ...}
+    kj.kernel_plan(params, cfg, kernels=kernels)          # {"attention": ("xla", "no GPU, this is cpu"), ...}
     out = kj.generate(cfg, params, prompts, kernels=kernels)
 
 Ops: "attention" (tree-masked MLA over the latent cache), "linear" (dense INT4 linears), "moe" (routed
@@ -154,7 +154,7 @@ def kernel_plan(params: dict, cfg: ModelConfig, device=None, kernels: Kernels | 
 
 
 def plan_summary(plan: Plan) -> str:
-    """One line: 'attention triton (GPU), linear none (...), moe mosaic_gpu (...)'."""
+    """One line: 'attention mosaic_gpu (Hopper GPU), linear none (...), moe mosaic_gpu (...)'."""
     return ", ".join(f"{op} {kernel} ({reason})" for op, (kernel, reason) in plan.items())
 
 

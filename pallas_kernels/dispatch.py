@@ -1,7 +1,7 @@
 """The one place that decides which implementation each kernel op runs.
 
 Ops and their implementations:
-  attention (tree-masked absorbed MLA):     "mosaic_gpu" | "triton" | "xla"
+  attention (tree-masked absorbed MLA):     "mosaic_gpu" | "xla"
   linear    (dense W4A16 GEMM):              "mosaic_gpu" (MosaicInt4Weight) | "xla"
   moe       (routed INT4 experts):           "triton" (Int4Weight) | "mosaic_gpu" (MosaicInt4Weight) | "xla"
   tree      (DDTree best-first tree build):  "triton" (one launch) | "xla" (kdtree_jax/tree.py's jnp builder)
@@ -12,8 +12,8 @@ Ops and their implementations:
 Rules for impl="auto" (from backend, dtype, shape and weight type):
   - a Pallas kernel needs a GPU, or `interpret=True` (the CPU simulation the tests use); elsewhere "xla";
   - tree attention on a GPU: the implementation measured fastest at the call shape (tree_attention.tuned.
-    measured_fastest) that can run here: the Mosaic kernel needs a Hopper GPU, bf16 / f16 and c a multiple of 64,
-    the Triton kernel power-of-two latent and RoPE widths >= 16; else "xla";
+    measured_fastest) that can run here: the Mosaic kernel needs a Hopper GPU, bf16 / f16, c a multiple of 64 and
+    a power-of-two RoPE width >= 16; else "xla";
   - the MLA projections are folded when the folded matrices add at most FOLD_MAX_EXTRA_BYTES a layer (a small
     model, whose decode step is launch-bound: one matmul instead of three saves launches that cost more than
     reading the extra bytes), separate otherwise (K2.6: folding would add 392 MiB of bf16 weights a layer); the
@@ -44,7 +44,7 @@ from pallas_kernels.tree_build import kernel_shape_unsupported as tree_shape_uns
 
 AUTO = "auto"
 IMPLS = {
-    "attention": ("mosaic_gpu", "triton", "xla"),
+    "attention": ("mosaic_gpu", "xla"),
     "linear": ("mosaic_gpu", "xla"),
     "moe": ("triton", "mosaic_gpu", "xla"),
     "tree": ("triton", "xla"),
@@ -61,7 +61,7 @@ class KernelUnavailableError(ValueError):
 class Kernels:
     """Per-call kernel choice, passed statically through forward / generate (hashable).
 
-    attention: "auto" | "mosaic_gpu" | "triton" | "xla"; linear: "auto" | "mosaic_gpu" | "xla" (also which layout
+    attention: "auto" | "mosaic_gpu" | "xla"; linear: "auto" | "mosaic_gpu" | "xla" (also which layout
     prepare_params gives the INT4 dense weights);
     moe: "auto" | "triton" | "mosaic_gpu" | "xla" (also which layout prepare_params gives the routed experts);
     tree: "auto" | "triton" | "xla" (the DDTree tree build);
@@ -136,14 +136,6 @@ def _unavailable(op: str, impl: str, why: str, hint: str) -> KernelUnavailableEr
 
 
 # ------------------------------------------------------------------------------------------- attention
-def attention_shape_unsupported(latent_dim: int, rope_dim: int) -> str | None:
-    """Why the Triton tree-attention kernel cannot take these widths, or None (Triton tensors are powers
-    of two; padding the cache would copy it)."""
-    bad = [f"{name} {d}" for name, d in (("latent width", latent_dim), ("RoPE width", rope_dim))
-           if d < 16 or d & (d - 1)]
-    return f"{' and '.join(bad)} not a power of two >= 16" if bad else None
-
-
 def mosaic_attention_unsupported(device, interpret: bool, latent_dim: int, rope_dim: int, dtype) -> str | None:
     """Why the Mosaic GPU tree-attention kernel cannot run here, or None (dtype None: not checked)."""
     if not interpret and not is_hopper(device):
@@ -161,39 +153,31 @@ def choose_attention(*, latent_dim: int, rope_dim: int, impl: str = AUTO, device
                      interpret: bool = False, num_heads: int | None = None, dtype=None,
                      num_tree: int | None = None, cache_rows: int | None = None) -> Choice:
     """The tree attention. On a GPU, auto runs the implementation measured fastest at the call shape that can run
-    here (tree_attention.tuned.measured_fastest; needs num_heads and dtype, and num_tree / cache_rows for one call);
-    without num_heads / dtype the shape rules alone decide (Triton). interpret=True on a CPU: the Triton kernel."""
+    here (tree_attention.tuned.measured_fastest; needs num_heads and dtype, and num_tree / cache_rows for one call;
+    without num_heads / dtype: the Mosaic kernel where it can run). interpret=True on a CPU: the Mosaic kernel in
+    its interpret mode where the dtype and widths allow it, else XLA."""
     _check_impl("attention", impl)
     device = device or default_device()
     if impl == "xla":
         return Choice("xla", "asked for")
-    triton_why = _pallas_runs(device, interpret) or attention_shape_unsupported(latent_dim, rope_dim)
     mosaic_why = mosaic_attention_unsupported(device, interpret, latent_dim, rope_dim, dtype)
-    if impl == "triton":
-        if triton_why:
-            raise _unavailable("attention", impl, triton_why, "use the XLA reference (impl 'xla') or interpret mode")
-        return Choice("triton", "asked for")
     if impl == "mosaic_gpu":
         if mosaic_why:
             raise _unavailable("attention", impl, mosaic_why, "use the XLA reference (impl 'xla') or interpret mode")
         return Choice("mosaic_gpu", "asked for")
-    if triton_why and (mosaic_why or not is_gpu(device)):
-        return Choice("xla", triton_why)
-    if interpret and not is_gpu(device):
-        return Choice("triton", "interpret mode")
+    if not is_gpu(device):
+        if not interpret:
+            return Choice("xla", f"no GPU, this is {_device_name(device)}")
+        return Choice("xla", mosaic_why) if mosaic_why else Choice("mosaic_gpu", "interpret mode")
     if num_heads is None or dtype is None:
-        return Choice("triton", "GPU") if not triton_why else Choice("xla", triton_why)
+        return Choice("xla", mosaic_why) if mosaic_why else Choice("mosaic_gpu", "Hopper GPU")
     from pallas_kernels.tree_attention.tuned import measured_fastest  # noqa: PLC0415 (imports the kernels)
 
     ranked, why = measured_fastest(num_heads=num_heads, latent_dim=latent_dim, rope_dim=rope_dim, dtype=dtype,
                                    num_tree=num_tree, cache_rows=cache_rows)
-    skipped = []
-    for candidate in ranked:
-        cannot = {"mosaic_gpu": mosaic_why, "triton": triton_why}.get(candidate)
-        if not cannot:
-            return Choice(candidate, why + "".join(f"; {s}" for s in skipped))
-        skipped.append(f"not {candidate}: {cannot}")
-    raise AssertionError("measured_fastest always ends in xla")
+    if ranked[0] == "mosaic_gpu" and mosaic_why:
+        return Choice("xla", f"{why}; not mosaic_gpu: {mosaic_why}")
+    return Choice(ranked[0], why)
 
 
 # ------------------------------------------------------------------------------------------- MLA projections

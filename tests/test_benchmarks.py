@@ -51,13 +51,25 @@ def test_moe_mgpu_refuses_a_cpu(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_gpu_invariant_refuses_the_triton_kernel_on_a_cpu(tmp_path):
+def test_gpu_invariant_refuses_the_mosaic_kernel_on_a_cpu(tmp_path):
     """An explicitly named kernel that cannot run is an error, never an XLA run reported as the kernel."""
-    proc = subprocess.run([sys.executable, "benchmarks/check_gpu_invariant.py", "--attention", "triton",
+    proc = subprocess.run([sys.executable, "benchmarks/check_gpu_invariant.py", "--attention", "mosaic_gpu",
                            "--skip-kernel", "--out", str(tmp_path)],
                           cwd=ROOT, env=CPU, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "KernelUnavailableError: attention impl='triton' cannot run" in proc.stderr
+    assert proc.returncode != 0 and "KernelUnavailableError: attention impl='mosaic_gpu' cannot run" in proc.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_tree_attention_smoke_run(tmp_path):
+    """bench_tree_attention's run at a tiny shape, the Mosaic kernel in interpret mode: every variant runs and
+    matches the reference (the exit status covers that); its numbers say they are none."""
+    _run("benchmarks/bench_tree_attention.py", "--smoke", "--shapes", "100:5", "--out", str(tmp_path))
+    stored = json.loads((tmp_path / "tree_attention_mosaic_smoke.json").read_text())
+    (row,) = stored["rows"]
+    assert {(m["schedule"], m["num_splits"]) for m in row["mosaic"]} == {
+        (s, n) for s in ("replicated", "shared_qk") for n in (1, 2)}
+    assert stored["meta"]["smoke"] and "these numbers are NOT measurements" in (
+        tmp_path / "tree_attention_mosaic_smoke.md").read_text()
 
 
 def test_tree_build_smoke_run(tmp_path):
@@ -89,8 +101,9 @@ def test_e2e_tables_render_from_a_new_run_and_the_committed_one():
     committed = json.loads((ROOT / "benchmarks" / "results" / "e2e_h200.json").read_text())
     assert "| 1 | 0 | ddtree | 32 |" in markdown(committed["meta"], committed["rows"])
     meta = {k: v for k, v in committed["meta"].items() if k not in ("attention", "dates")}
-    meta["kernels"] = "attention triton (GPU), tree triton (GPU)"
-    assert "kernels: attention triton (GPU), tree triton (GPU)." in markdown(meta, committed["rows"][:2])
+    meta["kernels"] = "attention mosaic_gpu (per call shape, as measured), tree triton (GPU)"
+    assert ("kernels: attention mosaic_gpu (per call shape, as measured), tree triton (GPU)."
+            in markdown(meta, committed["rows"][:2]))
 
 
 def test_k26_auto_tiny_smoke_run(tmp_path):

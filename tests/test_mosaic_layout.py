@@ -116,7 +116,7 @@ def test_prepare_params_and_kernel_plan_follow_the_dispatcher(int4_params, mosai
     kernel, reason = kj.kernel_plan(int4_params, CFG, device=hopper)["moe"]
     assert kernel == "mosaic_gpu" and "converted to the Mosaic layout" in reason
     assert kj.kernel_plan(converted, CFG, device=hopper)["moe"][0] == "mosaic_gpu"
-    # c 64, r 16 run on the Triton kernel only where it measured faster than XLA: never at this unmeasured shape
+    # c 64, r 16 run a kernel only where it measured faster than XLA: never at this unmeasured shape
     assert kj.kernel_plan(int4_params, CFG, device=hopper)["attention"] == (
         "xla", f"not measured faster than XLA at H={CFG.num_attention_heads}, c=64, r=16, bfloat16")
     # this CPU: nothing converted, the XLA paths are the plan

@@ -9,9 +9,9 @@ space (the caller applies W_UV). Visible rows for new token t of batch row b:
 
 `tree_mla_attention` is the public entry point: it checks shapes and asks
 `pallas_kernels.dispatch.choose_attention` which implementation runs: "mosaic_gpu" (`mosaic_gpu.py`, Hopper,
-bf16 / f16; split count `tuned.mosaic_config`), "triton" (`triton.py`, tiled by `tuned.pick_config`) or "xla"
-(`reference.tree_mla_attention_xla`: for float32 the plain-jnp definition the kernels are tested against); on a
-GPU "auto" runs the one measured fastest at the call shape (`tuned.measured_fastest`).
+bf16 / f16; split count and schedule `tuned.mosaic_config`) or "xla" (`reference.tree_mla_attention_xla`: for
+float32 the plain-jnp definition the kernel is tested against); on a GPU "auto" runs the one measured fastest at
+the call shape (`tuned.measured_fastest`).
 `check_tree_attention_values` checks what shapes cannot show (start >= 0, start + T <= S_max, diagonal of
 tree_mask) and must be called outside `jit`.
 """
@@ -25,14 +25,11 @@ import numpy as np
 from pallas_kernels import dispatch
 from pallas_kernels.tree_attention.mosaic_gpu import tree_attention_mosaic
 from pallas_kernels.tree_attention.reference import tree_mla_attention_reference, tree_mla_attention_xla
-from pallas_kernels.tree_attention.triton import BlockConfig, tree_attention_pallas
-from pallas_kernels.tree_attention.tuned import mosaic_config, pick_config
+from pallas_kernels.tree_attention.tuned import mosaic_config
 from pallas_kernels.w4a16.mosaic_gpu import gpu_interpret_params
 
 __all__ = [
-    "BlockConfig",
     "check_tree_attention_values",
-    "pick_config",
     "tree_mla_attention",
     "tree_mla_attention_reference",
     "tree_mla_attention_xla",
@@ -80,8 +77,7 @@ def _check_shapes(q, cache, start, tree_mask, value_dim):
 
 
 def tree_mla_attention(q, cache, start, tree_mask, *, scale: float, value_dim: int,
-                       impl: str = "auto", interpret: bool = False,
-                       config: BlockConfig | None = None):
+                       impl: str = "auto", interpret: bool = False):
     """Tree-masked absorbed MLA attention.
 
     q [B, T, H, c+r] (latent part then RoPE part per head); cache [B, S_max, c+r] (this layer's
@@ -89,13 +85,12 @@ def tree_mla_attention(q, cache, start, tree_mask, *, scale: float, value_dim: i
     tree_mask [B, T, T] bool (diagonal True). Returns [B, T, H, c] in q.dtype: softmax over the
     visible rows of (q . row) * scale, times row[:value_dim]; softmax statistics in float32.
 
-    impl: "auto" | "mosaic_gpu" | "triton" | "xla", chosen by pallas_kernels.dispatch.choose_attention (auto:
-          the Pallas Triton kernel with interpret=True; on a GPU the implementation measured fastest at this
-          call shape that can run here (tuned.measured_fastest: the Mosaic GPU kernel on a Hopper GPU in bf16,
-          the Triton kernel, or `tree_mla_attention_xla`); an explicit kernel that cannot run here raises
-          KernelUnavailableError. interpret=True runs the chosen kernel in its interpret mode (CPU).
-    config: the Triton kernel's tiling override; default from tuned.pick_config (the Mosaic kernel's split
-          count: tuned.mosaic_config).
+    impl: "auto" | "mosaic_gpu" | "xla", chosen by pallas_kernels.dispatch.choose_attention (auto: on a GPU the
+          implementation measured fastest at this call shape that can run here (tuned.measured_fastest: the
+          Mosaic GPU kernel on a Hopper GPU in bf16, else `tree_mla_attention_xla`); with interpret=True on a
+          CPU the Mosaic kernel in its interpret mode where its dtype and widths allow, else XLA); an explicit
+          kernel that cannot run here raises KernelUnavailableError. The kernel's split count and schedule:
+          tuned.mosaic_config.
     Value checks (start + T <= S_max, ...) run when the inputs are concrete; under jit they cannot,
     so call `check_tree_attention_values` on concrete values before tracing if in doubt (the kernel
     itself never reads past the cache).
@@ -110,12 +105,6 @@ def tree_mla_attention(q, cache, start, tree_mask, *, scale: float, value_dim: i
                                        dtype=q.dtype, num_tree=T, cache_rows=cache.shape[1])
     if choice.impl == "xla":
         return tree_mla_attention_xla(q, cache, start, tree_mask, scale=scale, value_dim=value_dim)
-    if choice.impl == "mosaic_gpu":
-        return tree_attention_mosaic(q, cache, start, tree_mask, scale=scale, value_dim=value_dim,
-                                     config=mosaic_config(batch=B, num_tree=T, cache_rows=cache.shape[1]),
-                                     interpret=gpu_interpret_params() if interpret else None)
-    if config is None:
-        config = pick_config(batch=B, num_tree=T, num_heads=H, latent_dim=c, rope_dim=r,
-                             cache_rows=cache.shape[1])
-    return tree_attention_pallas(q, cache, start.astype(jnp.int32), tree_mask, scale=scale,
-                                 value_dim=value_dim, config=config, interpret=interpret)
+    return tree_attention_mosaic(q, cache, start, tree_mask, scale=scale, value_dim=value_dim,
+                                 config=mosaic_config(batch=B, num_tree=T, cache_rows=cache.shape[1]),
+                                 interpret=gpu_interpret_params() if interpret else None)

@@ -3,7 +3,7 @@
 Same op as `reference.tree_mla_attention_reference` (see the package docstring for the visibility rule):
 q [B, T, H, c + r], cache [B, S_max, c + r], start [B] int32, tree_mask [B, T, T] bool -> [B, T, H, c].
 
-Layout (as the Triton kernel): the T tree tokens x H heads of one batch row are folded into R = T * H query
+Layout: the T tree tokens x H heads of one batch row are folded into R = T * H query
 rows (row = t * H + h), cut into tiles of 64 rows (one wgmma M). Grid (B, row tiles, KV splits), one CTA per
 (batch row, row tile, split), `num_wg` = c / value_block consumer warpgroups per CTA:
   * the value (output) columns are cut into num_wg chunks of value_block (<= 256, so that a [64, value_block]
@@ -37,8 +37,7 @@ The KV range of batch row b is [0, start[b] + T):
     (S_max not a multiple of block_kv: the wrapper pads the cache, see tree_attention_mosaic).
 
 num_splits > 1: each split writes its normalized partial output (in the input dtype: it is staged in the q chunk's
-SMEM) and its float32 log2-sum-exp; an XLA combine weights them by exp2(lse - max lse), as the Triton kernel
-does.
+SMEM) and its float32 log2-sum-exp; an XLA combine (`combine_splits`) weights them by exp2(lse - max lse).
 
 Status: checked in Mosaic GPU interpret mode on CPU (tests/kernels/test_tree_attention_mgpu.py, tiny shapes, both
 schedules), its CUDA lowering at K2 shapes (c 512, r 64, H 64), and natively on an H200 (the @gpu tests of that
@@ -62,10 +61,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.tree_attention.triton import NEG, combine_splits
 from pallas_kernels.w4a16.mosaic_gpu import smem_transforms
 
 LOG2E = math.log2(math.e)
+# Finite "minus infinity": exp2(NEG - x) == 0 for any real x, and NEG - NEG == 0 never yields NaN.
+NEG = -1e30
 ROWS = 64  # query rows per CTA: one wgmma M
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -459,6 +459,14 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
         )
 
     return entry, nwg
+
+
+def combine_splits(o_part, lse, dtype):
+    """The split-KV combine (XLA): per-split normalized outputs o_part [B, NS, R, c] and their log2-sum-exp
+    lse [B, NS, R] -> [B, R, c] in `dtype`, each split weighted by exp2(lse - max lse)."""
+    w = jnp.exp2(lse - jnp.max(lse, axis=1, keepdims=True))  # the last split always sees the diagonal
+    out = jnp.sum(o_part.astype(jnp.float32) * w[..., None], axis=1) / jnp.sum(w, axis=1)[..., None]
+    return out.astype(dtype)
 
 
 def tree_attention_mosaic(q, cache, start, tree_mask, *, scale: float, value_dim: int,

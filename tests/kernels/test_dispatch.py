@@ -38,17 +38,23 @@ def test_kernels_dataclass_is_static_and_checked():
 
 def test_attention_rules():
     choose = dispatch.choose_attention
-    assert choose(latent_dim=512, rope_dim=64, device=H200) == Choice("triton", "GPU")
+    assert choose(latent_dim=512, rope_dim=64, device=H200) == Choice("mosaic_gpu", "Hopper GPU")
+    assert choose(latent_dim=512, rope_dim=64, device=A100) == Choice(
+        "xla", "needs a Hopper GPU (sm_90), this is NVIDIA A100")
     assert choose(latent_dim=512, rope_dim=64, device=CPU) == Choice("xla", "no GPU, this is cpu")
-    assert choose(latent_dim=512, rope_dim=64, device=CPU, interpret=True) == Choice("triton", "interpret mode")
-    # Triton tensors are powers of two: auto states why it runs the reference
-    assert choose(latent_dim=96, rope_dim=64, device=H200) == Choice(
-        "xla", "latent width 96 not a power of two >= 16")
+    assert choose(latent_dim=512, rope_dim=64, device=CPU, interpret=True) == Choice("mosaic_gpu", "interpret mode")
+    # the Mosaic kernel's widths: auto states why it runs XLA
+    assert choose(latent_dim=96, rope_dim=64, device=H200) == Choice("xla", "latent width 96 not a multiple of 64")
+    assert choose(latent_dim=512, rope_dim=48, device=CPU, interpret=True) == Choice(
+        "xla", "RoPE width 48 not a power of two >= 16")
     assert choose(latent_dim=512, rope_dim=64, device=H200, impl="xla") == Choice("xla", "asked for")
-    with pytest.raises(KernelUnavailableError, match="attention impl='triton' cannot run: latent width 96"):
-        choose(latent_dim=96, rope_dim=64, device=H200, impl="triton")
-    with pytest.raises(KernelUnavailableError, match="attention impl='triton' cannot run: no GPU, this is cpu"):
-        choose(latent_dim=512, rope_dim=64, device=CPU, impl="triton")
+    with pytest.raises(KernelUnavailableError, match="attention impl='mosaic_gpu' cannot run: latent width 96"):
+        choose(latent_dim=96, rope_dim=64, device=H200, impl="mosaic_gpu")
+    with pytest.raises(KernelUnavailableError, match="attention impl='mosaic_gpu' cannot run: needs a Hopper GPU "
+                                                     r"\(sm_90\), this is cpu"):
+        choose(latent_dim=512, rope_dim=64, device=CPU, impl="mosaic_gpu")
+    with pytest.raises(ValueError, match="attention impl must be one of"):  # the Triton kernel: deleted
+        choose(latent_dim=512, rope_dim=64, device=H200, impl="triton")
 
 
 def test_attention_auto_runs_what_measured_fastest():
@@ -71,15 +77,14 @@ def test_attention_auto_runs_what_measured_fastest():
     assert choose(**k2, num_tree=1, cache_rows=4096 + 64).impl == "xla"
     assert choose(**k2, num_tree=9, cache_rows=32768 + 64).impl == "xla"  # T 2..32: not measured
     assert choose(A100, **k2, num_tree=1, cache_rows=32768 + 64) == Choice(
-        "triton", "T=1, S_max >= 32768: Mosaic measured fastest; not mosaic_gpu: needs a Hopper GPU (sm_90), "
-                  "this is NVIDIA A100")
+        "xla", "T=1, S_max >= 32768: Mosaic measured fastest; not mosaic_gpu: needs a Hopper GPU (sm_90), "
+               "this is NVIDIA A100")
     assert choose(A100, **k2, num_tree=33, cache_rows=32768 + 64).impl == "xla"
     assert choose(**k2) == Choice("mosaic_gpu", "per call shape, as measured")
     assert choose(num_heads=64, dtype=jnp.float32, num_tree=1, cache_rows=65536) == Choice(
         "xla", "float32: the kernel measured slower than XLA")
     assert choose(num_heads=6, dtype=jnp.bfloat16, num_tree=1, cache_rows=65536) == Choice(
         "xla", "not measured faster than XLA at H=6, c=512, r=64, bfloat16")
-    assert choose(num_heads=6, dtype=jnp.float32, impl="triton") == Choice("triton", "asked for")
     assert choose(**k2, impl="mosaic_gpu") == Choice("mosaic_gpu", "asked for")
     with pytest.raises(KernelUnavailableError, match=r"impl='mosaic_gpu' cannot run: needs bf16 or f16, the model "
                                                      r"runs in float32"):
@@ -89,7 +94,11 @@ def test_attention_auto_runs_what_measured_fastest():
     with pytest.raises(KernelUnavailableError, match=r"impl='mosaic_gpu' cannot run: latent width 96 not a multiple"):
         dispatch.choose_attention(latent_dim=96, rope_dim=64, device=H200, impl="mosaic_gpu")
     assert dispatch.choose_attention(latent_dim=512, rope_dim=64, device=CPU, interpret=True, num_heads=6,
-                                     dtype=jnp.float32, num_tree=1, cache_rows=64) == Choice("triton", "interpret mode")
+                                     dtype=jnp.float32, num_tree=1, cache_rows=64) == Choice(
+        "xla", "needs bf16 or f16, the model runs in float32")
+    assert dispatch.choose_attention(latent_dim=512, rope_dim=64, device=CPU, interpret=True, num_heads=6,
+                                     dtype=jnp.bfloat16, num_tree=1, cache_rows=64) == Choice("mosaic_gpu",
+                                                                                               "interpret mode")
     assert dispatch.choose_attention(latent_dim=512, rope_dim=64, device=CPU, interpret=True,
                                      impl="mosaic_gpu") == Choice("mosaic_gpu", "asked for")
 

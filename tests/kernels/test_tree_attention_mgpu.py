@@ -156,17 +156,20 @@ def test_mgpu_native_gpu_k2(T, S_max, start, splits, schedule):
 
 
 def test_mgpu_interpret_through_the_public_entry():
-    """tree_mla_attention(impl="mosaic_gpu", interpret=True): the dispatcher's path to this kernel (its split count
-    from tuned.mosaic_config), Mosaic GPU interpret mode on CPU, against the float64 truth."""
+    """tree_mla_attention(interpret=True) in bf16: auto picks this kernel in interpret mode (its split count from
+    tuned.mosaic_config), Mosaic GPU interpret mode on CPU, against the float64 truth."""
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
 
     from pallas_kernels.tree_attention import tree_mla_attention
 
     q, cache, start, tree, truth = make_inputs(11, B=2, T=3, H=16, c=64, r=16, S_max=90, starts=[40, 87],
                                                dtype=jnp.bfloat16)
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        assert dispatch.choose_attention(latent_dim=64, rope_dim=16, interpret=True, num_heads=16, dtype=jnp.bfloat16,
+                                         num_tree=3, cache_rows=90) == dispatch.Choice("mosaic_gpu", "interpret mode")
     try:
         out = jax.block_until_ready(tree_mla_attention(q, cache, start, tree, scale=0.3 / np.sqrt(80), value_dim=64,
-                                                       impl="mosaic_gpu", interpret=True))
+                                                       interpret=True))
     finally:
         reset_gpu_interpret_mode_state()
     assert out.shape == (2, 3, 16, 64) and rel_err(out, truth) < 2e-2
