@@ -12,8 +12,8 @@ Ops and their implementations:
 Rules for impl="auto" (from backend, dtype, shape and weight type):
   - a Pallas kernel needs a GPU, or `interpret=True` (the CPU simulation the tests use); elsewhere "xla";
   - tree attention on a GPU: the implementation measured fastest at the call shape (tree_attention.tuned.
-    measured_fastest) that can run here: the Mosaic kernel needs a Hopper GPU, bf16 / f16, c a multiple of 64 and
-    a power-of-two RoPE width >= 16; else "xla";
+    measured_fastest) that can run here: the Mosaic kernel needs a Hopper GPU, bf16 / f16, c a multiple of 64, a
+    power-of-two RoPE width >= 16 and c + r a multiple of 64 (interpret mode: any c + r); else "xla";
   - the MLA projections are folded when the folded matrices add at most FOLD_MAX_EXTRA_BYTES a layer (a small
     model, whose decode step is launch-bound: one matmul instead of three saves launches that cost more than
     reading the extra bytes), separate otherwise (K2.6: folding would add 392 MiB of bf16 weights a layer); the
@@ -146,6 +146,8 @@ def mosaic_attention_unsupported(device, interpret: bool, latent_dim: int, rope_
         return f"latent width {latent_dim} not a multiple of 64"
     if rope_dim < 16 or rope_dim & (rope_dim - 1):
         return f"RoPE width {rope_dim} not a power of two >= 16"
+    if not interpret and (latent_dim + rope_dim) % 64:
+        return f"row width c + r = {latent_dim + rope_dim} not a multiple of 64 (the TMA tiling of the cache rows)"
     return None
 
 

@@ -129,6 +129,9 @@ def _check(q, cache, start, tree_mask, value_dim, config: MosaicAttentionConfig,
     if interpret and config.p_operand == "registers":
         raise ValueError("p_operand='registers' cannot run in GPU interpret mode: jax 0.11's interpreted wgmma "
                          "reads A from SMEM only; use p_operand='smem' there")
+    if interpret is None and D % 64:
+        raise ValueError(f"row width c + r = {D} must be a multiple of 64 on the GPU: the TMA copies of the cache rows "
+                         "are tiled by 64 columns (K2: 512 + 64; GPU interpret mode takes any width)")
     if T > cache.shape[1]:
         raise ValueError(f"T = {T} tree tokens cannot fit in S_max = {cache.shape[1]} cache rows")
     return vb

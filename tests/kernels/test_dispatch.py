@@ -47,6 +47,12 @@ def test_attention_rules():
     assert choose(latent_dim=96, rope_dim=64, device=H200) == Choice("xla", "latent width 96 not a multiple of 64")
     assert choose(latent_dim=512, rope_dim=48, device=CPU, interpret=True) == Choice(
         "xla", "RoPE width 48 not a power of two >= 16")
+    # natively c + r must be a multiple of 64 (the TMA tiling of the cache rows); interpret mode takes any
+    assert choose(latent_dim=128, rope_dim=32, device=H200) == Choice(
+        "xla", "row width c + r = 160 not a multiple of 64 (the TMA tiling of the cache rows)")
+    assert choose(latent_dim=128, rope_dim=32, device=CPU, interpret=True) == Choice("mosaic_gpu", "interpret mode")
+    with pytest.raises(KernelUnavailableError, match=r"impl='mosaic_gpu' cannot run: row width c \+ r = 80"):
+        choose(latent_dim=64, rope_dim=16, device=H200, impl="mosaic_gpu")
     assert choose(latent_dim=512, rope_dim=64, device=H200, impl="xla") == Choice("xla", "asked for")
     with pytest.raises(KernelUnavailableError, match="attention impl='mosaic_gpu' cannot run: latent width 96"):
         choose(latent_dim=96, rope_dim=64, device=H200, impl="mosaic_gpu")

@@ -102,6 +102,10 @@ def test_mgpu_argument_errors():
         tree_attention_mosaic(q, cache, start, tree, **kw, config=MosaicAttentionConfig(block_kv=32))
     with pytest.raises(ValueError, match="schedule must be"):
         tree_attention_mosaic(q, cache, start, tree, **kw, config=MosaicAttentionConfig(schedule="seesaw"))
+    # natively the cache rows' TMA copies are tiled by 64 columns: c + r = 80 fails to lower (as measured by the
+    # lowering), so it is refused up front; interpret mode takes it (the tiny shapes above)
+    with pytest.raises(ValueError, match="row width c \\+ r = 80 must be a multiple of 64 on the GPU"):
+        tree_attention_mosaic(q, cache, start, tree, **kw)
     q, cache, start, tree, _ = make_inputs(9, B=1, T=2, H=8, c=64, r=24, S_max=20, starts=[5], dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="RoPE width r = 24"):
         tree_attention_mosaic(q, cache, start, tree, **kw)
@@ -135,6 +139,30 @@ def test_mgpu_lowers_for_cuda_at_k2_shapes(schedule):
 
         def fn(q, c, s, m, config=config):
             return tree_attention_mosaic(q, c, s, m, scale=0.04, value_dim=512, config=config)
+
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert re.findall(r"custom_call @(\w+)", text).count("mosaic_gpu_v2") == 1
+
+
+def test_mgpu_lowers_for_cuda_at_the_gpu_invariant_check_shapes():
+    """benchmarks/check_gpu_invariant.py's kernel table (B 3, H 6, c 64, r 64, S_max 200, bf16 and f16; one value
+    warpgroup, the split counts of tuned.mosaic_config) lowers for an abstract H200; r = 16 there did not (c + r = 80,
+    see test_mgpu_argument_errors)."""
+    from jax._src.mesh import AbstractDevice
+    from jax.sharding import AbstractMesh
+
+    from pallas_kernels.tree_attention.tuned import mosaic_config
+
+    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
+                                                               num_cores=132))
+    S = jax.ShapeDtypeStruct
+    for dtype, T in [(jnp.bfloat16, 1), (jnp.bfloat16, 65), (jnp.float16, 5)]:
+        args = (S((3, T, 6, 128), dtype), S((3, 200, 128), dtype), S((3,), jnp.int32), S((3, T, T), jnp.bool_))
+        config = mosaic_config(batch=3, num_tree=T, cache_rows=200)
+
+        def fn(q, c, s, m, config=config):
+            return tree_attention_mosaic(q, c, s, m, scale=0.12, value_dim=64, config=config)
 
         with jax.sharding.use_abstract_mesh(mesh):
             text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
