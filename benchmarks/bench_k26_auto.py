@@ -218,13 +218,19 @@ def main():
     import jax.numpy as jnp
 
     import kdtree_jax as kj
-    from benchmarks.bench_k26_slice import random_tree_mask, slice_config, slice_device, slice_forward, slice_params
+    from benchmarks.bench_k26_slice import (
+        attention_kernel,
+        random_tree_mask,
+        slice_config,
+        slice_device,
+        slice_forward,
+        slice_params,
+    )
     from benchmarks.common import Timer, copy_bandwidth, metadata, write_json
     from kdtree_jax import attention as kattention
     from kdtree_jax import model as kmodel
     from kdtree_jax.layers import rms_norm
     from kdtree_jax.linear import linear
-    from pallas_kernels.dispatch import choose_attention
 
     on_gpu, timing = slice_device("bench_k26_auto", args.tiny)
     budgets = tuple(sorted({int(v) for v in args.budgets.split(",")}))
@@ -358,9 +364,7 @@ def main():
         t = row["T"]
         row["head_s"] = timer(head, h[0, :t], params["lm_head"]).seconds
         row["attention_s"] = timer(attend, q[:, :t], cache, start, mask[:, :t, :t]).seconds
-        row["attention_kernel"] = choose_attention(  # what mla_attention ran at this shape
-            latent_dim=c, rope_dim=r, impl=kernels.attention, num_heads=cfg.num_attention_heads, dtype=q.dtype,
-            num_tree=t, cache_rows=cache.shape[1]).impl
+        row["attention_kernel"] = attention_kernel(cfg, kernels.attention, q[:, :t], cache)
         print(f"T={t}: head {row['head_s'] * 1e6:.0f} us, attention {row['attention_s'] * 1e6:.1f} us", flush=True)
     save()
 
@@ -513,6 +517,8 @@ def against_best_fixed(sim, costs) -> str:
 def summarize(meta, data):
     """Markdown: what the tables say (ratios computed, no reading added), masked vs switch per live size,
     then per profile the budgets auto picks and the modelled tokens/s of every policy."""
+    from benchmarks.bench_k26_slice import attention_ran
+
     measured, sims = data["measured"], data["profiles"]
     costs = round_costs(meta, measured)
     us = lambda v: "-" if v is None else f"{v * 1e6:.1f}"  # noqa: E731
@@ -522,11 +528,8 @@ def summarize(meta, data):
     pts, layers = measured["points"], meta["layers"]
     top, t_max = pts[-1], pts[-1]["T"]
     verify = costs["verify"] if costs else {"switch": {}, "masked": {}}
-    ran: dict[str, list[str]] = {}  # what the attention ran per T (recorded since attention="auto")
-    for p in [measured.get("ar") or {}, *pts]:
-        if "attention_kernel" in p and f"T={p['T']}" not in ran.get(p["attention_kernel"], []):
-            ran.setdefault(p["attention_kernel"], []).append(f"T={p['T']}")
-    attention = f" (attention ran {'; '.join(f'{k} at {", ".join(v)}' for k, v in ran.items())})" if ran else ""
+    ran = attention_ran([measured.get("ar") or {}, *pts], lambda p: f"T={p['T']}")
+    attention = f" (attention ran {ran})" if ran else ""
     md = [f"# tree_budget=\"auto\" at K2.6 width ({meta['device']}, JAX {meta['jax']}, {meta['date']})", note,
           f"{meta['timing']}; {layers} MoE layers of the K2.6 slice (benchmarks/bench_k26_slice.py) at "
           f"S = {meta['S']}; kernels: {meta.get('kernels', '-')}{attention}. Verify = the 61-layer extrapolation of "

@@ -135,6 +135,26 @@ def attention_and_routed_moe_stood_in():
         attention.mla_attention, model.routed_experts = saved
 
 
+def attention_kernel(cfg, impl: str, q, cache) -> str:
+    """The attention implementation kdtree_jax.attention.mla_attention runs for q [B, T, H, c + r] over cache
+    [B, S_max, c + r] with attention=`impl` (pallas_kernels.dispatch asked the same way)."""
+    from pallas_kernels.dispatch import choose_attention
+
+    return choose_attention(latent_dim=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, impl=impl,
+                            num_heads=cfg.num_attention_heads, dtype=q.dtype, num_tree=q.shape[1],
+                            cache_rows=cache.shape[1]).impl
+
+
+def attention_ran(points, label) -> str:
+    """'mosaic_gpu at T=1 S=32768, ...; xla at ...' from the points' recorded attention_kernel (label(point) names a
+    point; each once), or '' when no point recorded one (runs from before attention="auto")."""
+    ran: dict[str, list[str]] = {}
+    for p in points:
+        if "attention_kernel" in p and label(p) not in ran.get(p["attention_kernel"], []):
+            ran.setdefault(p["attention_kernel"], []).append(label(p))
+    return "; ".join(f"{k} at {', '.join(v)}" for k, v in ran.items())
+
+
 def random_tree_mask(rng, t):
     """A random tree over T nodes (node 0 the root): visible[i, j] = j is i or an ancestor of i."""
     vis = np.zeros((t, t), bool)
@@ -179,7 +199,6 @@ def main():
     from kdtree_jax import model as kmodel
     from kdtree_jax.layers import rms_norm
     from kdtree_jax.linear import linear
-    from pallas_kernels.dispatch import choose_attention
 
     on_gpu, timing = slice_device("bench_k26_slice", args.tiny)
     cfg = slice_config(args.tiny, args.layers)
@@ -295,9 +314,8 @@ def main():
             layer_args = (params, h, positions, cache, start, mask)
             rest_s = timer(rest_fn(*layer_args), *layer_args).seconds
             slice_s = timer(slice_fn, by_impl[moe_impl], h, positions, cache, start, mask).seconds
-            ran = choose_attention(latent_dim=c, rope_dim=r, impl=attention_impl, num_heads=cfg.num_attention_heads,
-                                   dtype=q.dtype, num_tree=t, cache_rows=cache.shape[1])  # as mla_attention asks
-            row = {"T": t, "S": s, "touched": touched, "attention_s": attn_s, "attention_kernel": ran.impl,
+            row = {"T": t, "S": s, "touched": touched, "attention_s": attn_s,
+                   "attention_kernel": attention_kernel(cfg, attention_impl, q, cache),
                    "moe_s": mrow["moe_s"], "rest_s": rest_s, "layer_s": slice_s / args.layers, "head_s": mrow["head_s"],
                    "attention_floor_s": cost.attention_floor(t, s),
                    "moe_floor_s": cost.moe_floor(t, touched), "rest_floor_s": cost.rest_floor(t)}
@@ -373,12 +391,8 @@ def summarize(meta, rows, moe_rows, checks, model, on_gpu, evaluate_budgets, sat
     """Tables, the 61-layer extrapolation, break-even acceptance and budget advice (markdown + json)."""
     note = "" if on_gpu else "\n**CPU smoke run at tiny width: these numbers are NOT measurements.**\n"
     us = lambda v: f"{v * 1e6:.1f}"  # noqa: E731
-    ran: dict[str, list[str]] = {}  # what the attention ran per point (recorded since attention="auto")
-    for r in rows:
-        if "attention_kernel" in r:
-            ran.setdefault(r["attention_kernel"], []).append(f"T={r['T']} S={r['S']}")
-    attention = meta["attention_impl"] + (
-        f" (ran {'; '.join(f'{k} at {", ".join(v)}' for k, v in ran.items())})" if ran else "")
+    ran = attention_ran(rows, lambda p: f"T={p['T']} S={p['S']}")
+    attention = meta["attention_impl"] + (f" (ran {ran})" if ran else "")
     md = [f"# K2.6 layer slice, DDTree verification ({meta['device']}, JAX {meta['jax']}, {meta['date']})", note,
           f"{meta['timing']}; copy bandwidth {meta['copy_TBps']:.3g} TB/s; {meta['layers']} MoE layers; attention "
           f"{attention}, MoE {meta['moe_impl']}. Floors: benchmarks/cost_model.py (MoE floor from the "

@@ -378,6 +378,8 @@ def shipped_table(meta, rows) -> str:
              + ("; other columns: the impl of that name as the run's commit had it" if set(others) - {"mosaic_gpu"}
                 else "")
              + "; precision = the matmul precision the call ran under. Floor = bytes / 3.4 TB/s."
+             + (f" Mosaic GPU kernel: {meta['mosaic_gpu']}." if "mosaic_gpu" not in others and "mosaic_gpu" in meta
+                else "")
              + (f" Not measured (the run was cut short): {', '.join(missing)}." if missing else ""), "",
              "| dtype | precision | S_max | T | floor us | XLA us |"
              + "".join(f" {label(i, i)} us | {label(i, i)} / XLA | rel err ({label(i, i)}) |" for i in others),

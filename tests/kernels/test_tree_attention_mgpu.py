@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_tree_attention import make_inputs, rel_err
+from test_tree_attention import HAS_GPU, make_inputs, rel_err
 
 from pallas_kernels import dispatch
 from pallas_kernels.tree_attention.mosaic_gpu import MosaicAttentionConfig, tree_attention_mosaic
@@ -120,53 +120,45 @@ def test_mgpu_argument_errors():
                                                            schedule="shared_qk"))
 
 
-@pytest.mark.parametrize("schedule", ["shared_qk", "replicated"])
-def test_mgpu_lowers_for_cuda_at_k2_shapes(schedule):
-    """The native forms (block_kv 64, 2-deep ring, 2 warpgroups; shared_qk: P handed over in SMEM, replicated:
-    register-A P) lower to one Mosaic GPU custom call for an abstract H200 at K2 shapes (c 512, r 64, H 64, bf16):
-    both fit the 227 KiB of shared memory."""
+def _mosaic_calls_lowered_for_h200(B, T, H, c, r, S_max, dtype, config) -> int:
+    """Lower the kernel at these shapes for an abstract H200 (no GPU needed); the Mosaic GPU custom calls in the
+    lowered text."""
     from jax._src.mesh import AbstractDevice
     from jax.sharding import AbstractMesh
 
     mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
                                                                num_cores=132))
     S = jax.ShapeDtypeStruct
+    args = (S((B, T, H, c + r), dtype), S((B, S_max, c + r), dtype), S((B,), jnp.int32), S((B, T, T), jnp.bool_))
+
+    def fn(q, cache, start, mask):
+        return tree_attention_mosaic(q, cache, start, mask, scale=0.04, value_dim=c, config=config)
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return re.findall(r"custom_call @(\w+)", text).count("mosaic_gpu_v2")
+
+
+@pytest.mark.parametrize("schedule", ["shared_qk", "replicated"])
+def test_mgpu_lowers_for_cuda_at_k2_shapes(schedule):
+    """The native forms (block_kv 64, 2-deep ring, 2 warpgroups; shared_qk: P handed over in SMEM, replicated:
+    register-A P) lower to one Mosaic GPU custom call for an abstract H200 at K2 shapes (c 512, r 64, H 64, bf16):
+    both fit the 227 KiB of shared memory."""
     # S_max + T rows, not a multiple of 64: the wrapper pads (Mosaic GPU's layout inference asserts otherwise)
     for T, S_max, splits in [(1, 32768, 64), (33, 4096, 2), (129, 4096, 1), (1, 4097, 16), (33, 4129, 2)]:
-        args = (S((1, T, 64, 576), jnp.bfloat16), S((1, S_max, 576), jnp.bfloat16), S((1,), jnp.int32),
-                S((1, T, T), jnp.bool_))
         config = MosaicAttentionConfig(num_splits=splits, schedule=schedule)
-
-        def fn(q, c, s, m, config=config):
-            return tree_attention_mosaic(q, c, s, m, scale=0.04, value_dim=512, config=config)
-
-        with jax.sharding.use_abstract_mesh(mesh):
-            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert re.findall(r"custom_call @(\w+)", text).count("mosaic_gpu_v2") == 1
+        assert _mosaic_calls_lowered_for_h200(1, T, 64, 512, 64, S_max, jnp.bfloat16, config) == 1
 
 
 def test_mgpu_lowers_for_cuda_at_the_gpu_invariant_check_shapes():
     """benchmarks/check_gpu_invariant.py's kernel table (B 3, H 6, c 64, r 64, S_max 200, bf16 and f16; one value
     warpgroup, the split counts of tuned.mosaic_config) lowers for an abstract H200; r = 16 there did not (c + r = 80,
     see test_mgpu_argument_errors)."""
-    from jax._src.mesh import AbstractDevice
-    from jax.sharding import AbstractMesh
-
     from pallas_kernels.tree_attention.tuned import mosaic_config
 
-    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
-                                                               num_cores=132))
-    S = jax.ShapeDtypeStruct
     for dtype, T in [(jnp.bfloat16, 1), (jnp.bfloat16, 65), (jnp.float16, 5)]:
-        args = (S((3, T, 6, 128), dtype), S((3, 200, 128), dtype), S((3,), jnp.int32), S((3, T, T), jnp.bool_))
         config = mosaic_config(batch=3, num_tree=T, cache_rows=200)
-
-        def fn(q, c, s, m, config=config):
-            return tree_attention_mosaic(q, c, s, m, scale=0.12, value_dim=64, config=config)
-
-        with jax.sharding.use_abstract_mesh(mesh):
-            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert re.findall(r"custom_call @(\w+)", text).count("mosaic_gpu_v2") == 1
+        assert _mosaic_calls_lowered_for_h200(3, T, 6, 64, 64, 200, dtype, config) == 1
 
 
 @pytest.mark.gpu
@@ -192,7 +184,7 @@ def test_mgpu_interpret_through_the_public_entry():
 
     q, cache, start, tree, truth = make_inputs(11, B=2, T=3, H=16, c=64, r=16, S_max=90, starts=[40, 87],
                                                dtype=jnp.bfloat16)
-    if not any(d.platform == "gpu" for d in jax.devices()):
+    if not HAS_GPU:
         assert dispatch.choose_attention(latent_dim=64, rope_dim=16, interpret=True, num_heads=16, dtype=jnp.bfloat16,
                                          num_tree=3, cache_rows=90) == dispatch.Choice("mosaic_gpu", "interpret mode")
     try:
