@@ -30,7 +30,8 @@ The KV range of batch row b is [0, start[b] + T):
     out among the splits;
   * the tail [block_kv * (start // block_kv), start + T), at most cdiv(block_kv - 1 + T, block_kv) tiles, is
     done by the last split with a per-row visibility mask: row i's tree row (token t = i // H) arrives as
-    cdiv(T, 32) int32 bit words (bit u = tree_mask[b, t, u]) and is expanded in registers; rows at or past
+    cdiv(T, 32) int32 bit words (bit u = tree_mask[b, t, u]) and is expanded in registers (T = 1, an AR step: no
+    words at all, the token sees the prefix and itself, so no XLA op builds them); rows at or past
     start + T are masked, and their latent columns are zeroed in SMEM before any wgmma reads them (they may
     hold NaN, and 0 * NaN would reach the accumulator). A tail tile that would run past S_max is moved back
     to end at S_max (rows already done by the previous tile are masked), so no copy ever reads past the cache
@@ -173,7 +174,8 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
                  config: MosaicAttentionConfig, interpret):
     nwg = c // vb
     bk, ns, depth = config.block_kv, config.num_splits, config.max_concurrent_steps
-    words = -(-num_tree // 32)
+    # T = 1 (an AR step) needs no mask words: the one tree token sees the prefix and itself (the mask's diagonal)
+    words = -(-num_tree // 32) if num_tree > 1 else 0
     shared = config.schedule == "shared_qk" and nwg > 1
     p_register = not shared and (config.p_operand or ("registers" if interpret is None else "smem")) == "registers"
     wgmma_layout = plgpu.Layout.WGMMA
@@ -251,6 +253,8 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
             col = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1, layout=wgmma_layout) + k0  # cache row
             # rows already covered by the previous tile (a clamped last tile) or >= start + T: never
             rel = col - start  # position in the tree, < 0 for the prefix
+            if not words:  # T = 1: the prefix and the token itself
+                return (rel <= 0) & (col >= nominal_k0(step))
             visible = rel < 0
             for w in range(words):
                 word = lax.broadcast_in_dim(word_rows[w], (ROWS, bk), [0])
@@ -434,7 +438,8 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
 
         plgpu.wait_smem_to_gmem(0)
 
-    def entry(start_ref, q_ref, cache_ref, bits_ref, *out_refs):
+    def entry(start_ref, q_ref, cache_ref, *refs):
+        bits_ref, out_refs = (refs[0], refs[1:]) if words else (None, refs)  # T = 1: no mask words
         if shared:  # one P tile, written by warpgroup 0, read by all
             p_buf = plgpu.SMEM((ROWS, bk), dtype, transforms=smem_transforms(bk, dtype))
         elif p_register:
@@ -477,7 +482,8 @@ def tree_attention_mosaic(q, cache, start, tree_mask, *, scale: float, value_dim
     """Mosaic GPU path. q [B, T, H, c + r] bf16/f16, cache [B, S_max, c + r] same dtype, start [B] int,
     tree_mask [B, T, T] bool -> [B, T, H, c] in q.dtype. interpret: None (native, Hopper) or
     InterpretGPUParams (`pallas_kernels.w4a16.mosaic_gpu.gpu_interpret_params()`, CPU). Value checks
-    (start + T <= S_max, diagonal) are the caller's, as for `tree_mla_attention`."""
+    (start + T <= S_max, diagonal) are the caller's, as for `tree_mla_attention`; at T = 1 tree_mask is not read
+    (its one entry is the diagonal)."""
     q, cache, start, tree_mask = map(jnp.asarray, (q, cache, start, tree_mask))
     vb = _check(q, cache, start, tree_mask, value_dim, config, interpret)
     B, T, H, D = q.shape
@@ -497,7 +503,8 @@ def tree_attention_mosaic(q, cache, start, tree_mask, *, scale: float, value_dim
     q_rows = q.reshape(B, R, D)  # row = t * H + h
     if R_pad != R:
         q_rows = jnp.pad(q_rows, ((0, 0), (0, R_pad - R), (0, 0)))
-    bits = tree_mask_bits(tree_mask, H, R_pad)  # [B, words, R_pad] int32
+    # [B, words, R_pad] int32; none at T = 1 (an AR step: no XLA op builds them, the kernel reads none)
+    bits = (tree_mask_bits(tree_mask, H, R_pad),) if T > 1 else ()
 
     entry, nwg = _make_kernel(c=c, r=r, num_tree=T, s_max=S_max, scale_log2=float(scale) * LOG2E,
                               dtype=q.dtype, vb=vb, config=config, interpret=interpret)
@@ -519,7 +526,7 @@ def tree_attention_mosaic(q, cache, start, tree_mask, *, scale: float, value_dim
         # needs at c = 512 (it would exceed the 227 KiB by 112 B). A reduction that did need scratch fails to lower.
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
     )
-    outs = f(start.astype(jnp.int32), q_rows, cache, bits)
+    outs = f(start.astype(jnp.int32), q_rows, cache, *bits)
     if ns == 1:
         out = outs
     else:

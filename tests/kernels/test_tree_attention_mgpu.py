@@ -47,6 +47,12 @@ CASES = [
     (1, 6, 8, 64, 16, 100, [94], MosaicAttentionConfig(), False),
     # T = 1 (decode), 4 KV splits (some with no prefix tile) and the LSE combine
     (1, 1, 16, 64, 16, 300, [250], MosaicAttentionConfig(num_splits=4), True),
+    # T = 1 without mask words: B = 2, one start on a tile boundary (the tail tile is the token alone), one at
+    # start + 1 == S_max; two warpgroups, both schedules, splits
+    (2, 1, 16, 128, 16, 300, [128, 299], MosaicAttentionConfig(num_splits=3, value_block=64, schedule="replicated"),
+     False),
+    (2, 1, 16, 128, 16, 300, [128, 299], MosaicAttentionConfig(num_splits=2, value_block=64, schedule="shared_qk"),
+     False),
     # splits with empty shares (start 0) next to a long prefix, r = 32
     (2, 5, 8, 64, 32, 100, [0, 95], MosaicAttentionConfig(num_splits=3), False),
     # T = 40 > 32: two mask words per row; block_kv 128
@@ -148,6 +154,26 @@ def test_mgpu_lowers_for_cuda_at_k2_shapes(schedule):
     for T, S_max, splits in [(1, 32768, 64), (33, 4096, 2), (129, 4096, 1), (1, 4097, 16), (33, 4129, 2)]:
         config = MosaicAttentionConfig(num_splits=splits, schedule=schedule)
         assert _mosaic_calls_lowered_for_h200(1, T, 64, 512, 64, S_max, jnp.bfloat16, config) == 1
+
+
+def test_mgpu_at_t1_builds_no_mask_words():
+    """An AR step (T = 1) passes the kernel no tree-mask words: no XLA op builds them (the shifts of
+    tree_mask_bits are absent from the lowered program), while T = 2 has them."""
+    from jax._src.mesh import AbstractDevice
+    from jax.sharding import AbstractMesh
+
+    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
+                                                               num_cores=132))
+    S = jax.ShapeDtypeStruct
+    texts = {}
+    for T in (1, 2):
+        args = (S((1, T, 64, 576), jnp.bfloat16), S((1, 4096, 576), jnp.bfloat16), S((1,), jnp.int32),
+                S((1, T, T), jnp.bool_))
+        fn = lambda q, c, s, m: tree_attention_mosaic(q, c, s, m, scale=0.04, value_dim=512,  # noqa: E731
+                                                      config=MosaicAttentionConfig(num_splits=8))
+        with jax.sharding.use_abstract_mesh(mesh):
+            texts[T] = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "shift_left" not in texts[1] and "shift_left" in texts[2]
 
 
 def test_mgpu_lowers_for_cuda_at_the_gpu_invariant_check_shapes():
