@@ -6,8 +6,9 @@ engine allocates them). For every shape:
   1. XLA (tree_mla_attention_xla: bf16 einsums, float32 softmax) and the Mosaic GPU kernel at each MOSAIC_PLAN
      variant (schedule, KV split count), each checked against tree_mla_attention_reference (float32, HIGHEST) on
      the first input set; a variant that fails is recorded as failed, never replaced by XLA;
-  2. device time (benchmarks/common.py Timer: CUPTI summed kernel time, all kernels of the call: bit-mask build,
-     q pad, the kernel, split combine) and wall clock per op;
+  2. wall clock per op, for every shape and variant before any CUPTI window opens (a CUPTI window inflates the
+     process's later wall clocks: benchmarks/common.py Timer), then device time (CUPTI summed kernel time, all
+     kernels of the call: the mask-word build for T > 1, q pad, the kernel, split combine) of the same programs;
   3. the floor: max(bytes / 3.4 TB/s, FLOPs / 800 TFLOP/s).
 Each timed program runs the op on n_buf independent input sets in sequence (>= ~160 MB of caches at T = 1 where
 that is <= 8 sets) so the cache is not simply L2 resident; time per op = program / n_buf; median of 5 runs after a
@@ -76,19 +77,26 @@ def rel_err(x, ref):
     return float(np.max(np.abs(x - ref)) / np.max(np.abs(ref)))
 
 
-def timed(timer, fn, sets, ref0) -> dict:
-    """fn over every input set in one jitted program, timed by `timer`, per op: us (CUPTI summed kernel time; the
-    wall clock where the timer has no device timing), wall_us, rel_err (the first set's output vs ref0), and the
-    call's kernels by name, costliest first (kernel_us: the costliest, for the Mosaic variants the attention kernel
-    itself; the others are its glue: bit-mask build, q pad, split combine)."""
-    timing = timer(jax.jit(lambda sets: [fn(*s) for s in sets]), sets)
+def program(fn):
+    """fn over every input set (a list of argument tuples) in one jitted program."""
+    return jax.jit(lambda sets: [fn(*s) for s in sets])
+
+
+def timed(timer, prog, sets, ref0) -> dict:
+    """`program` prog over the input sets, timed by `timer`, per op: us (CUPTI summed kernel time; the wall clock
+    where the timer has no device timing), wall_us, rel_err (the first set's output vs ref0), and with device timing
+    the call's kernels by name, costliest first (kernel_us: the costliest, for the Mosaic variants the attention
+    kernel itself; the others are its glue: q pad, split combine, and for T > 1 the mask-word build)."""
+    timing = timer(prog, sets)
     per_op = 1e6 / len(sets)
-    by_name: dict[str, float] = {}
-    for name, sec in timing.kernels:
-        by_name[name] = by_name.get(name, 0.0) + sec * per_op
-    top = sorted(by_name.items(), key=lambda k: -k[1])
-    return dict(us=timing.seconds * per_op, wall_us=timing.wall_s * per_op, rel_err=rel_err(timing.out[0], ref0),
-                kernel_us=top[0][1] if top else None, kernels=top[:6])
+    rec = dict(us=timing.seconds * per_op, wall_us=timing.wall_s * per_op, rel_err=rel_err(timing.out[0], ref0))
+    if timer.device:
+        by_name: dict[str, float] = {}
+        for name, sec in timing.kernels:
+            by_name[name] = by_name.get(name, 0.0) + sec * per_op
+        top = sorted(by_name.items(), key=lambda k: -k[1])
+        rec.update(kernel_us=top[0][1] if top else None, kernels=top[:6])
+    return rec
 
 
 def main():
@@ -141,14 +149,17 @@ def mosaic_main(args):
     t_begin = time.time()
     if args.smoke:  # wall clock of one call in interpret mode: meaningless, but every path of a device run runs
         H, c, r, plan, name = 8, 128, 64, SMOKE_PLAN, "tree_attention_mosaic_smoke"
-        timer, interpret = Timer(1, device=False), gpu_interpret_params()
+        # a second wall-clock pass stands in for CUPTI, so that the smoke run goes through both passes
+        wall_timer, device_timer, interpret = Timer(1, device=False), Timer(1, device=False), gpu_interpret_params()
         method = "SMOKE RUN: wall clock of one call, the kernel in Mosaic GPU interpret mode, meaningless"
     else:
         H, c, r, plan, name = 64, 512, 64, MOSAIC_PLAN, "tree_attention_mosaic_h200"
-        timer, interpret = Timer(5), None
-        method = "CUPTI profiler.measure and wall clock, median of 5, n_buf input sets per program"
+        wall_timer, device_timer, interpret = Timer(5, device=False), Timer(5), None
+        method = ("wall clock of every shape and variant first, then CUPTI profiler.measure of the same programs; "
+                  "median of 5 each, n_buf input sets per program")
     scale = 1.0 / math.sqrt(192)  # K2: 1/sqrt(qk_nope + rope) (yarn mscale aside)
-    meta = metadata(H=H, c=c, r=r, B=1, dtype="bfloat16", smoke=args.smoke, timer=timer.method, method=method)
+    meta = metadata(H=H, c=c, r=r, B=1, dtype="bfloat16", smoke=args.smoke, method=method, wall_after_cupti=False,
+                    timer=device_timer.method)
     rows: list[dict] = []
     stem = os.path.join(args.out, name)
     rng = np.random.default_rng(1234)
@@ -159,6 +170,9 @@ def mosaic_main(args):
         if unknown:
             sys.exit(f"--shapes {unknown} not in the plan {sorted(plan)}")
         plan = {st: plan[st] for st in wanted}
+    # Pass 1, wall clocks: every shape (until --budget-s) and variant, no CUPTI window open yet. Each record keeps its
+    # jitted program and input sets for pass 2.
+    measured = []  # (record, program, sets, ref0): the records live in `rows`
     for (S, T), variants in plan.items():
         if time.time() - t_begin > args.budget_s:
             break
@@ -171,23 +185,30 @@ def mosaic_main(args):
         sets = [make_set(rng, 1, T, H, c, r, S, jnp.bfloat16, s_max) for _ in range(n_buf)]
         ref0 = jax.jit(lambda *a: tree_mla_attention_reference(*a, scale=scale, value_dim=c))(*sets[0])
         row = dict(S=S, T=T, S_max=s_max, n_buf=n_buf, floor_us=floor_us(S, T, H, c, r)[0],
-                   target_us=MOSAIC_TARGET_US.get((S, T)) if not args.smoke else None, mosaic=[])
-        try:
-            row["xla"] = timed(timer, lambda *a: tree_mla_attention_xla(*a, scale=scale, value_dim=c), sets, ref0)
-        except Exception as ex:  # noqa: BLE001 - record and go on: one failure must not lose the run
-            row["xla"] = dict(error=repr(ex)[:300])
+                   target_us=MOSAIC_TARGET_US.get((S, T)) if not args.smoke else None, xla={}, mosaic=[])
+        programs = [(row["xla"], program(lambda *a: tree_mla_attention_xla(*a, scale=scale, value_dim=c)))]
         for variant in variants:
-            cfg = MosaicAttentionConfig(**variant)
+            row["mosaic"].append(dict(variant))
+            programs.append((row["mosaic"][-1], program(lambda *a, cfg=MosaicAttentionConfig(**variant):
+                                                        tree_attention_mosaic(*a, scale=scale, value_dim=c, config=cfg,
+                                                                              interpret=interpret))))
+        for rec, prog in programs:
             try:
-                rec = timed(timer, lambda *a, cfg=cfg: tree_attention_mosaic(
-                    *a, scale=scale, value_dim=c, config=cfg, interpret=interpret), sets, ref0)
-            except Exception as ex:  # noqa: BLE001
-                rec = dict(error=repr(ex)[:400])
-            row["mosaic"].append(dict(rec, **variant))
-            print(S, T, variant, {k: v for k, v in rec.items() if k != "kernels"}, flush=True)
+                rec.update(timed(wall_timer, prog, sets, ref0))
+                del rec["us"]  # the device time, from pass 2 (a run cut before it has wall clocks only)
+                measured.append((rec, prog, sets, ref0))
+            except Exception as ex:  # noqa: BLE001 - record and go on: one failure must not lose the run
+                rec["error"] = repr(ex)[:400]
+            print(S, T, rec, flush=True)
         rows.append(row)
         write_json(stem, meta, dict(rows=rows))
-        print({k: v for k, v in row.items() if k != "mosaic"}, flush=True)
+    # Pass 2, device time of the same programs (their wall clocks stay pass 1's).
+    for rec, prog, sets, ref0 in measured:
+        try:
+            rec.update({k: v for k, v in timed(device_timer, prog, sets, ref0).items() if k != "wall_us"})
+        except Exception as ex:  # noqa: BLE001
+            rec["error"] = repr(ex)[:400]
+        write_json(stem, meta, dict(rows=rows))
     results = dict(rows=rows, elapsed_s=time.time() - t_begin)
     write_results(stem, meta, results, mosaic_table(meta, rows))
     print(mosaic_table(meta, rows))
@@ -226,7 +247,11 @@ def mosaic_table(meta, rows) -> str:
     def cell(d):
         if not d:
             return "-"  # not timed
-        return f"{d['us']:.1f} ({d['wall_us']:.1f})" if "us" in d else "error"
+        if "us" in d:
+            return f"{d['us']:.1f} ({d['wall_us']:.1f})"
+        if "wall_us" in d:  # a run cut before its device-time pass
+            return f"- ({d['wall_us']:.1f})"
+        return "error" if "error" in d else "-"
 
     def variant(m):
         return f"{m.get('schedule', 'replicated')}, {m['num_splits']}"
@@ -248,8 +273,10 @@ def mosaic_table(meta, rows) -> str:
         for row in rows:
             for m in row["mosaic"]:
                 if "us" not in m:
+                    wall = f"{m['wall_us']:.1f}" if "wall_us" in m else ""
+                    what = f"error: {m['error'][:80]}" if "error" in m else "not timed"
                     lines.append(f"| {row['S']} | {row['T']} | {m.get('schedule', 'replicated')} | {m['num_splits']} | "
-                                 f"error: {m.get('error', '')[:80]} | | | |")
+                                 f"{what} | | {wall} | |")
                     continue
                 kernel = f"{m['kernel_us']:.1f}" if m.get("kernel_us") else "-"  # not recorded before 2026-12-04
                 lines.append(f"| {row['S']} | {row['T']} | {m.get('schedule', 'replicated')} | {m['num_splits']} | "
@@ -348,8 +375,8 @@ def shipped_main(args):
             for impl in impls:
                 try:
                     with jax.default_matmul_precision(precision):
-                        rec = timed(timer, lambda *a, impl=impl: tree_mla_attention(
-                            *a, scale=scale, value_dim=c, impl=impl), sets, ref0)
+                        rec = timed(timer, program(lambda *a, impl=impl: tree_mla_attention(
+                            *a, scale=scale, value_dim=c, impl=impl)), sets, ref0)
                     row[f"{impl}_us"], row[f"{impl}_rel_err"] = rec["us"], rec["rel_err"]
                 except Exception as ex:  # noqa: BLE001 - record and go on
                     row[f"{impl}_error"] = repr(ex)[:300]

@@ -62,12 +62,15 @@ def test_gpu_invariant_refuses_the_mosaic_kernel_on_a_cpu(tmp_path):
 
 def test_tree_attention_smoke_run(tmp_path):
     """bench_tree_attention's run at a tiny shape, the Mosaic kernel in interpret mode: every variant runs and
-    matches the reference (the exit status covers that); its numbers say they are none."""
+    matches the reference (the exit status covers that), through both passes (the wall clocks, then the time that
+    is CUPTI's on a GPU: every record has both); its numbers say they are none."""
     _run("benchmarks/bench_tree_attention.py", "--smoke", "--shapes", "100:5", "--out", str(tmp_path))
     stored = json.loads((tmp_path / "tree_attention_mosaic_smoke.json").read_text())
     (row,) = stored["rows"]
     assert {(m["schedule"], m["num_splits"]) for m in row["mosaic"]} == {
         (s, n) for s in ("replicated", "shared_qk") for n in (1, 2)}
+    assert all({"us", "wall_us", "rel_err"} <= set(m) for m in [row["xla"], *row["mosaic"]])
+    assert stored["meta"]["wall_after_cupti"] is False
     assert stored["meta"]["smoke"] and "these numbers are NOT measurements" in (
         tmp_path / "tree_attention_mosaic_smoke.md").read_text()
 
