@@ -160,3 +160,52 @@ def test_unlikelihood_cli_refuses_bad_arguments(argv, message, monkeypatch, caps
     with pytest.raises(SystemExit) as exit_info:
         unlikelihood.main()
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_grown_drafter_starts_as_the_same_function_and_trains():
+    """train_drafter --grow-layers: the appended layers add nothing at step 0 (the logits equal the loaded drafter's),
+    and the gradient reaches their zero output projections at once (so they train)."""
+    import numpy as np
+
+    import kdtree_jax as kj
+    from training.train_drafter import drafter_training_logits, grow_layers
+
+    cfg = kj.ModelConfig.tiny()
+    dcfg = kj.DrafterConfig.for_target(cfg, num_layers=1, block_size=4)
+    dparams = kj.init_drafter_params(dcfg, jax.random.key(0))
+    grown_cfg, grown = grow_layers(dcfg, dparams, 2, jax.random.key(1))
+    assert grown_cfg.num_hidden_layers == 3 and grown_cfg.replace(num_hidden_layers=1) == dcfg
+    assert set(grown) == set(dparams) | {"layers_1", "layers_2"}
+
+    k1, k2, k3 = jax.random.split(jax.random.key(2), 3)
+    B, T, D = 2, 12, cfg.hidden_size
+    hidden = jax.random.normal(k1, (B, T, dcfg.num_target_layers, D), jnp.float32)
+    tokens = jax.random.randint(k2, (B, T), 4, cfg.vocab_size)
+    anchors = jnp.asarray([[3, 7], [5, 8]], jnp.int32)
+    embed = jax.random.normal(k3, (cfg.vocab_size, D), jnp.float32) * 0.02
+    lm_head = embed.T
+
+    def logits(cfg_, params):
+        return drafter_training_logits(params, cfg_, hidden, tokens, anchors, embed, lm_head)
+
+    # the same function up to float32 rounding (XLA fuses the deeper program differently); without the zero
+    # projections the logits would differ by O(1)
+    np.testing.assert_allclose(np.asarray(logits(grown_cfg, grown)), np.asarray(logits(dcfg, dparams)),
+                               rtol=1e-5, atol=1e-5)
+    grads = jax.grad(lambda p: jnp.sum(logits(grown_cfg, p) ** 2))(grown)
+    for i in (1, 2):
+        assert float(jnp.abs(grads[f"layers_{i}"]["attn"]["o"]).max()) > 0
+        assert float(jnp.abs(grads[f"layers_{i}"]["mlp"]["down"]).max()) > 0
+    with pytest.raises(ValueError, match="extra must be >= 1"):
+        grow_layers(dcfg, dparams, 0, jax.random.key(1))
+
+
+def test_grow_layers_needs_init(monkeypatch, capsys):
+    import sys
+
+    from training import train_drafter
+
+    monkeypatch.setattr(sys, "argv", ["train_drafter", "--target", "unused", "--steps", "1", "--grow-layers", "2"])
+    with pytest.raises(SystemExit) as exit_info:
+        train_drafter.main()
+    assert exit_info.value.code == 2 and "--grow-layers needs --init" in capsys.readouterr().err

@@ -33,7 +33,13 @@ import numpy as np
 import optax
 
 import kdtree_jax as kj
-from kdtree_jax.drafter import DrafterCache, drafter_extend_context, drafter_forward, init_drafter_cache
+from kdtree_jax.drafter import (
+    DrafterCache,
+    check_drafter_params,
+    drafter_extend_context,
+    drafter_forward,
+    init_drafter_cache,
+)
 from kdtree_jax.model import Transformer
 from kdtree_jax.weights import cast_params
 from training.common import (
@@ -80,6 +86,25 @@ def drafter_training_logits(dparams, dcfg: kj.DrafterConfig, hidden: jax.Array, 
     bonus = jnp.take_along_axis(tokens, anchors, axis=1).reshape(B * K)  # [B*K]
     logits = drafter_forward(dparams, dcfg, cache, embed, lm_head, bonus, flat_anchors)  # [B*K, L, V]
     return logits.reshape(B, K, dcfg.block_size - 1, -1)
+
+
+def grow_layers(dcfg: kj.DrafterConfig, dparams: dict, extra: int, key: jax.Array) -> tuple[kj.DrafterConfig, dict]:
+    """The drafter with `extra` decoder layers appended after its last one, computing the same function: each new
+    layer is freshly initialised except its residual outputs (attention o and MLP down), which are zero, so it adds
+    nothing to the residual stream until training moves them (the gradient reaches o and down at once, and through
+    them the rest of the layer). More capacity for a drafter that has stopped improving, without losing what it has
+    learnt."""
+    if extra < 1:
+        raise ValueError(f"grow_layers: extra must be >= 1, got {extra}")
+    grown = dcfg.replace(num_hidden_layers=dcfg.num_hidden_layers + extra)
+    fresh = kj.init_drafter_params(grown, key, dtype=jax.tree.leaves(dparams)[0].dtype)
+    out = dict(dparams)
+    for i in range(dcfg.num_hidden_layers, grown.num_hidden_layers):
+        layer = fresh[f"layers_{i}"]
+        out[f"layers_{i}"] = {**layer, "attn": {**layer["attn"], "o": jnp.zeros_like(layer["attn"]["o"])},
+                              "mlp": {**layer["mlp"], "down": jnp.zeros_like(layer["mlp"]["down"])}}
+    check_drafter_params(grown, out)
+    return grown, out
 
 
 def block_weights(block_size: int, gamma: float) -> np.ndarray:
@@ -210,6 +235,10 @@ def main() -> None:
     parser.add_argument("--init", type=Path, help="a drafter checkpoint to continue training from (its config is "
                         "kept: --block-size must match it; --layers, --width and --target-layers are ignored); "
                         "the held-out sets are evaluated on it before the first step (step 0)")
+    parser.add_argument("--grow-layers", type=int, default=0,
+                        help="with --init: append this many decoder layers to the loaded drafter, each freshly "
+                             "initialised with its attention output and MLP down projection zero, so the grown "
+                             "drafter starts as the same function (step 0) with more capacity")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("/tmp/kdtree_train/drafter"))
     args = parser.parse_args()
@@ -217,6 +246,8 @@ def main() -> None:
         parser.error("--generate-only needs one --data-cache to write")
     if not args.generate_only:
         check_step_args(parser, args)
+    if args.grow_layers < 0 or (args.grow_layers and args.init is None):
+        parser.error("--grow-layers needs --init (the drafter to grow) and a count >= 1")
     gamma = args.gamma or {16: 7.0, 10: 5.0, 8: 4.0}.get(args.block_size, args.block_size / 2.3)
 
     tok = load_tokenizer(args.tokenizer)
@@ -235,6 +266,8 @@ def main() -> None:
     seqs, valid = data["seqs"], data["valid"]
     if init is not None:
         dcfg, dparams = init
+        if args.grow_layers:
+            dcfg, dparams = grow_layers(dcfg, dparams, args.grow_layers, jax.random.key(args.seed + 1))
     else:
         dcfg = kj.DrafterConfig.for_target(cfg, num_layers=args.layers, num_target_layers=args.target_layers,
                                            block_size=args.block_size, intermediate_size=args.width)
