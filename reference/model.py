@@ -23,7 +23,7 @@ from reference import int4
 
 
 # ----------------------------------------------------------------------------------------- params
-def to_float64(params: Any) -> dict:
+def to_float64(params: Any) -> Any:
     """Nested dict of array-likes (jax or numpy, any float dtype) -> nested dict of float64 np arrays.
 
     Integer leaves (e.g. packed INT4 words) keep their integer dtype: casting them to float would
@@ -356,7 +356,7 @@ def greedy_generate(params: Mapping, cfg: ModelConfig, prompt: list[int], max_ne
     seq = list(prompt)
     new: list[int] = []
     for _ in range(max_new_tokens):
-        logits = forward(params, cfg, np.asarray([seq], dtype=np.int64))  # [1, len(seq), V]
+        logits = np.asarray(forward(params, cfg, np.asarray([seq], dtype=np.int64)))  # [1, len(seq), V]
         token = int(np.argmax(logits[0, -1]))
         new.append(token)
         seq.append(token)

@@ -12,7 +12,7 @@ scores pop in lexicographic order of the rank tuple, and a tuple pops before its
 from __future__ import annotations
 
 import heapq
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -60,10 +60,10 @@ def heap_tree(log_probs: np.ndarray, budget: int, root_token: int = 0) -> Refere
     valid = np.zeros(t, bool)
     scores = np.full(t, -np.inf, lp.dtype)
     tokens[0], valid[0], scores[0] = root_token, True, zero
-    index_of = {(): 0}  # rank tuple -> node index
+    index_of: dict[tuple[int, ...], int] = {(): 0}  # rank tuple -> node index
 
     # Entry: (-score, ranks, score); the score rides along so it is not recomputed by negation.
-    heap = [(-(zero + lp[0, 0]), (0,), zero + lp[0, 0])]
+    heap: list[tuple[Any, tuple[int, ...], Any]] = [(-(zero + lp[0, 0]), (0,), zero + lp[0, 0])]
     n = 0
     while heap and n < budget:
         _, ranks, score = heapq.heappop(heap)

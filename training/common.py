@@ -89,9 +89,9 @@ def read_log(path: Path) -> list[dict]:
 def plot_curves(log_path: Path, png_path: Path, title: str, keys: tuple[str, ...],
                 ylabel: str = "cross-entropy (nats/token)") -> None:
     """Loss curves (every key that appears in the log) against the step."""
-    import matplotlib  # noqa: PLC0415
+    import matplotlib  # noqa: PLC0415  # pyright: ignore[reportMissingImports] (the train / bench extras)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt  # noqa: PLC0415  # pyright: ignore[reportMissingImports]
 
     records = read_log(log_path)
     fig, ax = plt.subplots(figsize=(6, 4))

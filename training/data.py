@@ -207,8 +207,9 @@ def load_streams(data_dir: Path | None, tokenizer, tokenizer_path: Path) -> tupl
     """(train, held-out) token streams of the whole corpus ("all"): from a `write_token_files` folder when
     `data_dir` is given (checked against `tokenizer_path`), else tokenized here with `tokenizer`."""
     if data_dir is not None:
-        return tuple(load_token_file(data_dir, split, tokenizer_path) for split in ("train", "heldout"))
-    return tuple(token_stream(tokenizer, corpus_files(split, source="all")) for split in ("train", "heldout"))
+        return load_token_file(data_dir, "train", tokenizer_path), load_token_file(data_dir, "heldout", tokenizer_path)
+    return (token_stream(tokenizer, corpus_files("train", source="all")),
+            token_stream(tokenizer, corpus_files("heldout", source="all")))
 
 
 def write_subset(source_dir: Path, out: Path, keep_every: int, chunk: int = 1024) -> dict:

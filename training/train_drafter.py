@@ -26,6 +26,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -59,8 +60,10 @@ def target_hidden(params, cfg: kj.ModelConfig, tokens: jax.Array, layers: tuple[
     """Residual stream after target layers `layers` for tokens [B, T] (plain causal forward):
     [B, T, n, D], no gradient."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    _, hidden, _ = Transformer(cfg, params["embed_tokens"].dtype).apply(
-        {"params": params}, tokens, positions, hidden_layers=layers)
+    out = Transformer(cfg, params["embed_tokens"].dtype).apply({"params": params}, tokens, positions,
+                                                               hidden_layers=layers)
+    # flax types apply's result as Any | (out, state); without mutable= it is the module's 3-tuple
+    _, hidden, _ = cast(tuple[jax.Array, jax.Array, jax.Array], out)
     return jax.lax.stop_gradient(hidden)
 
 
@@ -248,7 +251,11 @@ def main() -> None:
         check_step_args(parser, args)
     if args.grow_layers < 0 or (args.grow_layers and args.init is None):
         parser.error("--grow-layers needs --init (the drafter to grow) and a count >= 1")
-    gamma = args.gamma or {16: 7.0, 10: 5.0, 8: 4.0}.get(args.block_size, args.block_size / 2.3)
+    dflash_gamma = {16: 7.0, 10: 5.0, 8: 4.0}
+    if args.gamma:
+        gamma = float(args.gamma)
+    else:
+        gamma = dflash_gamma[args.block_size] if args.block_size in dflash_gamma else args.block_size / 2.3
 
     tok = load_tokenizer(args.tokenizer)
     cfg, params = kj.load_checkpoint(args.target, expect_kind="target")
@@ -307,7 +314,7 @@ def main() -> None:
                          for s, v in batches]
 
     def evaluate(step: int) -> dict:
-        record = {"step": step}
+        record: dict[str, float] = {"step": step}
         for name, batches in ev_sets.items():
             res = [eval_fn(dparams, s, v, a) for s, v, a in batches]
             acc = np.mean([np.asarray(r[1]) for r in res], axis=0)

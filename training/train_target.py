@@ -27,6 +27,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import cast
 
 import flax.linen as nn
 import jax
@@ -59,7 +60,9 @@ def causal_logits(params, cfg: kj.ModelConfig, inputs: jax.Array, compute_dtype=
     cache), the params cast to `compute_dtype` (the master copy stays as given)."""
     positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
     model = Transformer(cfg, compute_dtype, kernels or kj.Kernels())
-    logits, _, _ = model.apply({"params": cast_params(params, compute_dtype, cfg)}, inputs, positions)
+    out = model.apply({"params": cast_params(params, compute_dtype, cfg)}, inputs, positions)
+    # flax types apply's result as Any | (out, state); without mutable= it is the module's 3-tuple
+    logits, _, _ = cast(tuple[jax.Array, jax.Array, jax.Array], out)
     return logits
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer  # still public in jax 0.11; jax has no other concreteness test
 
 from pallas_kernels import dispatch
 from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
@@ -73,7 +74,7 @@ def _check_inputs(x, experts, expert_ids, weights) -> tuple[int, int, int]:
         raise ValueError(f"weights shape {weights.shape} != expert_ids shape {expert_ids.shape}")
     if not jnp.issubdtype(weights.dtype, jnp.floating):
         raise ValueError(f"weights must be floating point, got {weights.dtype}")
-    if not isinstance(expert_ids, jax.core.Tracer):
+    if not isinstance(expert_ids, Tracer):
         lo, hi = int(jnp.min(expert_ids)), int(jnp.max(expert_ids))
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"expert_ids must lie in [0, {num_experts}), got values in [{lo}, {hi}]")

@@ -18,9 +18,9 @@ tree_mask) and must be called outside `jit`.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer  # still public in jax 0.11; jax has no other concreteness test
 
 from pallas_kernels import dispatch
 from pallas_kernels.tree_attention.mosaic_gpu import tree_attention_mosaic
@@ -97,7 +97,7 @@ def tree_mla_attention(q, cache, start, tree_mask, *, scale: float, value_dim: i
     """
     q, cache, start, tree_mask = map(jnp.asarray, (q, cache, start, tree_mask))
     _check_shapes(q, cache, start, tree_mask, value_dim)
-    if not any(isinstance(x, jax.core.Tracer) for x in (start, tree_mask)):
+    if not any(isinstance(x, Tracer) for x in (start, tree_mask)):
         check_tree_attention_values(start, tree_mask, cache_rows=cache.shape[1])
     B, T, H, D = q.shape
     c, r = value_dim, D - value_dim

@@ -160,14 +160,14 @@ def _accumulate(acc, a, b, interpret):
         def body(acc_ref):
             plgpu.wgmma(acc_ref, a, b)
 
-        return pl.run_state(body)(plgpu.ACC.init(acc))
+        return pl.run_state(body)(plgpu.WGMMAAccumulatorRef.init(acc))
 
     def product(acc_ref):
         plgpu.wgmma(acc_ref, a, b)
         plgpu.wgmma_wait(0)
         return acc_ref[...]
 
-    return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
+    return acc + pl.run_scoped(product, plgpu.WGMMAAccumulatorRef(acc.shape, jnp.float32))
 
 
 def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float, dtype, vb: int,
@@ -277,7 +277,7 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
                 plgpu.wgmma_wait(0)
                 return acc_ref[...]
 
-            return pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32)) * scale_log2
+            return pl.run_scoped(qk, plgpu.WGMMAAccumulatorRef((ROWS, bk), jnp.float32)) * scale_log2
 
         def softmax_step(s, m, denom, visible):
             """Online softmax of one score tile: (p float32, m_new, alpha, denom_new)."""

@@ -67,7 +67,9 @@ class MgpuConfig:
 def smem_transforms(minor_elems: int, dtype) -> tuple:
     bits = jnp.dtype(dtype).itemsize * 8 if jnp.dtype(dtype) != jnp.dtype(jnp.int4) else 4
     swizzle = plgpu.find_swizzle(minor_elems * bits, str(jnp.dtype(dtype)))
-    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+    # jax 0.11 types both as subclasses of an abstract Transform base that they implement at run time
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)),  # pyright: ignore[reportAbstractUsage]
+            plgpu.SwizzleTransform(swizzle))  # pyright: ignore[reportAbstractUsage]
 
 
 MAX_SMEM_BYTES = 232448  # shared memory one CTA may take on an H200 (227 KiB)
@@ -144,7 +146,7 @@ def make_tile_matmul(config: MgpuConfig, k: int, mp: int):
             )(w_gmem, x_gmem, s_gmem)
             return acc_ref[...]
 
-        return pl.run_scoped(body, plgpu.ACC((block_n, mp), jnp.float32))  # [block_n, Mp] f32
+        return pl.run_scoped(body, plgpu.WGMMAAccumulatorRef((block_n, mp), jnp.float32))  # [block_n, Mp] f32
 
     return tile_matmul
 
