@@ -209,3 +209,39 @@ def test_results_say_when_wall_clocks_followed_a_cupti_window(tmp_path, monkeypa
     assert json.loads((tmp_path / "after.json").read_text())["meta"]["wall_after_cupti"] is True
     common.write_results(tmp_path / "first", {**meta, "wall_after_cupti": False}, {"rows": []}, "# t")
     assert common.WALL_AFTER_CUPTI_NOTE not in (tmp_path / "first.md").read_text()
+
+
+@pytest.mark.parametrize("V,L", [(3, 2), (2, 3)])
+def test_acceptance_bound_tree_is_the_best_tree(V, L):
+    """benchmarks/acceptance_bound.oracle_trees takes, for every budget b, the prefix-closed tree of b nodes (depth
+    <= L) with the largest sum of path probabilities: checked against every such tree of a random V-token model."""
+    import itertools
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.acceptance_bound import oracle_trees
+
+    rng = np.random.default_rng(V * 10 + L)
+    budget = 6
+    table: dict[tuple, np.ndarray] = {}
+
+    def logprobs(seqs):
+        out = []
+        for s in seqs:
+            if tuple(s) not in table:
+                x = rng.normal(size=V) * 2
+                table[tuple(s)] = x - np.logaddexp.reduce(x)
+            out.append(table[tuple(s)])
+        return out
+
+    contexts = [[7], [8, 9]]
+    taken = oracle_trees(logprobs, contexts, budget, L)
+    nodes = [p for d in range(1, L + 1) for p in itertools.product(range(V), repeat=d)]
+    for i, ctx in enumerate(contexts):
+        def prob(path, ctx=ctx):
+            return float(np.exp(sum(logprobs([ctx + list(path[:k])])[0][path[k]] for k in range(len(path)))))
+
+        for b in range(1, budget + 1):
+            best = max(sum(prob(p) for p in tree) for tree in itertools.combinations(nodes, b)
+                       if all(len(p) == 1 or p[:-1] in tree for p in tree))
+            assert taken[i, :b].sum() == pytest.approx(best, rel=1e-9)
+        assert np.all(np.diff(taken[i]) <= 1e-12)  # taken best first
