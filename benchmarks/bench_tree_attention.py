@@ -139,8 +139,8 @@ SMOKE_PLAN = {(S, T): [dict(num_splits=n, schedule=s, value_block=64) for n in (
 
 def mosaic_main(args):
     """XLA (the bf16 jnp form) and the Mosaic GPU kernel at each plan variant per (S, T), each checked against the
-    float32 reference on the first input set; CUPTI summed kernel time and wall clock per op; the floor. Rows go out
-    as they are measured."""
+    float32 reference on the first input set; wall clock per op (every shape and variant, before any CUPTI window),
+    then CUPTI summed kernel time per op; the floor. Rows go out as they are measured."""
     from pallas_kernels.tree_attention.mosaic_gpu import MosaicAttentionConfig, tree_attention_mosaic
     from pallas_kernels.w4a16.mosaic_gpu import gpu_interpret_params
 
