@@ -46,6 +46,9 @@ def oracle_trees(logprob_fn, contexts: list[list[int]], budget: int, depth: int)
     are the budget-b tree). Ties break on the lower token id, as argsort does."""
     rows = len(contexts)
     first = logprob_fn(contexts)
+    vocab = len(first[0])
+    if budget > sum(vocab**d for d in range(1, depth + 1)):
+        raise ValueError(f"budget {budget} exceeds the {vocab}-token tree of depth {depth}")
     order = [np.argsort(-lp, kind="stable") for lp in first]  # the root's children, best first
     # heap entries: (-log P, the node's path of tokens, its rank among its parent's children)
     heaps = [[(-float(first[i][order[i][0]]), (int(order[i][0]),), 0)] for i in range(rows)]

@@ -245,3 +245,5 @@ def test_acceptance_bound_tree_is_the_best_tree(V, L):
                        if all(len(p) == 1 or p[:-1] in tree for p in tree))
             assert taken[i, :b].sum() == pytest.approx(best, rel=1e-9)
         assert np.all(np.diff(taken[i]) <= 1e-12)  # taken best first
+    with pytest.raises(ValueError, match="exceeds"):
+        oracle_trees(logprobs, contexts, len(nodes) + 1, L)
