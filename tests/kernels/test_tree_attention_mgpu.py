@@ -126,9 +126,8 @@ def test_mgpu_argument_errors():
                                                            schedule="shared_qk"))
 
 
-def _mosaic_calls_lowered_for_h200(B, T, H, c, r, S_max, dtype, config) -> int:
-    """Lower the kernel at these shapes for an abstract H200 (no GPU needed); the Mosaic GPU custom calls in the
-    lowered text."""
+def _lowered_for_h200(B, T, H, c, r, S_max, dtype, config) -> str:
+    """The call's program at these shapes lowered for an abstract H200 (no GPU needed), as text."""
     from jax._src.mesh import AbstractDevice
     from jax.sharding import AbstractMesh
 
@@ -141,7 +140,12 @@ def _mosaic_calls_lowered_for_h200(B, T, H, c, r, S_max, dtype, config) -> int:
         return tree_attention_mosaic(q, cache, start, mask, scale=0.04, value_dim=c, config=config)
 
     with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _mosaic_calls_lowered_for_h200(B, T, H, c, r, S_max, dtype, config) -> int:
+    """The Mosaic GPU custom calls of the call lowered for an abstract H200 (`_lowered_for_h200`)."""
+    text = _lowered_for_h200(B, T, H, c, r, S_max, dtype, config)
     return re.findall(r"custom_call @(\w+)", text).count("mosaic_gpu_v2")
 
 
@@ -159,20 +163,8 @@ def test_mgpu_lowers_for_cuda_at_k2_shapes(schedule):
 def test_mgpu_at_t1_builds_no_mask_words():
     """An AR step (T = 1) passes the kernel no tree-mask words: no XLA op builds them (the shifts of
     tree_mask_bits are absent from the lowered program), while T = 2 has them."""
-    from jax._src.mesh import AbstractDevice
-    from jax.sharding import AbstractMesh
-
-    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
-                                                               num_cores=132))
-    S = jax.ShapeDtypeStruct
-    texts = {}
-    for T in (1, 2):
-        args = (S((1, T, 64, 576), jnp.bfloat16), S((1, 4096, 576), jnp.bfloat16), S((1,), jnp.int32),
-                S((1, T, T), jnp.bool_))
-        fn = lambda q, c, s, m: tree_attention_mosaic(q, c, s, m, scale=0.04, value_dim=512,  # noqa: E731
-                                                      config=MosaicAttentionConfig(num_splits=8))
-        with jax.sharding.use_abstract_mesh(mesh):
-            texts[T] = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    texts = {T: _lowered_for_h200(1, T, 64, 512, 64, 4096, jnp.bfloat16, MosaicAttentionConfig(num_splits=8))
+             for T in (1, 2)}
     assert "shift_left" not in texts[1] and "shift_left" in texts[2]
 
 
