@@ -26,7 +26,6 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +40,6 @@ from kdtree_jax.drafter import (
     drafter_forward,
     init_drafter_cache,
 )
-from kdtree_jax.model import Transformer
 from kdtree_jax.weights import cast_params
 from training.common import (
     TOKENIZER_PATH,
@@ -53,17 +51,13 @@ from training.common import (
     plot_curves,
 )
 from training.data import load_streams, random_windows
-from training.train_target import StepSchedule, check_step_args, make_optimizer, set_learning_rate
+from training.train_target import StepSchedule, causal_forward, check_step_args, make_optimizer, set_learning_rate
 
 
 def target_hidden(params, cfg: kj.ModelConfig, tokens: jax.Array, layers: tuple[int, ...]) -> jax.Array:
     """Residual stream after target layers `layers` for tokens [B, T] (plain causal forward):
     [B, T, n, D], no gradient."""
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    out = Transformer(cfg, params["embed_tokens"].dtype).apply({"params": params}, tokens, positions,
-                                                               hidden_layers=layers)
-    # flax types apply's result as Any | (out, state); without mutable= it is the module's 3-tuple
-    _, hidden, _ = cast(tuple[jax.Array, jax.Array, jax.Array], out)
+    _, hidden = causal_forward(params, cfg, tokens, params["embed_tokens"].dtype, hidden_layers=layers)
     return jax.lax.stop_gradient(hidden)
 
 

@@ -54,16 +54,24 @@ from training.data import load_streams, random_windows
 CALIBRATION_STEPS = 20
 
 
-def causal_logits(params, cfg: kj.ModelConfig, inputs: jax.Array, compute_dtype=jnp.float32,
-                  kernels: kj.Kernels | None = None) -> jax.Array:
-    """The training forward: logits [B, T, V] of every position of inputs [B, T] (positions 0..T-1, causal, no
-    cache), the params cast to `compute_dtype` (the master copy stays as given)."""
+def causal_forward(params, cfg: kj.ModelConfig, inputs: jax.Array, compute_dtype=jnp.float32,
+                   kernels: kj.Kernels | None = None, hidden_layers: tuple[int, ...] = ()):
+    """The training forward over inputs [B, T] (positions 0..T-1, causal, no cache), the params cast to
+    `compute_dtype` (the master copy stays as given): (logits [B, T, V], the residual stream after each of
+    `hidden_layers` [B, T, n, D])."""
     positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
     model = Transformer(cfg, compute_dtype, kernels or kj.Kernels())
-    out = model.apply({"params": cast_params(params, compute_dtype, cfg)}, inputs, positions)
+    out = model.apply({"params": cast_params(params, compute_dtype, cfg)}, inputs, positions,
+                      hidden_layers=tuple(hidden_layers))
     # flax types apply's result as Any | (out, state); without mutable= it is the module's 3-tuple
-    logits, _, _ = cast(tuple[jax.Array, jax.Array, jax.Array], out)
-    return logits
+    logits, hidden, _ = cast(tuple[jax.Array, jax.Array, jax.Array], out)
+    return logits, hidden
+
+
+def causal_logits(params, cfg: kj.ModelConfig, inputs: jax.Array, compute_dtype=jnp.float32,
+                  kernels: kj.Kernels | None = None) -> jax.Array:
+    """The training forward's logits [B, T, V] of every position of inputs [B, T] (`causal_forward`)."""
+    return causal_forward(params, cfg, inputs, compute_dtype, kernels)[0]
 
 
 def lm_loss_and_loads(params, cfg: kj.ModelConfig, tokens: jax.Array, compute_dtype=jnp.float32,
