@@ -16,6 +16,26 @@ CPU = types.SimpleNamespace(platform="cpu", device_kind="cpu")
 H200 = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
 A100 = types.SimpleNamespace(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100")
 
+
+def abstract_h200():
+    """A context in which jitted functions trace and lower for an H200 without one (CUDA lowering on a CPU)."""
+    from jax._src.mesh import AbstractDevice
+    from jax.sharding import AbstractMesh
+
+    device = AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    return jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=device))
+
+
+def lower_for_h200(fn, *args) -> str:
+    """`fn` jitted and lowered for an abstract H200 (`abstract_h200`) at these argument shapes: the program as text."""
+    with abstract_h200():
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def custom_calls(text: str) -> list[str]:
+    """The custom-call targets of a lowered program's text, in order (Mosaic GPU: "mosaic_gpu_v2")."""
+    return re.findall(r"custom_call @(\w+)", text)
+
 # The one tiny config every test file starts from (conftest's `tiny_cfg` / `small_cfg` fixtures return these;
 # module constants in parametrize decorators import them from here).
 TINY = kj.ModelConfig.tiny()

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import custom_calls, lower_for_h200
 
 from pallas_kernels import dispatch
 from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
@@ -271,23 +272,16 @@ def test_bad_inputs_raise_clearly():
 
 def test_kernel_lowers_for_cuda_at_k26_shapes():
     """The Triton lowering of both kernels runs on CPU against an abstract H200 at K2.6 expert shapes."""
-    from jax._src.mesh import AbstractDevice
-    from jax.sharding import AbstractMesh
-
     from pallas_kernels.moe_w4a16 import default_config
     from pallas_kernels.moe_w4a16.triton import grouped_moe_w4a16_pallas
 
-    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
-                                                               num_cores=132))
     E, D, I = 384, 7168, 2048  # noqa: E741 (I: intermediate size)
     S = jax.ShapeDtypeStruct
     leaf = lambda n, k: Int4Weight(S((E, n, k // 4), jnp.int16), S((E, n, k // 32), jnp.bfloat16))  # noqa: E731
     experts = {"gate": leaf(I, D), "up": leaf(I, D), "down": leaf(D, I)}
     for T in (1, 33, 129):
         fn = lambda x, e, i, w, T=T: grouped_moe_w4a16_pallas(x, e, i, w, cfg=default_config(T, D, I))  # noqa: E731
-        with jax.sharding.use_abstract_mesh(mesh):
-            text = jax.jit(fn).trace(S((T, D), jnp.bfloat16), experts, S((T, 8), jnp.int32),
-                                     S((T, 8), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+        text = lower_for_h200(fn, S((T, D), jnp.bfloat16), experts, S((T, 8), jnp.int32), S((T, 8), jnp.float32))
         assert text.count("xla.gpu.triton") == 2  # gate/up+SwiGLU and down+combine: two launches
 
 
@@ -419,27 +413,15 @@ def test_mgpu_grouped_kernel_skips_unused_tiles_and_reuses_experts(block_k):
 def test_mgpu_grouped_moe_lowers_for_cuda_at_k26_shapes():
     """The grouped MoE (register-A wgmma, the default tilings) lowers for an abstract H200 at K2.6 expert
     shapes, in three launches, or two with gate and up fused."""
-    import re
-
-    from jax._src.mesh import AbstractDevice
-    from jax.sharding import AbstractMesh
-
     from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_moe_w4a16_mgpu
 
-    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
-                                                               num_cores=132))
     E, D, I = 384, 7168, 2048  # noqa: E741 (I: intermediate size)
     S = jax.ShapeDtypeStruct
     layout = lambda n, kk: MosaicInt4Weight(S((E, n, kk), jnp.int4), S((E, kk // 32, n), jnp.bfloat16))  # noqa: E731
     experts = {"gate": layout(I, D), "up": layout(I, D), "down": layout(D, I)}
     for T in (1, 33):
-        with jax.sharding.use_abstract_mesh(mesh):
-            text = jax.jit(grouped_moe_w4a16_mgpu).trace(S((T, D), jnp.bfloat16), experts, S((T, 8), jnp.int32),
-                                                         S((T, 8), jnp.float32)).lower(
-                lowering_platforms=("cuda",)).as_text()
-        assert re.findall(r"custom_call @(\w+)", text).count("mosaic_gpu_v2") == 3  # gate, up, down
-        with jax.sharding.use_abstract_mesh(mesh):
-            fused = jax.jit(functools.partial(grouped_moe_w4a16_mgpu, fused_gate_up=True)).trace(
-                S((T, D), jnp.bfloat16), experts, S((T, 8), jnp.int32), S((T, 8), jnp.float32)).lower(
-                lowering_platforms=("cuda",)).as_text()
-        assert re.findall(r"custom_call @(\w+)", fused).count("mosaic_gpu_v2") == 2  # gate + up with SwiGLU, down
+        args = (S((T, D), jnp.bfloat16), experts, S((T, 8), jnp.int32), S((T, 8), jnp.float32))
+        text = lower_for_h200(grouped_moe_w4a16_mgpu, *args)
+        assert custom_calls(text).count("mosaic_gpu_v2") == 3  # gate, up, down
+        fused = lower_for_h200(functools.partial(grouped_moe_w4a16_mgpu, fused_gate_up=True), *args)
+        assert custom_calls(fused).count("mosaic_gpu_v2") == 2  # gate + up with SwiGLU, down

@@ -7,12 +7,12 @@ race detector on); the register-A path, which that interpreter cannot run, is co
 test here and by the native test on a GPU.
 """
 
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import abstract_h200, custom_calls, lower_for_h200
 
 from pallas_kernels import dispatch
 from pallas_kernels.int4 import Int4Weight
@@ -100,23 +100,17 @@ def test_dense_tiling_rule():
 
 def test_lowers_for_cuda_at_k2_shapes():
     """Mosaic GPU lowering (layouts, int4 upcast, register-A wgmma) runs on CPU against an abstract H200."""
-    from jax._src.mesh import AbstractDevice
-    from jax.sharding import AbstractMesh
-
-    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
-                                                               num_cores=132))
     for m, n, k, cfg, split in [(8, 7168, 2048, MgpuConfig(), 1),
                                 (16, 2048, 7168, MgpuConfig(block_n=128, block_k=128), 1),
                                 (64, 512, 7168, MgpuConfig(a_operand="smem"), 1),
                                 (8, 2048, 7168, *dense_config(7168, 2048))]:  # split-K 7
         args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.int4),
                 jax.ShapeDtypeStruct((k // 32, n), jnp.bfloat16))
-        with jax.sharding.use_abstract_mesh(mesh):
-            f = jax.jit(lambda x, w, s, cfg=cfg, split=split: w4a16_matmul_mgpu_kernel(x, w, s, config=cfg,
-                                                                                         split_k=split))
-            assert f.eval_shape(*args).shape == (split, n, m)
-            text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert set(re.findall(r"custom_call @(\w+)", text)) == {"mosaic_gpu_v2"}
+        f = lambda x, w, s, cfg=cfg, split=split: w4a16_matmul_mgpu_kernel(x, w, s, config=cfg,  # noqa: E731
+                                                                            split_k=split)
+        with abstract_h200():
+            assert jax.eval_shape(f, *args).shape == (split, n, m)
+        assert set(custom_calls(lower_for_h200(f, *args))) == {"mosaic_gpu_v2"}
 
 
 @pytest.mark.gpu

@@ -4,12 +4,11 @@ its CUDA lowering at K2 shapes against an abstract H200, and natively on a Hoppe
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import custom_calls, lower_for_h200
 from test_tree_attention import HAS_GPU, make_inputs, rel_err
 
 from pallas_kernels import dispatch
@@ -128,25 +127,18 @@ def test_mgpu_argument_errors():
 
 def _lowered_for_h200(B, T, H, c, r, S_max, dtype, config) -> str:
     """The call's program at these shapes lowered for an abstract H200 (no GPU needed), as text."""
-    from jax._src.mesh import AbstractDevice
-    from jax.sharding import AbstractMesh
-
-    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
-                                                               num_cores=132))
     S = jax.ShapeDtypeStruct
     args = (S((B, T, H, c + r), dtype), S((B, S_max, c + r), dtype), S((B,), jnp.int32), S((B, T, T), jnp.bool_))
 
     def fn(q, cache, start, mask):
         return tree_attention_mosaic(q, cache, start, mask, scale=0.04, value_dim=c, config=config)
 
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return lower_for_h200(fn, *args)
 
 
 def _mosaic_calls_lowered_for_h200(B, T, H, c, r, S_max, dtype, config) -> int:
     """The Mosaic GPU custom calls of the call lowered for an abstract H200 (`_lowered_for_h200`)."""
-    text = _lowered_for_h200(B, T, H, c, r, S_max, dtype, config)
-    return re.findall(r"custom_call @(\w+)", text).count("mosaic_gpu_v2")
+    return custom_calls(_lowered_for_h200(B, T, H, c, r, S_max, dtype, config)).count("mosaic_gpu_v2")
 
 
 @pytest.mark.parametrize("schedule", ["shared_qk", "replicated"])
