@@ -142,13 +142,9 @@ def mosaic_attention_unsupported(device, interpret: bool, latent_dim: int, rope_
         return f"needs a Hopper GPU (sm_90), this is {_device_name(device)}"
     if dtype is not None and jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"needs bf16 or f16, the model runs in {jnp.dtype(dtype).name}"
-    if latent_dim % 64:
-        return f"latent width {latent_dim} not a multiple of 64"
-    if rope_dim < 16 or rope_dim & (rope_dim - 1):
-        return f"RoPE width {rope_dim} not a power of two >= 16"
-    if not interpret and (latent_dim + rope_dim) % 64:
-        return f"row width c + r = {latent_dim + rope_dim} not a multiple of 64 (the TMA tiling of the cache rows)"
-    return None
+    from pallas_kernels.tree_attention.mosaic_gpu import width_problem  # noqa: PLC0415 (imports the kernel)
+
+    return width_problem(latent_dim, rope_dim, native=not interpret)
 
 
 def choose_attention(*, latent_dim: int, rope_dim: int, impl: str = AUTO, device=None,

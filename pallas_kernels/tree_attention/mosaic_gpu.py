@@ -92,6 +92,18 @@ class MosaicAttentionConfig:
     schedule: str = "shared_qk"
 
 
+def width_problem(c: int, r: int, *, native: bool) -> str | None:
+    """Why the kernel cannot take latent width c and RoPE width r, or None; native: on the GPU (GPU interpret mode
+    takes any row width). pallas_kernels.dispatch asks this before choosing the kernel."""
+    if c % 64:
+        return f"latent width {c} not a multiple of 64 (wgmma, 128 B swizzle)"
+    if r < 16 or r & (r - 1):
+        return f"RoPE width {r} not a power of two >= 16 (a TMA swizzle)"
+    if native and (c + r) % 64:
+        return f"row width c + r = {c + r} not a multiple of 64 (the TMA tiling of the cache rows; K2: 512 + 64)"
+    return None
+
+
 def _check(q, cache, start, tree_mask, value_dim, config: MosaicAttentionConfig, interpret) -> int:
     """Shape/dtype/config checks; returns value_block."""
     if q.ndim != 4 or cache.ndim != 3:
@@ -108,10 +120,9 @@ def _check(q, cache, start, tree_mask, value_dim, config: MosaicAttentionConfig,
     if not 0 < value_dim < D:
         raise ValueError(f"value_dim must be in (0, {D}) (the latent part of the {D}-wide rows), got {value_dim}")
     c, r = value_dim, D - value_dim
-    if c % 64:
-        raise ValueError(f"latent width c = value_dim = {c} must be a positive multiple of 64 (wgmma, 128 B swizzle)")
-    if r % 16 or r <= 0 or r & (r - 1):
-        raise ValueError(f"RoPE width r = {r} (= {D} - value_dim) must be a power of two >= 16 (a TMA swizzle)")
+    widths = f"the Mosaic GPU attention kernel cannot take these rows (c = value_dim = {c}, r = {r})"
+    if why := width_problem(c, r, native=False):
+        raise ValueError(f"{widths}: {why}")
     vb = config.value_block or min(c, 256)
     if vb % 64 or c % vb or c // vb > 2 or vb > 256:
         raise ValueError(f"value_block = {vb} must be a multiple of 64, <= 256, dividing c = {c} into 1 or 2 "
@@ -130,9 +141,8 @@ def _check(q, cache, start, tree_mask, value_dim, config: MosaicAttentionConfig,
     if interpret and config.p_operand == "registers":
         raise ValueError("p_operand='registers' cannot run in GPU interpret mode: jax 0.11's interpreted wgmma "
                          "reads A from SMEM only; use p_operand='smem' there")
-    if interpret is None and D % 64:
-        raise ValueError(f"row width c + r = {D} must be a multiple of 64 on the GPU: the TMA copies of the cache rows "
-                         "are tiled by 64 columns (K2: 512 + 64; GPU interpret mode takes any width)")
+    if interpret is None and (why := width_problem(c, r, native=True)):  # GPU interpret mode takes any row width
+        raise ValueError(f"{widths}: {why}")
     if T > cache.shape[1]:
         raise ValueError(f"T = {T} tree tokens cannot fit in S_max = {cache.shape[1]} cache rows")
     return vb

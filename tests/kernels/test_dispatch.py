@@ -44,12 +44,13 @@ def test_attention_rules():
     assert choose(latent_dim=512, rope_dim=64, device=CPU) == Choice("xla", "no GPU, this is cpu")
     assert choose(latent_dim=512, rope_dim=64, device=CPU, interpret=True) == Choice("mosaic_gpu", "interpret mode")
     # the Mosaic kernel's widths: auto states why it runs XLA
-    assert choose(latent_dim=96, rope_dim=64, device=H200) == Choice("xla", "latent width 96 not a multiple of 64")
+    assert choose(latent_dim=96, rope_dim=64, device=H200) == Choice(
+        "xla", "latent width 96 not a multiple of 64 (wgmma, 128 B swizzle)")
     assert choose(latent_dim=512, rope_dim=48, device=CPU, interpret=True) == Choice(
-        "xla", "RoPE width 48 not a power of two >= 16")
+        "xla", "RoPE width 48 not a power of two >= 16 (a TMA swizzle)")
     # natively c + r must be a multiple of 64 (the TMA tiling of the cache rows); interpret mode takes any
     assert choose(latent_dim=128, rope_dim=32, device=H200) == Choice(
-        "xla", "row width c + r = 160 not a multiple of 64 (the TMA tiling of the cache rows)")
+        "xla", "row width c + r = 160 not a multiple of 64 (the TMA tiling of the cache rows; K2: 512 + 64)")
     assert choose(latent_dim=128, rope_dim=32, device=CPU, interpret=True) == Choice("mosaic_gpu", "interpret mode")
     with pytest.raises(KernelUnavailableError, match=r"impl='mosaic_gpu' cannot run: row width c \+ r = 80"):
         choose(latent_dim=64, rope_dim=16, device=H200, impl="mosaic_gpu")
