@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kdtree_jax as kj  # noqa: E402
-from benchmarks.common import metadata, write_results  # noqa: E402
+from benchmarks.common import metadata, shown_path, write_results  # noqa: E402
 
 ASSETS = Path(kj.__file__).parent / "assets"
 
@@ -132,7 +132,7 @@ def main():
         rows.append(dict(budget=b, mean=float(per_context.mean()),
                          sem=float(per_context.std(ddof=1) / math.sqrt(len(per_context))),
                          p10=float(np.percentile(per_context, 10)), p90=float(np.percentile(per_context, 90))))
-    meta = metadata(target=str(args.target), temperature=args.temperature, depth=args.depth,
+    meta = metadata(target=shown_path(args.target), temperature=args.temperature, depth=args.depth,
                     contexts=len(contexts), cuts=args.cuts, seed=args.seed, matmul_precision="highest")
     lines = [f"# The oracle tree's expected acceptance at temperature {args.temperature:g}: the most any drafter can "
              f"reach ({meta['device']})", "",

@@ -32,7 +32,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kdtree_jax as kj  # noqa: E402
-from benchmarks.common import MATMUL_PRECISIONS, Timer, metadata, set_matmul_precision, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    MATMUL_PRECISIONS,
+    Timer,
+    metadata,
+    set_matmul_precision,
+    shown_path,
+    write_results,
+)
 from kdtree_jax.budget import default_costs, rounds_per_budget  # noqa: E402
 
 ASSETS = Path(kj.__file__).parent / "assets"
@@ -172,8 +179,8 @@ def main() -> None:
     dcfg, dparams = kj.load_checkpoint(args.drafter, expect_kind="drafter", dtype=args.dtype)
     drafter = (dcfg, dparams)
     prompts = load_prompts(args.num_prompts, args.prompt_tokens)
-    meta = metadata(host=f"{platform.machine()}, {os.cpu_count()} CPU cores", target=str(args.target),
-                    drafter=str(args.drafter), num_prompts=args.num_prompts, dtype=args.dtype,
+    meta = metadata(host=f"{platform.machine()}, {os.cpu_count()} CPU cores", target=shown_path(args.target),
+                    drafter=shown_path(args.drafter), num_prompts=args.num_prompts, dtype=args.dtype,
                     prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                     seeds=args.seeds, auto_skip_draft=args.auto_skip_draft,
                     block_size=dcfg.block_size, matmul_precision=args.matmul_precision,

@@ -148,7 +148,7 @@ def main() -> None:
     if args.child:
         return child(args)
 
-    from benchmarks.common import metadata, write_results
+    from benchmarks.common import metadata, shown_path, write_results
 
     runs, failed = [], {}
     for setting in [s for _ in range(args.repeat) for s in args.settings]:
@@ -174,9 +174,9 @@ def main() -> None:
             print({k: runs[-1][k] for k in ("setting", "stage", "wall_us", "ar_steps", "greedy_equals_ar")}, flush=True)
     settings = [s for s in args.settings if s not in failed]
     rows = combine(runs)
-    meta = metadata(target=str(args.target), drafter=str(args.drafter), dtype=args.dtype, prompts=args.prompts,
-                    tokens=args.tokens, iters=args.iters, repeat=args.repeat, budgets=args.budgets,
-                    settings=dict(SETTINGS), failed=failed, wall_after_cupti=False)
+    meta = metadata(target=shown_path(args.target), drafter=shown_path(args.drafter), dtype=args.dtype,
+                    prompts=args.prompts, tokens=args.tokens, iters=args.iters, repeat=args.repeat,
+                    budgets=args.budgets, settings=dict(SETTINGS), failed=failed, wall_after_cupti=False)
     text = markdown(meta, rows, settings) + "".join(f"\n\nNot measured: `{s}` ({why})." for s, why in failed.items())
     write_results(args.out / f"xla_flags_{args.tag}", meta, {"rows": rows, "runs": runs}, text,
                   plot=lambda path: plot(path, meta, rows, settings))

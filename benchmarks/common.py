@@ -55,6 +55,13 @@ def git_commit(root: Path = ROOT) -> tuple[str, bool | None, str]:
                      "was made from> so that the results say which code they measured")
 
 
+def shown_path(path: Path | str) -> str:
+    """A checkpoint path as a results file records it: relative to the repository when inside it (a results file
+    names no folder of the machine it ran on), else as given."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else str(path)
+
+
 def metadata(**extra: Any) -> dict:
     """The run's record: device kind, platform and count, JAX and jaxlib versions, date (UTC), git commit
     with a dirty flag, the exact command line, XLA_FLAGS as the process holds them; then `extra` (the script's

@@ -254,7 +254,7 @@ def main() -> None:
     import jax.numpy as jnp
 
     import kdtree_jax as kj
-    from benchmarks.common import metadata, set_matmul_precision, write_results
+    from benchmarks.common import metadata, set_matmul_precision, shown_path, write_results
     from kdtree_jax.ddtree import as_draft_model
     from kdtree_jax.decoding import prefill
     from kdtree_jax.model import init_cache
@@ -293,7 +293,7 @@ def main() -> None:
         add_kernel_times(pending, args.iters, args.top_kernels)
 
     plan = kj.kernel_plan(params, cfg, kernels=kernels)
-    meta = metadata(target=str(args.target), drafter=str(args.drafter), prompt_tokens=len(prompt),
+    meta = metadata(target=shown_path(args.target), drafter=shown_path(args.drafter), prompt_tokens=len(prompt),
                     matmul_precision=args.matmul_precision, kernels={op: list(choice) for op, choice in plan.items()},
                     timing="wall: median per jitted call incl. dispatch, every wall clock taken before the first "
                            "CUPTI window; kernel: CUPTI summed kernel time of the median call; in-the-loop rows: "

@@ -54,6 +54,15 @@ def test_the_environment_commit_wins_over_a_stale_git(monkeypatch):
     assert common.git_commit() == ("feedbeef", None, common.COMMIT_ENV)
 
 
+def test_shown_path_is_relative_inside_the_repository(monkeypatch):
+    from benchmarks.common import ROOT, shown_path
+
+    monkeypatch.chdir(ROOT)
+    assert shown_path(ROOT / "kdtree_jax" / "assets" / "target") == "kdtree_jax/assets/target"
+    assert shown_path("kdtree_jax/assets/drafter") == "kdtree_jax/assets/drafter"
+    assert shown_path("/tmp/dr/drafter") == "/tmp/dr/drafter"  # outside: as given
+
+
 def test_record_line_names_what_an_older_run_did_not_record():
     line = common.record_line({"device": "NVIDIA H200", "jax": "0.11.2", "date": "2026-11-30T09:29:00+00:00"})
     assert line == ("Run: device NVIDIA H200; JAX 0.11.2; 2026-11-30T09:29:00+00:00. Not recorded by this run: "
