@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import math
 import sys
 from pathlib import Path
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kdtree_jax as kj  # noqa: E402
 from benchmarks.common import metadata, shown_path, write_results  # noqa: E402
+from training.prompts import load_prompts  # noqa: E402
 
 ASSETS = Path(kj.__file__).parent / "assets"
 
@@ -117,8 +117,7 @@ def main():
         ap.error("--budgets and --depth must be >= 1, --cuts >= 0")
     jax.config.update("jax_default_matmul_precision", "highest")
     cfg, params = kj.load_checkpoint(args.target, expect_kind="target", dtype=jnp.float32)
-    prompts = [p["ids"] for p in json.loads((ASSETS / "heldout_prompts.json").read_text())["prompts"]]
-    prompts = prompts[:args.num_prompts]
+    prompts = load_prompts(args.num_prompts)
     cont = kj.generate(cfg, params, prompts, max_new_tokens=max(args.cuts), temperature=args.temperature,
                        key=jax.random.key(args.seed), stop_tokens=()) if max(args.cuts) else None
     contexts = [list(p) + ([] if cut == 0 or cont is None else [int(t) for t in np.asarray(cont.tokens[i])[:cut]])

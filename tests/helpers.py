@@ -36,6 +36,7 @@ def custom_calls(text: str) -> list[str]:
     """The custom-call targets of a lowered program's text, in order (Mosaic GPU: "mosaic_gpu_v2")."""
     return re.findall(r"custom_call @(\w+)", text)
 
+
 # The one tiny config every test file starts from (conftest's `tiny_cfg` / `small_cfg` fixtures return these;
 # module constants in parametrize decorators import them from here).
 TINY = kj.ModelConfig.tiny()

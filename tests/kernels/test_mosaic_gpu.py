@@ -7,7 +7,6 @@ race detector on); the register-A path, which that interpreter cannot run, is co
 test here and by the native test on a GPU.
 """
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
