@@ -36,8 +36,6 @@ import kdtree_jax as kj  # noqa: E402
 from benchmarks.common import metadata, shown_path, write_results  # noqa: E402
 from training.prompts import load_prompts  # noqa: E402
 
-ASSETS = Path(kj.__file__).parent / "assets"
-
 
 def oracle_trees(logprob_fn, contexts: list[list[int]], budget: int, depth: int) -> np.ndarray:
     """For each context, the path probabilities of the best-first tree of `budget` nodes and depth <= `depth` under
@@ -102,7 +100,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=".", help="folder for acceptance_bound_<tag>.{json,md}")
     ap.add_argument("--tag", default="cpu", help="suffix of the results files")
-    ap.add_argument("--target", type=Path, default=ASSETS / "target", help="the target checkpoint (default: shipped)")
+    ap.add_argument("--target", type=Path, default=kj.ASSETS / "target",
+                    help="the target checkpoint (default: shipped)")
     ap.add_argument("--temperature", type=float, default=1.0, help="the decode's temperature (> 0)")
     ap.add_argument("--budgets", type=int, nargs="+", default=[7, 15, 31], help="tree budgets (nodes) to report")
     ap.add_argument("--depth", type=int, default=7, help="tree depth: the drafter's block size - 1 (shipped: 7)")

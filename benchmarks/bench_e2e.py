@@ -42,7 +42,6 @@ from benchmarks.common import (  # noqa: E402
 )
 from kdtree_jax.budget import default_costs, rounds_per_budget  # noqa: E402
 
-ASSETS = Path(kj.__file__).parent / "assets"
 DEFAULT_BUDGETS = (4, 8, 16, 32, 64, 128, 256)
 
 
@@ -117,8 +116,8 @@ def costs_from_rows(rows: list[dict], batch: int, temperature: float) -> kj.Budg
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", type=Path, default=ASSETS / "target")
-    parser.add_argument("--drafter", type=Path, default=ASSETS / "drafter")
+    parser.add_argument("--target", type=Path, default=kj.ASSETS / "target")
+    parser.add_argument("--drafter", type=Path, default=kj.ASSETS / "drafter")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="weights cast to this dtype after loading (default %(default)s)")
     parser.add_argument("--num-prompts", type=int, default=8, help="held-out prompts (a multiple of 8)")

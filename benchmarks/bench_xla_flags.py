@@ -24,9 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kdtree_jax import xla_flags  # noqa: E402
+from kdtree_jax import ASSETS, xla_flags  # noqa: E402
 
-ASSETS = Path(__file__).resolve().parents[1] / "kdtree_jax" / "assets"
 # Named settings: the XLA_FLAGS each child process gets.
 WHILE = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"  # loops and conditionals inside CUDA graphs too
 # The GEMMs on cuBLAS (cuBLASLt) instead of XLA's Triton GEMM fusions: a float32 verify's GEMMs at "highest"

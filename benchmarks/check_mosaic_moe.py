@@ -30,11 +30,8 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-ASSETS = Path(__file__).resolve().parents[1] / "kdtree_jax" / "assets"
 
 
 def main():
@@ -107,8 +104,8 @@ def main():
     # ---- the trained pair, bf16
     from training.prompts import load_prompts  # noqa: PLC0415
 
-    cfg, params = kj.load_checkpoint(ASSETS / "target", expect_kind="target")
-    dcfg, dparams = kj.load_checkpoint(ASSETS / "drafter", expect_kind="drafter")
+    cfg, params = kj.load_checkpoint(kj.ASSETS / "target", expect_kind="target")
+    dcfg, dparams = kj.load_checkpoint(kj.ASSETS / "drafter", expect_kind="drafter")
     params, drafter = bf16(params), (dcfg, bf16(dparams))
     prompts = load_prompts(2 if args.tiny else 8, 64)  # the shipped held-out prompts
     mosaic = kj.to_mosaic_experts(params, cfg)

@@ -26,8 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import MATMUL_PRECISIONS  # noqa: E402
-
-ASSETS = Path(__file__).resolve().parents[1] / "kdtree_jax" / "assets"
+from kdtree_jax import ASSETS  # noqa: E402
 
 
 def synthetic_state(cfg, params, draft_model, context: int, slack: int, key):

@@ -18,6 +18,8 @@ Importing kdtree_jax sets its XLA flags (kdtree_jax/xla_flags.py: CUDA graphs fo
 XLA_FLAGS already names them, KDTREE_JAX_XLA_FLAGS=0, or a JAX backend has already started.
 """
 
+from pathlib import Path
+
 from kdtree_jax import xla_flags  # noqa: F401  first: importing it applies the flags, before anything can start a backend
 from kdtree_jax.budget import BudgetCosts
 from kdtree_jax.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -42,8 +44,12 @@ from kdtree_jax.tree import Tree, build_chain, build_tree
 from pallas_kernels.dispatch import Kernels, KernelUnavailableError
 from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
 
+# The trained pair shipped in the package (training/, docs/training.md): target/, drafter/, tokenizer.json and the
+# held-out prompts; the CLI, the training scripts and the benchmarks default to it.
+ASSETS = Path(__file__).resolve().parent / "assets"
+
 __all__ = [
-    "BudgetCosts", "calibrate_budget_costs",
+    "ASSETS", "BudgetCosts", "calibrate_budget_costs",
     "CheckpointError", "ConfigError", "DFlashDraft", "DrafterCache", "DrafterConfig", "DrafterFormatError",
     "GenerateOutput", "HFCheckpointError", "Int4Weight", "KVCache", "KernelUnavailableError", "Kernels",
     "ModelConfig", "MosaicInt4Weight", "OracleDraft", "Tree", "YarnScaling", "build_chain", "export_hf_drafter",

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 # the limits --help states (importing the package already loaded these modules)
+from kdtree_jax import ASSETS
 from kdtree_jax.budget import rounds_per_budget
 from kdtree_jax.ddtree import MAX_TREE_BUDGET
 from kdtree_jax.drafter import MAX_BLOCK_SIZE
@@ -43,8 +44,6 @@ MAX_SEED = 2**32 - 1
 KERNEL_CHOICES = {"attention": ("mosaic_gpu", "xla"), "linear": ("mosaic_gpu", "xla"),
                   "moe": ("triton", "mosaic_gpu", "xla"), "tree": ("triton", "xla"),
                   "mla": ("folded", "separate")}
-# The trained pair shipped in the package (training/, docs/training.md): target, drafter, tokenizer.
-SHIPPED = Path(__file__).resolve().parent / "assets"
 
 
 class CLIError(Exception):
@@ -403,7 +402,7 @@ def _load_model(args):
     if args.layers is not None and not args.preset:
         raise CLIError("--layers applies to --preset only")
     if args.shipped:
-        args.checkpoint = str(SHIPPED / "target")
+        args.checkpoint = str(ASSETS / "target")
         # stored in bfloat16; float32 is where greedy DDTree == AR holds exactly (bf16 can part at a near-tie)
         args.dtype = args.dtype or "float32"
     if args.checkpoint:
@@ -478,7 +477,7 @@ def _load_drafter(args, cfg, methods, params=None):
             raise CLIError(f"drafter {args.hf_drafter} does not fit the target: {e}") from None
         return (dcfg, dparams), f"DFlash drafter {args.hf_drafter} ({dtype})"
     if args.shipped and not args.drafter:
-        args.drafter = str(SHIPPED / "drafter")
+        args.drafter = str(ASSETS / "drafter")
     if args.drafter:
         from kdtree_jax.checkpoint import load_checkpoint  # noqa: PLC0415
         from kdtree_jax.config import ConfigError  # noqa: PLC0415
@@ -559,7 +558,7 @@ def cmd_generate(args) -> None:
     if args.no_heal and not (args.tokenizer or args.shipped):
         raise CLIError("--no-heal applies to text prompts: --tokenizer FILE or --shipped")
     if args.shipped and not args.tokenizer:
-        args.tokenizer = str(SHIPPED / "tokenizer.json")
+        args.tokenizer = str(ASSETS / "tokenizer.json")
     tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
     methods = ["ar", "dflash", "ddtree"] if args.method == "all" else [args.method]
     import jax  # noqa: PLC0415

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ast
 import json
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -25,7 +24,7 @@ from kdtree_jax.healing import byte_level_decoding, heal, token_table
 
 tokenizers = pytest.importorskip("tokenizers")
 
-ASSETS = Path(kj.__file__).parent / "assets"
+ASSETS = kj.ASSETS
 NEW = 12
 
 

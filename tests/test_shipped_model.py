@@ -25,7 +25,7 @@ from pallas_kernels.int4 import Int4Weight
 from training import degeneracy
 from training.degeneracy import top_line_share
 
-ASSETS = Path(kj.__file__).parent / "assets"
+ASSETS = kj.ASSETS
 MAX_SHIPPED_BYTES = 40_000_000  # target + drafter + tokenizer + prompts (issue 17: 40 MB at most)
 NEW_TOKENS = 32
 # Agreed floors for the mean acceptance length (tokens committed per round, over every round of the 32

@@ -12,8 +12,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import kdtree_jax as kj
+from kdtree_jax import ASSETS
 
-ASSETS = Path(__file__).resolve().parents[1] / "kdtree_jax" / "assets"
 TOKENIZER_PATH = ASSETS / "tokenizer.json"
 PAD_ID, BOS_ID, EOS_ID, MASK_ID = 0, 1, 2, 3  # fixed by training/tokenizer.py
 
