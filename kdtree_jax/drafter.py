@@ -27,6 +27,7 @@ from jax.core import Tracer  # still public in jax 0.11 (not deprecated); jax ha
 
 from kdtree_jax.config import ConfigError, ModelConfig, YarnScaling
 from kdtree_jax.layers import apply_rope, rms_norm, rope_frequencies, swiglu, swiglu_joined
+from pallas_kernels import dots
 
 # DFlash drafters use blocks of 10-16. DDTree's tree build and accept walk unroll one step per drafted
 # position, so compile time grows about quadratically with the block (tiny model on a CPU: 16 -> 7 s,
@@ -351,7 +352,7 @@ def init_drafter_cache(dcfg: DrafterConfig, batch: int, max_len: int, dtype=jnp.
 
 # ----------------------------------------------------------------------------------------- helpers
 def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    return x @ w.astype(x.dtype)
+    return dots.matmul(x, w.astype(x.dtype))
 
 
 def _rope(dcfg: DrafterConfig) -> tuple[np.ndarray, float]:
@@ -493,8 +494,8 @@ def _block_attention(p_attn: dict, dcfg: DrafterConfig, x: jax.Array, positions:
 
     scale = hd**-0.5
     f32 = jnp.float32
-    s_ctx = jnp.einsum("btkgd,bskd->bkgts", q, ctx_keys.astype(q.dtype), preferred_element_type=f32) * scale
-    s_blk = jnp.einsum("btkgd,bskd->bkgts", q, k_blk, preferred_element_type=f32) * scale
+    s_ctx = dots.einsum("btkgd,bskd->bkgts", q, ctx_keys.astype(q.dtype), preferred_element_type=f32) * scale
+    s_blk = dots.einsum("btkgd,bskd->bkgts", q, k_blk, preferred_element_type=f32) * scale
     S = ctx_keys.shape[1]
     visible = jnp.arange(S)[None, :] < ctx_lengths[:, None]  # [B, S]
     s_ctx = jnp.where(visible[:, None, None, None, :], s_ctx, -jnp.inf)  # [B, KVH, G, Tb, S]
@@ -502,9 +503,9 @@ def _block_attention(p_attn: dict, dcfg: DrafterConfig, x: jax.Array, positions:
     m = jnp.maximum(s_ctx.max(-1, keepdims=True), s_blk.max(-1, keepdims=True))  # [B, KVH, G, Tb, 1]
     p_ctx, p_blk = jnp.exp(s_ctx - m), jnp.exp(s_blk - m)
     denom = p_ctx.sum(-1, keepdims=True) + p_blk.sum(-1, keepdims=True)
-    out = (jnp.einsum("bkgts,bskd->btkgd", p_ctx.astype(x.dtype), ctx_values.astype(x.dtype),
-                      preferred_element_type=f32)
-           + jnp.einsum("bkgts,bskd->btkgd", p_blk.astype(x.dtype), v_blk, preferred_element_type=f32))
+    out = (dots.einsum("bkgts,bskd->btkgd", p_ctx.astype(x.dtype), ctx_values.astype(x.dtype),
+                       preferred_element_type=f32)
+           + dots.einsum("bkgts,bskd->btkgd", p_blk.astype(x.dtype), v_blk, preferred_element_type=f32))
     out = out / jnp.moveaxis(denom, (1, 2, 3), (2, 3, 1))  # denom [B, Tb, KVH, G, 1]
     return _linear(out.reshape(B, Tb, H * hd).astype(x.dtype), p_attn["o"])
 
@@ -556,7 +557,7 @@ def drafter_forward(dparams: dict, dcfg: DrafterConfig, cache: DrafterCache, emb
         else:
             h = h + swiglu(normed, mlp["gate"], mlp["up"], mlp["down"])
     h = rms_norm(h[:, 1:], dparams["final_norm"], eps)  # [B, Tb-1, D]: the bonus position predicts nothing
-    return jnp.einsum("btd,dv->btv", h, lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
+    return dots.einsum("btd,dv->btv", h, lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
 
 
 # ------------------------------------------------------------------------------------ linen wrapper

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax.config import ModelConfig, YarnScaling
+from pallas_kernels import dots
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -21,7 +22,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, linear=None) -> jax.Array:
     """(silu(x @ gate) * (x @ up)) @ down for [in, out] weights; `linear(x, w)` may dispatch INT4."""
     if linear is None:
-        linear = lambda a, w: a @ w.astype(a.dtype)  # noqa: E731
+        linear = lambda a, w: dots.matmul(a, w.astype(a.dtype))  # noqa: E731
     return linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)
 
 
@@ -29,7 +30,7 @@ def swiglu_joined(gate_up: jax.Array, down: jax.Array, linear=None) -> jax.Array
     """swiglu's second half from x @ [gate | up] (gate_up [..., 2F], the two products side by side):
     (silu(gate) * up) @ down."""
     if linear is None:
-        linear = lambda a, w: a @ w.astype(a.dtype)  # noqa: E731
+        linear = lambda a, w: dots.matmul(a, w.astype(a.dtype))  # noqa: E731
     gate, up = jnp.split(gate_up, 2, axis=-1)
     return linear(jax.nn.silu(gate) * up, down)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels import dots
 from pallas_kernels.dispatch import Kernels
 from pallas_kernels.int4 import Int4Weight, MosaicInt4Weight
 from pallas_kernels.w4a16 import w4a16_matmul
@@ -18,7 +19,7 @@ def linear(x: jax.Array, w, kernels: Kernels = DEFAULT_KERNELS) -> jax.Array:
     layout prepare_params gives it on a Hopper GPU) runs the W4A16 GEMM chosen by `kernels.linear`
     (pallas_kernels.dispatch.choose_linear)."""
     if not isinstance(w, Int4Weight | MosaicInt4Weight):
-        return x @ w.astype(x.dtype)
+        return dots.matmul(x, w.astype(x.dtype))
     n, k = w.check()
     if w.lead_shape:
         raise ValueError(f"linear wants an unstacked INT4 weight ([N, K] = [{n}, {k}]), got leading dims "

@@ -36,7 +36,7 @@ from kdtree_jax.config import ModelConfig
 from kdtree_jax.layers import apply_rope, rms_norm, swiglu, swiglu_joined, yarn_inv_freq
 from kdtree_jax.linear import linear as _linear
 from kdtree_jax.weights import declare
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, dots
 from pallas_kernels.dispatch import Kernels, as_kernels
 from pallas_kernels.int4 import is_quantized
 from pallas_kernels.moe_w4a16 import grouped_moe_w4a16
@@ -88,8 +88,9 @@ class Matrix:
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., K] -> [..., N]."""
         if self.w_t is not None and math.prod(x.shape[:-1]) == 1:
-            return jax.lax.dot_general(x, self.w_t.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())))
-        return x @ self.w.astype(x.dtype)
+            return jax.lax.dot_general(x, self.w_t.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
+                                       precision=dots.dot_precision(1, self.w_t.shape[0]))
+        return dots.matmul(x, self.w.astype(x.dtype))
 
 
 @jax.tree_util.register_dataclass
@@ -229,28 +230,28 @@ class MLA(nn.Module):
         w_o = _weight(self, "o")
 
         if latent_cache is None:  # naive form: decompress per-head keys and values
-            k_nope = jnp.einsum("btc,chn->bthn", c_kv, w_uk.astype(c_kv.dtype))
-            values = jnp.einsum("btc,chv->bthv", c_kv, w_uv.astype(c_kv.dtype))
+            k_nope = dots.einsum("btc,chn->bthn", c_kv, w_uk.astype(c_kv.dtype))
+            values = dots.einsum("btc,chv->bthv", c_kv, w_uv.astype(c_kv.dtype))
             keys = jnp.concatenate(
                 [k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (batch, steps, heads, rope))], axis=-1)
             query = jnp.concatenate([q_nope, q_pe], axis=-1)
-            scores = jnp.einsum("bthd,bshd->bhts", query, keys,
-                                preferred_element_type=jnp.float32) * cfg.softmax_scale
+            scores = dots.einsum("bthd,bshd->bhts", query, keys,
+                                 preferred_element_type=jnp.float32) * cfg.softmax_scale
             causal = jnp.tril(jnp.ones((steps, steps), bool))
             if visibility is not None:
                 causal = visibility[:, None]
             scores = jnp.where(causal, scores, -jnp.inf)
             probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-            out = jnp.einsum("bhts,bshv->bthv", probs, values)
+            out = dots.einsum("bhts,bshv->bthv", probs, values)
             return linear(out.reshape(batch, steps, heads * vdim), w_o), None
 
         # absorbed form over the latent cache
         assert start is not None  # Transformer passes start [B] whenever it passes a latent cache
         latent_cache = write_rows(latent_cache, jnp.concatenate([c_kv, k_pe], axis=-1), start)  # rows [B, T, c+r]
-        q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w_uk.astype(q_nope.dtype))  # [B, T, H, c]
+        q_latent = dots.einsum("bthn,chn->bthc", q_nope, w_uk.astype(q_nope.dtype))  # [B, T, H, c]
         query = jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1)  # [B, T, H, c+r]
         out_latent = self._attend(query, latent_cache, start, visibility)  # [B, T, H, c]
-        out = jnp.einsum("bthc,chv->bthv", out_latent.astype(x.dtype), w_uv.astype(x.dtype))
+        out = dots.einsum("bthc,chv->bthv", out_latent.astype(x.dtype), w_uv.astype(x.dtype))
         return linear(out.reshape(batch, steps, heads * vdim), w_o), latent_cache
 
     def _latent(self, kv_a, positions):
@@ -288,7 +289,7 @@ class MLA(nn.Module):
             q, kv_a = a[..., :-(c + rope)], a[..., -(c + rope):]
         else:
             c_q = rms_norm(a[..., :cfg.q_lora_rank], _weight(self, "q_a_norm"), cfg.latent_norm_eps)
-            q, kv_a = c_q @ folded.q_b.astype(x.dtype), a[..., cfg.q_lora_rank:]
+            q, kv_a = dots.matmul(c_q, folded.q_b.astype(x.dtype)), a[..., cfg.q_lora_rank:]
         q = q.reshape(batch, steps, heads, c + rope)  # [B, T, H, c+r]: latent query, then its RoPE part
         query = jnp.concatenate([q[..., :c], apply_rope(q[..., c:], positions, inv_freq, attention_factor)], axis=-1)
         latent_cache = write_rows(latent_cache, jnp.concatenate(self._latent(kv_a, positions), axis=-1), start)
@@ -327,7 +328,7 @@ def route(cfg: ModelConfig, x: jax.Array, router: jax.Array, router_bias: jax.Ar
     The bias only chooses experts; weights are the unbiased scores of the chosen ones, normalised
     (norm_topk_prob) and multiplied by routed_scaling_factor. Group-limited: groups are scored by
     the sum of their top-2 biased scores, only the best topk_group groups may be chosen."""
-    return route_logits(cfg, x.astype(jnp.float32) @ router.astype(jnp.float32), router_bias)
+    return route_logits(cfg, dots.matmul(x.astype(jnp.float32), router.astype(jnp.float32)), router_bias)
 
 
 def route_logits(cfg: ModelConfig, logits: jax.Array, router_bias: jax.Array):
@@ -414,16 +415,16 @@ def _routed_experts_f32(x: jax.Array, experts: dict, idx: jax.Array, weights: ja
     num_experts = experts["gate"].shape[0]
     if num_tokens * top_k < num_experts:
         gate, up, down = (experts[k][idx] for k in ("gate", "up", "down"))  # [N, k, ...]
-        hidden = jax.nn.silu(jnp.einsum("nd,nkdi->nki", x, gate.astype(x.dtype)))
-        hidden = hidden * jnp.einsum("nd,nkdi->nki", x, up.astype(x.dtype))
-        y = jnp.einsum("nki,nkid->nkd", hidden, down.astype(x.dtype))
-        return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights)
+        hidden = jax.nn.silu(dots.einsum("nd,nkdi->nki", x, gate.astype(x.dtype)))
+        hidden = hidden * dots.einsum("nd,nkdi->nki", x, up.astype(x.dtype))
+        y = dots.einsum("nki,nkid->nkd", hidden, down.astype(x.dtype))
+        return dots.einsum("nkd,nk->nd", y.astype(jnp.float32), weights)
     combine = jnp.zeros((num_tokens, num_experts), jnp.float32).at[
         jnp.arange(num_tokens)[:, None], idx].add(weights)  # [N, E]
-    hidden = jax.nn.silu(jnp.einsum("nd,edi->eni", x, experts["gate"].astype(x.dtype)))
-    hidden = hidden * jnp.einsum("nd,edi->eni", x, experts["up"].astype(x.dtype))
-    y = jnp.einsum("eni,eid->end", hidden, experts["down"].astype(x.dtype))
-    return jnp.einsum("end,ne->nd", y.astype(jnp.float32), combine)
+    hidden = jax.nn.silu(dots.einsum("nd,edi->eni", x, experts["gate"].astype(x.dtype)))
+    hidden = hidden * dots.einsum("nd,edi->eni", x, experts["up"].astype(x.dtype))
+    y = dots.einsum("eni,eid->end", hidden, experts["down"].astype(x.dtype))
+    return dots.einsum("end,ne->nd", y.astype(jnp.float32), combine)
 
 
 def moe_sharded(mesh, x: jax.Array, idx: jax.Array, weights: jax.Array, experts: dict, shared: dict,
@@ -501,7 +502,7 @@ class Transformer(nn.Module):
                 saved[layer] = h
         h = rms_norm(h, _weight(self, "final_norm"), cfg.rms_norm_eps)
         if cfg.tie_word_embeddings:
-            logits = h @ embed.T.astype(h.dtype)
+            logits = dots.matmul(h, embed.T.astype(h.dtype))
         else:
             logits = _linear(h, _weight(self, "lm_head"), self.kernels)
         hidden = (jnp.stack([saved[layer] for layer in hidden_layers], axis=2) if hidden_layers

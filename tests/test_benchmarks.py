@@ -247,3 +247,18 @@ def test_acceptance_bound_tree_is_the_best_tree(V, L):
         assert np.all(np.diff(taken[i]) <= 1e-12)  # taken best first
     with pytest.raises(ValueError, match="exceeds"):
         oracle_trees(logprobs, contexts, len(nodes) + 1, L)
+
+
+def test_h200_hlo_counts_dots_and_bf16_products():
+    """benchmarks/h200_hlo.py's reading of an optimized HLO module: a bf16 multiply counts as a rounded product, a
+    float32 one does not; dots by their precision (the lines are those of a real H200 compile, shortened)."""
+    from benchmarks.h200_hlo import count
+
+    text = "\n".join([
+        "  %multiply.1967.3 = bf16[384,4096]{1,0} multiply(%broadcast.2956.9, %convert.3984.3)",
+        "  %mul.567.3 = f32[1,1,384]{2,1,0} multiply(%bitcast.2.5, %mul.566.5)",
+        "  ROOT %dot.5 = f32[8,512,5]{2,1,0} dot(%reshape.61, %parameter_2), lhs_batch_dims={1}, "
+        "algorithm=dot_bf16_bf16_f32_x6",
+        "  %dot.4 = f32[512,5]{1,0} dot(%concatenate.2, %parameter_2), operand_precision={highest,highest}",
+    ])
+    assert count(text) == {"dots": 2, "dots_algorithm": 1, "dots_highest": 1, "bf16_products": 1}

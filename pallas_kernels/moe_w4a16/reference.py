@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import dots
 from pallas_kernels.w4a16.reference import dequantize_any as dequantize_stack  # [E, ...] -> float32 [E, N, K]
 
 
@@ -35,23 +36,21 @@ def grouped_moe_w4a16_reference(x, experts, expert_ids, weights):
     return jnp.einsum("tkd,tk->td", y, weights.astype(jnp.float32), precision=hp).astype(x.dtype)
 
 
-# The explicit XLA dot algorithms (lax.DotAlgorithmPreset names, e.g. BF16_BF16_F32_X9) a process may set as its
-# jax_default_matmul_precision (kdtree_jax.precision, `generate --matmul-precision`).
-DOT_ALGORITHMS = frozenset(p.name for p in lax.DotAlgorithmPreset if p.name != "DEFAULT")
-
-
 def xla_dot_precision() -> lax.Precision | None:
     """The precision of the XLA forms' float32 dots: HIGHEST (so JAX's default, TF32 on NVIDIA GPUs, never lowers
     them), unless the process default (read at trace time) is an explicit dot algorithm: then None, that algorithm,
-    as for every other matmul of the model. Under BF16_BF16_F32_X9 the gather form's dots were 22% of the shipped
-    pair's T = 32 verify while they stayed HIGHEST (benchmarks/results/round_profile_2026-12-03_s15_X9.md)."""
-    default = jax.config.jax_default_matmul_precision
-    return None if default is not None and str(default).upper() in DOT_ALGORITHMS else lax.Precision.HIGHEST
+    as for every other matmul of the model, except for the vector-shaped dots (the gather form's mat-vecs, the
+    combines), which `pallas_kernels.dots` keeps at HIGHEST (XLA's GPU compiler would round their products to
+    bf16). Under BF16_BF16_F32_X9 the gather form's dots were 22% of the shipped pair's T = 32 verify while they
+    stayed HIGHEST (benchmarks/results/round_profile_2026-12-03_s15_X9.md)."""
+    return None if dots.explicit_algorithm() else lax.Precision.HIGHEST
 
 
 def _dot(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
-    """einsum(spec, x, w) in float32 (w float32) at `xla_dot_precision`, rounded to x.dtype."""
-    y = jnp.einsum(spec, x.astype(jnp.float32), w, precision=xla_dot_precision(), preferred_element_type=jnp.float32)
+    """einsum(spec, x, w) in float32 (w float32) at `xla_dot_precision` (`dots.dot_precision` for a vector-shaped
+    one), rounded to x.dtype."""
+    y = dots.einsum(spec, x.astype(jnp.float32), w, precision=xla_dot_precision(),
+                    preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
 
 
@@ -100,7 +99,7 @@ def _moe_gather(x, experts, expert_ids, weights):
         for n in ("gate", "up", "down"))  # [T, k, N, K] float32
     h = jax.nn.silu(_dot(x, gate, "td,tkid->tki")) * _dot(x, up, "td,tkid->tki")  # [T, k, I]
     y = _dot(h, down, "tki,tkdi->tkd").astype(jnp.float32)  # [T, k, D]
-    return jnp.einsum("tkd,tk->td", y, weights.astype(jnp.float32), precision=xla_dot_precision())
+    return dots.einsum("tkd,tk->td", y, weights.astype(jnp.float32), precision=xla_dot_precision())
 
 
 def _moe_dense(x, experts, combine):
@@ -108,7 +107,7 @@ def _moe_dense(x, experts, combine):
     gate, up, down = (dequantize_stack(experts[n]) for n in ("gate", "up", "down"))  # [E,I,D],[E,I,D],[E,D,I]
     h = jax.nn.silu(_dot(x, gate, "td,eid->eti")) * _dot(x, up, "td,eid->eti")  # [E, T, I]
     y = _dot(h, down, "eti,edi->etd").astype(jnp.float32)  # [E, T, D]
-    return jnp.einsum("etd,te->td", y, combine, precision=xla_dot_precision())
+    return dots.einsum("etd,te->td", y, combine, precision=xla_dot_precision())
 
 
 def moe_w4a16_xla(x, experts, expert_ids, weights, *, out_dtype=None, form: str = "auto"):

@@ -123,22 +123,24 @@ def test_xla_paths_match_numpy(form):
 def test_xla_paths_follow_an_explicit_dot_algorithm(form, matmul_precision):
     """The XLA forms' dots name HIGHEST (JAX's default, TF32 on a GPU, must not lower them), but follow an explicit
     dot algorithm set as the process default (generate --matmul-precision BF16_BF16_F32_X9), like every other
-    matmul: the lowered dots carry it, and the result stays at float32 accuracy."""
+    matmul, except the vector-shaped ones (the gather form's mat-vecs, the combines: pallas_kernels.dots), which
+    stay HIGHEST; the result stays at float32 accuracy."""
     rng = np.random.default_rng(3)
     experts, dense = _experts(rng, 8, 64, 32, scale_dtype=jnp.float32)
     ids, weights = _routing(rng, 5, 2, 8, crowd=True)
     x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
     want = _numpy_moe(x, dense, ids, weights)
     run = jax.jit(functools.partial(moe_w4a16_xla, form=form))
-
-    def dots(text):
-        return [line for line in text.splitlines() if "dot_general" in line]
-
-    for setting, marker in (("highest", "precision = [HIGHEST, HIGHEST]"), (None, "precision = [HIGHEST, HIGHEST]"),
-                            ("BF16_BF16_F32_X6", "algorithm = <lhs_precision_type = bf16")):
+    highest, algorithm = "precision = [HIGHEST, HIGHEST]", "algorithm = <lhs_precision_type = bf16"
+    # (dots at the algorithm, at HIGHEST) under BF16_BF16_F32_X6: gather has only mat-vecs and a combine, dense three
+    # GEMMs and a combine, loop three GEMMs (5 tokens through each touched expert)
+    split = {"gather": (0, 4), "dense": (3, 1), "loop": (3, 0)}[form]
+    for setting in ("highest", None, "BF16_BF16_F32_X6"):
         jax.config.update("jax_default_matmul_precision", setting)
-        lowered = dots(run.lower(x, experts, ids, weights).as_text())
-        assert lowered and all(marker in line for line in lowered), (setting, lowered)
+        lowered = [line for line in run.lower(x, experts, ids, weights).as_text().splitlines() if "dot_general" in line]
+        counts = (sum(algorithm in line for line in lowered), sum(highest in line for line in lowered))
+        assert counts[0] + counts[1] == len(lowered), (setting, lowered)
+        assert counts == (split if setting == "BF16_BF16_F32_X6" else (0, sum(split))), (setting, counts)
         assert _rel(run(x, experts, ids, weights), want) < 1e-5, setting
 
 
