@@ -25,7 +25,8 @@ from typing import Any
 
 # `--matmul-precision` of the float32 benchmarks: jax_default_matmul_precision for every matmul that does not name
 # its own precision (the float32 attention's XLA form runs at HIGHEST whatever this says; the routed experts' XLA
-# forms at HIGHEST too, unless this is an explicit dot algorithm: pallas_kernels.moe_w4a16.reference.xla_dot_precision).
+# forms at HIGHEST too, unless this is an explicit dot algorithm: pallas_kernels.moe_w4a16.reference.xla_dot_precision;
+# under one, vector-shaped dots stay HIGHEST: pallas_kernels.dots).
 from kdtree_jax.precision import MATMUL_PRECISIONS, set_matmul_precision  # noqa: F401 - the benchmarks import them here
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,9 @@ the shipped pair, batch 1 greedy, 8 held-out prompts x 128 tokens, benchmarks/re
 under BF16_BF16_F32_X9 DDTree at budget 31 ran 7370 tokens/s against 5812 under "highest", with greedy DDTree and
 DFlash == AR on every prompt; the AR step itself was slower (2335 against 2701 tokens/s). The routed experts' XLA
 forms, which otherwise name HIGHEST, follow an explicit algorithm
-(pallas_kernels.moe_w4a16.reference.xla_dot_precision).
+(pallas_kernels.moe_w4a16.reference.xla_dot_precision). Under an explicit algorithm a vector-shaped dot (a batch-1
+AR step's projections, the routed experts' mat-vecs) runs at HIGHEST instead: XLA's GPU compiler rounds the products
+of such a dot to bf16 under the algorithm (pallas_kernels.dots; the figures above predate that).
 """
 
 from __future__ import annotations
