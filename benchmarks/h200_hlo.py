@@ -12,7 +12,9 @@ with the kernel choices an H200 would make (pallas_kernels.dispatch sees an H200
                 or HIGHEST;
   bf16 products multiplies with a bf16 result: a float32 model has none of its own, so each is a product of a
                 dot XLA split into bf16 pieces (an explicit algorithm) and then strength-reduced to multiply +
-                reduce, rounded to bf16 (pallas_kernels/dots.py).
+                reduce, rounded to bf16 (pallas_kernels/dots.py);
+  kernels a round  the instructions of the loop's body that run as kernels (fusions, custom calls, copies; nested
+                loops' bodies counted once): one round's launches, which bound a launch-bound model's round.
 Nothing runs, so no timing: the same counts on the device need a GPU. Writes DIR/h200_hlo_<tag>.json/.md.
 """
 
@@ -54,13 +56,59 @@ class Caught(Exception):
     """Raised in place of running a decode loop: the loop was compiled instead."""
 
 
+COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\{$")  # a computation's header line
+OPCODE = re.compile(r"^(?:ROOT )?%[\w.\-]+ = .*? ([a-z][a-z\-]*)\(")
+# Instructions that launch nothing (they name or reshape buffers); the rest of a computation's instructions after
+# XLA's fusion each run as a kernel (fusions, custom calls, copies) or hold computations that do (while, conditional).
+NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "partition-id",
+             "replica-id", "opt-barrier"}
+
+
+def computations(text: str) -> tuple[dict[str, list[str]], str]:
+    """({name: instruction lines}, the entry computation's name) of an HLO module's text."""
+    bodies: dict[str, list[str]] = {}
+    entry, name = "", None
+    for line in text.splitlines():
+        header = COMPUTATION.match(line)
+        if header:
+            name = header.group(2)
+            bodies[name] = []
+            entry = name if header.group(1) else entry
+        elif line.startswith("}"):
+            name = None
+        elif name is not None and line.strip():
+            bodies[name].append(line.strip())
+    return bodies, entry
+
+
+def kernels(bodies: dict[str, list[str]], name: str) -> int:
+    """Kernel-running instructions of computation `name`, and of the loop bodies and conditional branches it holds
+    (each counted once: a proxy for the launches of one pass)."""
+    total = 0
+    for line in bodies.get(name, []):
+        opcode = OPCODE.match(line)
+        if opcode is None or opcode.group(1) in NO_KERNEL:
+            continue
+        total += 1
+        if opcode.group(1) in ("while", "conditional"):
+            held = re.findall(r"body=%?([\w.\-]+)", line) + re.findall(r"%([\w.\-]+)", line.split(
+                "branch_computations={")[1].split("}")[0] if "branch_computations={" in line else "")
+            total += sum(kernels(bodies, sub) for sub in held)
+    return total
+
+
 def count(text: str) -> dict:
-    """The counts this script reports, from an optimized HLO module's text."""
+    """The counts this script reports, from an optimized HLO module's text; round_kernels: the kernel-running
+    instructions of the decode loop's body (the entry computation's largest while loop), one round's launches."""
     dots = [line for line in text.splitlines() if DOT.search(line)]
+    bodies, entry = computations(text)
+    loops = [re.search(r"body=%?([\w.\-]+)", line) for line in bodies.get(entry, [])
+             if (op := OPCODE.match(line)) is not None and op.group(1) == "while"]
     return {"dots": len(dots),
             "dots_algorithm": sum("algorithm=" in line for line in dots),
             "dots_highest": sum("operand_precision={highest,highest}" in line for line in dots),
-            "bf16_products": len(BF16_PRODUCT.findall(text))}
+            "bf16_products": len(BF16_PRODUCT.findall(text)),
+            "round_kernels": max((kernels(bodies, m.group(1)) for m in loops if m), default=0)}
 
 
 def main() -> None:
@@ -136,10 +184,13 @@ def main() -> None:
              f"The shipped pair in float32, batch 1, a {args.prompt_tokens}-token held-out prompt, {args.new_tokens} "
              "new tokens; each loop is one jitted program (its while body holds the round). Dots: dot instructions "
              "left in the optimized HLO (with an explicit algorithm / at HIGHEST); bf16 products: multiplies with a "
-             "bf16 result, each a product XLA rounded to bf16 (a float32 model has none of its own).", "",
-             "| loop | precision | dots | with algorithm | HIGHEST | bf16 products |", "|---|---|---|---|---|---|"]
+             "bf16 result, each a product XLA rounded to bf16 (a float32 model has none of its own); kernels a round: "
+             "the instructions of the loop's body that run as kernels (fusions, custom calls, copies; nested loops' "
+             "bodies once), a count of launches, not a time.", "",
+             "| loop | precision | dots | with algorithm | HIGHEST | bf16 products | kernels a round |",
+             "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['loop']} | {r['precision']} | {r['dots']} | {r['dots_algorithm']} | {r['dots_highest']} | "
-              f"{r['bf16_products']} |" for r in rows]
+              f"{r['bf16_products']} | {r['round_kernels']} |" for r in rows]
     meta = metadata(compiled_for="NVIDIA H200 (XLA deviceless compilation, target description in the script)",
                     budget=args.budget, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
     write_results(args.out / f"h200_hlo_{args.tag}", meta, {"rows": rows}, "\n".join(lines) + "\n")

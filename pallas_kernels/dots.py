@@ -8,8 +8,9 @@ multiply + reduce, with each product of bf16 pieces rounded to bf16: such a dot 
 algorithm's float32 accuracy, and runs nine (X9) elementwise passes where one would do. Seen in the optimized HLO of
 the shipped pair's decode loops compiled for an H200 (jax 0.11.2; `benchmarks/h200_hlo.py`,
 benchmarks/results/h200_hlo_s21*.md): before this module the batch-1 AR loop under X9 held 873 bf16 multiplies (the
-DFlash and DDTree loops 504), none after. Under HIGHEST the same rewrite multiplies in float32 (exact products, float32 sums): so a vector-shaped dot
-runs at HIGHEST under an explicit algorithm, every other dot follows the process default as before.
+DFlash and DDTree loops 504), none after. Under HIGHEST the same rewrite multiplies in float32 (exact products,
+float32 sums): so a vector-shaped dot runs at HIGHEST under an explicit algorithm, every other dot follows the process
+default as before.
 
   y = einsum("td,tkid->tki", x, w)        # jnp.einsum, that precision chosen
   y = matmul(x, w)                         # x [..., K] @ w [K, N]

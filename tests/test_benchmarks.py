@@ -249,16 +249,43 @@ def test_acceptance_bound_tree_is_the_best_tree(V, L):
         oracle_trees(logprobs, contexts, len(nodes) + 1, L)
 
 
-def test_h200_hlo_counts_dots_and_bf16_products():
+def test_h200_hlo_counts_dots_bf16_products_and_a_rounds_kernels():
     """benchmarks/h200_hlo.py's reading of an optimized HLO module: a bf16 multiply counts as a rounded product, a
-    float32 one does not; dots by their precision (the lines are those of a real H200 compile, shortened)."""
+    float32 one does not; dots by their precision; the loop body's kernel-running instructions, a nested loop's body
+    included, buffer plumbing (parameters, tuples, bitcasts) not (instruction lines as a real H200 compile writes
+    them, shortened)."""
     from benchmarks.h200_hlo import count
 
-    text = "\n".join([
-        "  %multiply.1967.3 = bf16[384,4096]{1,0} multiply(%broadcast.2956.9, %convert.3984.3)",
-        "  %mul.567.3 = f32[1,1,384]{2,1,0} multiply(%bitcast.2.5, %mul.566.5)",
-        "  ROOT %dot.5 = f32[8,512,5]{2,1,0} dot(%reshape.61, %parameter_2), lhs_batch_dims={1}, "
-        "algorithm=dot_bf16_bf16_f32_x6",
-        "  %dot.4 = f32[512,5]{1,0} dot(%concatenate.2, %parameter_2), operand_precision={highest,highest}",
-    ])
-    assert count(text) == {"dots": 2, "dots_algorithm": 1, "dots_highest": 1, "bf16_products": 1}
+    text = """HloModule jit__generate_ar
+
+%fused_add (param_0: bf16[384]) -> f32[384,4096] {
+  %multiply.1967.3 = bf16[384,4096]{1,0} multiply(%broadcast.2956.9, %convert.3984.3)
+  %mul.567.3 = f32[1,1,384]{2,1,0} multiply(%bitcast.2.5, %mul.566.5)
+}
+
+%inner_body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %fusion.3 = f32[8]{0} fusion(%gte.1), kind=kLoop, calls=%fused_add
+  ROOT %tuple.2 = (s32[], f32[8]{0}) tuple(%gte.0, %fusion.3)
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p.1 = (s32[], f32[8]{0}) parameter(0)
+  %gte.0 = s32[] get-tuple-element(%p.1), index=0
+  ROOT %dot.5 = f32[8,512,5]{2,1,0} dot(%reshape.61, %parameter_2), lhs_batch_dims={1}, algorithm=dot_bf16_bf16_f32_x6
+  %dot.4 = f32[512,5]{1,0} dot(%concatenate.2, %parameter_2), operand_precision={highest,highest}
+  %input_reduce_fusion.45 = f32[8]{0} fusion(%gte.0), kind=kInput, calls=%fused_add
+  %bitcast.1 = f32[8]{0} bitcast(%input_reduce_fusion.45)
+  %while.2 = (s32[], f32[8]{0}) while(%tuple.1), condition=%cond, body=%inner_body
+  %copy.1 = f32[8]{0} copy(%bitcast.1)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %fusion.9 = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_add
+  %while.1 = (s32[], f32[8]{0}) while(%tuple.0), condition=%cond, body=%body
+  ROOT %gte.9 = f32[8]{0} get-tuple-element(%while.1), index=1
+}
+"""
+    assert count(text) == {"dots": 2, "dots_algorithm": 1, "dots_highest": 1, "bf16_products": 1,
+                           "round_kernels": 6}  # 2 dots, the reduce fusion, the inner while + its fusion, the copy
