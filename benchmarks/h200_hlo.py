@@ -1,8 +1,11 @@
 """What XLA compiles the decode loops into for an H200, on a machine without one: per loop and matmul precision,
 the dots and their precisions, and the products a float32 model rounds to bf16.
 
-  pip install "jax[cuda12]==0.11.2"        # the CUDA plugin: its compiler needs no GPU (several GB of CUDA wheels)
-  python benchmarks/h200_hlo.py --out benchmarks/results [--tag NAME] [--precisions highest BF16_BF16_F32_X9]
+  python3.12 -m venv /tmp/cuda-venv && /tmp/cuda-venv/bin/pip install "jax[cuda12]==0.11.2" -e .
+  /tmp/cuda-venv/bin/python benchmarks/h200_hlo.py --out benchmarks/results [--tag NAME] [--precisions ...]
+
+A separate environment: the CUDA plugin (its compiler needs no GPU; 5.5 GB of CUDA wheels) makes every JAX start
+try CUDA first, which the project's own CPU environment should not.
 
 The shipped pair (float32, batch 1, one held-out prompt) runs through `kj.generate` for AR, DFlash and DDTree; the
 one-jit loop each call would run is caught before it runs, compiled for an H200 target description (XLA's
