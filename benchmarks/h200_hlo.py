@@ -1,8 +1,8 @@
 """What XLA compiles the decode loops into for an H200, on a machine without one: per loop and matmul precision,
 the dots and their precisions, and the products a float32 model rounds to bf16.
 
-  python3.12 -m venv /tmp/cuda-venv && /tmp/cuda-venv/bin/pip install "jax[cuda12]==0.11.2" -e .
-  /tmp/cuda-venv/bin/python benchmarks/h200_hlo.py --out benchmarks/results [--tag NAME] [--precisions ...]
+  python3.12 -m venv .venv-cuda && .venv-cuda/bin/pip install "jax[cuda12]==0.11.2" -e .
+  .venv-cuda/bin/python benchmarks/h200_hlo.py --out benchmarks/results [--tag NAME] [--precisions ...]
 
 A separate environment: the CUDA plugin (its compiler needs no GPU; 5.5 GB of CUDA wheels) makes every JAX start
 try CUDA first, which the project's own CPU environment should not.
