@@ -120,6 +120,8 @@ def main() -> None:
     ap.add_argument("--tag", default="shipped", help="suffix of the results files (default %(default)s)")
     ap.add_argument("--precisions", nargs="+", default=["highest", "BF16_BF16_F32_X9"],
                     help="float32 matmul precisions to compile under (kdtree_jax.precision; default %(default)s)")
+    ap.add_argument("--target", type=Path, default=None, help="target checkpoint (default: the shipped one)")
+    ap.add_argument("--drafter", type=Path, default=None, help="drafter checkpoint (default: the shipped one)")
     ap.add_argument("--budget", type=int, default=31, help="DDTree's tree budget (default %(default)s)")
     ap.add_argument("--prompt-tokens", type=int, default=64, help="the held-out prompt's length (default %(default)s)")
     ap.add_argument("--new-tokens", type=int, default=128, help="max_new_tokens of the loops (default %(default)s)")
@@ -141,7 +143,7 @@ def main() -> None:
     from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec  # noqa: PLC0415
 
     import kdtree_jax as kj  # noqa: PLC0415
-    from benchmarks.common import metadata, set_matmul_precision, write_results  # noqa: PLC0415
+    from benchmarks.common import metadata, set_matmul_precision, shown_path, write_results  # noqa: PLC0415
     from pallas_kernels import dispatch  # noqa: PLC0415
     from training.prompts import load_prompts  # noqa: PLC0415
 
@@ -165,8 +167,9 @@ def main() -> None:
         namespace = vars(importlib.import_module(module))  # (kj.generate is the function, not the module)
         namespace[loop] = catch(namespace[loop])
 
-    cfg, params = kj.load_checkpoint(kj.ASSETS / "target", expect_kind="target", dtype="float32")
-    dcfg, dparams = kj.load_checkpoint(kj.ASSETS / "drafter", expect_kind="drafter", dtype="float32")
+    target, drafter = args.target or kj.ASSETS / "target", args.drafter or kj.ASSETS / "drafter"
+    cfg, params = kj.load_checkpoint(target, expect_kind="target", dtype="float32")
+    dcfg, dparams = kj.load_checkpoint(drafter, expect_kind="drafter", dtype="float32")
     prompt = load_prompts(1, args.prompt_tokens)
     loops = {"AR": dict(method="ar"), "DFlash": dict(method="dflash", drafter=(dcfg, dparams)),
              f"DDTree {args.budget}": dict(method="ddtree", drafter=(dcfg, dparams), tree_budget=args.budget)}
@@ -183,8 +186,10 @@ def main() -> None:
             rows.append(row)
         jax.clear_caches()
 
+    pair = "The shipped pair" if args.target is None and args.drafter is None else (
+        f"Target `{shown_path(target)}`, drafter `{shown_path(drafter)}` ({dcfg.num_hidden_layers} layers)")
     lines = ["# The decode loops compiled for an H200 (deviceless): dots and bf16-rounded products", "",
-             f"The shipped pair in float32, batch 1, a {args.prompt_tokens}-token held-out prompt, {args.new_tokens} "
+             f"{pair} in float32, batch 1, a {args.prompt_tokens}-token held-out prompt, {args.new_tokens} "
              "new tokens; each loop is one jitted program (its while body holds the round). Dots: dot instructions "
              "left in the optimized HLO (with an explicit algorithm / at HIGHEST); bf16 products: multiplies with a "
              "bf16 result, each a product XLA rounded to bf16 (a float32 model has none of its own); kernels a round: "
@@ -195,7 +200,8 @@ def main() -> None:
     lines += [f"| {r['loop']} | {r['precision']} | {r['dots']} | {r['dots_algorithm']} | {r['dots_highest']} | "
               f"{r['bf16_products']} | {r['round_kernels']} |" for r in rows]
     meta = metadata(compiled_for="NVIDIA H200 (XLA deviceless compilation, target description in the script)",
-                    budget=args.budget, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
+                    target=shown_path(target), drafter=shown_path(drafter), budget=args.budget,
+                    prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
     write_results(args.out / f"h200_hlo_{args.tag}", meta, {"rows": rows}, "\n".join(lines) + "\n")
 
 
