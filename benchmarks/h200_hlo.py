@@ -61,6 +61,8 @@ class Caught(Exception):
 
 COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\{$")  # a computation's header line
 OPCODE = re.compile(r"^(?:ROOT )?%[\w.\-]+ = .*? ([a-z][a-z\-]*)\(")
+BODY = re.compile(r"body=%?([\w.\-]+)")  # a while loop's body
+BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")  # a conditional's branches
 # Instructions that launch nothing (they name or reshape buffers); the rest of a computation's instructions after
 # XLA's fusion each run as a kernel (fusions, custom calls, copies) or hold computations that do (while, conditional).
 NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "partition-id",
@@ -94,8 +96,8 @@ def kernels(bodies: dict[str, list[str]], name: str) -> int:
             continue
         total += 1
         if opcode.group(1) in ("while", "conditional"):
-            held = re.findall(r"body=%?([\w.\-]+)", line) + re.findall(r"%([\w.\-]+)", line.split(
-                "branch_computations={")[1].split("}")[0] if "branch_computations={" in line else "")
+            branches = BRANCHES.search(line)
+            held = BODY.findall(line) + (re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else [])
             total += sum(kernels(bodies, sub) for sub in held)
     return total
 
@@ -105,7 +107,7 @@ def count(text: str) -> dict:
     instructions of the decode loop's body (the entry computation's largest while loop), one round's launches."""
     dots = [line for line in text.splitlines() if DOT.search(line)]
     bodies, entry = computations(text)
-    loops = [re.search(r"body=%?([\w.\-]+)", line) for line in bodies.get(entry, [])
+    loops = [BODY.search(line) for line in bodies.get(entry, [])
              if (op := OPCODE.match(line)) is not None and op.group(1) == "while"]
     return {"dots": len(dots),
             "dots_algorithm": sum("algorithm=" in line for line in dots),

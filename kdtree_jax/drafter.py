@@ -27,6 +27,7 @@ from jax.core import Tracer  # still public in jax 0.11 (not deprecated); jax ha
 
 from kdtree_jax.config import ConfigError, ModelConfig, YarnScaling
 from kdtree_jax.layers import apply_rope, rms_norm, rope_frequencies, swiglu, swiglu_joined
+from kdtree_jax.linear import linear as _linear  # the drafter's weights are dense
 from pallas_kernels import dots
 
 # DFlash drafters use blocks of 10-16. DDTree's tree build and accept walk unroll one step per drafted
@@ -351,10 +352,6 @@ def init_drafter_cache(dcfg: DrafterConfig, batch: int, max_len: int, dtype=jnp.
 
 
 # ----------------------------------------------------------------------------------------- helpers
-def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    return dots.matmul(x, w.astype(x.dtype))
-
-
 def _rope(dcfg: DrafterConfig) -> tuple[np.ndarray, float]:
     """(inv_freq [hd/2], attention_factor): plain RoPE, or YaRN when `rope_scaling` is set."""
     return rope_frequencies(dcfg.rope_theta, dcfg.head_dim, dcfg.rope_scaling)

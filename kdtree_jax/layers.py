@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax.config import ModelConfig, YarnScaling
-from pallas_kernels import dots
+from kdtree_jax.linear import linear as dense_or_int4
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -19,18 +19,15 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (normed * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, linear=None) -> jax.Array:
-    """(silu(x @ gate) * (x @ up)) @ down for [in, out] weights; `linear(x, w)` may dispatch INT4."""
-    if linear is None:
-        linear = lambda a, w: dots.matmul(a, w.astype(a.dtype))  # noqa: E731
+def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, linear=dense_or_int4) -> jax.Array:
+    """(silu(x @ gate) * (x @ up)) @ down for [in, out] weights; `linear(x, w)` (kdtree_jax.linear.linear: dense or
+    INT4 with the default kernel choice; a model passes its own)."""
     return linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)
 
 
-def swiglu_joined(gate_up: jax.Array, down: jax.Array, linear=None) -> jax.Array:
+def swiglu_joined(gate_up: jax.Array, down: jax.Array, linear=dense_or_int4) -> jax.Array:
     """swiglu's second half from x @ [gate | up] (gate_up [..., 2F], the two products side by side):
     (silu(gate) * up) @ down."""
-    if linear is None:
-        linear = lambda a, w: dots.matmul(a, w.astype(a.dtype))  # noqa: E731
     gate, up = jnp.split(gate_up, 2, axis=-1)
     return linear(jax.nn.silu(gate) * up, down)
 
