@@ -525,17 +525,23 @@ class HFImport:
         return jax.tree.map(jnp.asarray, params[key])
 
 
-def open_hf(path: str | Path, dtype=jnp.bfloat16) -> HFImport:
-    """Check a Hugging Face DeepSeek-V3 / Kimi K2.x checkpoint directory (config and every shard
-    header; no tensor data is read) and return an HFImport that loads it entry by entry.
-    Raises HFCheckpointError for a bad directory, config or tensor."""
-    path = Path(path)
+def float_dtype(dtype) -> jnp.dtype:
+    """`dtype` as a floating jnp dtype; HFCheckpointError for anything else (the dtype an import converts to)."""
     try:
         dtype = jnp.dtype(dtype)
     except TypeError:
         raise HFCheckpointError(f"dtype must be a floating dtype, got {dtype!r}") from None
     if not jnp.issubdtype(dtype, jnp.floating):
         raise HFCheckpointError(f"dtype must be a floating dtype, got {dtype}")
+    return dtype
+
+
+def open_hf(path: str | Path, dtype=jnp.bfloat16) -> HFImport:
+    """Check a Hugging Face DeepSeek-V3 / Kimi K2.x checkpoint directory (config and every shard
+    header; no tensor data is read) and return an HFImport that loads it entry by entry.
+    Raises HFCheckpointError for a bad directory, config or tensor."""
+    path = Path(path)
+    dtype = float_dtype(dtype)
     cfg, raw = read_hf_config(path)
     quant = _quantization(raw)
     infos = _list_tensors(path)

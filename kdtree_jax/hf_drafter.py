@@ -48,6 +48,7 @@ from kdtree_jax.hf import (
     _ShardReader,
     _TensorInfo,
     check_tensor_info,
+    float_dtype,
     read_config_json,
 )
 
@@ -323,12 +324,7 @@ def load_hf_drafter(path: str | Path, dtype=jnp.bfloat16, *, target: ModelConfig
     mask id, num_target_layers). Raises DrafterFormatError / HFCheckpointError (a ValueError) for a bad
     or unsupported directory, ConfigError for a drafter that does not fit `target`.
     """
-    try:
-        dtype = jnp.dtype(dtype)
-    except TypeError:
-        raise HFCheckpointError(f"dtype must be a floating dtype, got {dtype!r}") from None
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise HFCheckpointError(f"dtype must be a floating dtype, got {dtype}")
+    dtype = float_dtype(dtype)
     path = Path(path)
     dcfg, raw = read_hf_drafter_config(path)
     if target is not None:
