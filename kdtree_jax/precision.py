@@ -11,7 +11,9 @@ DFlash == AR on every prompt; the AR step itself was slower (2335 against 2701 t
 forms, which otherwise name HIGHEST, follow an explicit algorithm
 (pallas_kernels.moe_w4a16.reference.xla_dot_precision). Under an explicit algorithm a vector-shaped dot (a batch-1
 AR step's projections, the routed experts' mat-vecs) runs at HIGHEST instead: XLA's GPU compiler rounds the products
-of such a dot to bf16 under the algorithm (pallas_kernels.dots; the figures above predate that).
+of such a dot to bf16 under the algorithm (pallas_kernels.dots; the figures above predate that). With it, on an H100
+(2026-12-05, benchmarks/results/e2e_h100_b1_s22_*.md, both precisions in one device call): AR 2513 against 2468
+tokens/s under "highest", DDTree 15 5383 against 4413, greedy == AR on every prompt under both.
 """
 
 from __future__ import annotations

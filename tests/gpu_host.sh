@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The tests a CPU CI cannot run, on a GPU host (the H200), from the repo root:
 #
-#   OUT=DIR [LIMIT_S=420] [RUNS="suite shipped"] bash tests/gpu_host.sh
+#   OUT=DIR [LIMIT_S=420] [RUNS="suite shipped"] [WORKERS=N] bash tests/gpu_host.sh
 #
 # Two pytest runs side by side (RUNS picks them), each under LIMIT_S seconds, each streaming one line per finished test
 # (-v, so a run cut short still names every result it got) into OUT:
@@ -11,21 +11,27 @@
 #                      tests (interpret mode, also run by CI), so a cut run loses only tests CI covers;
 #   shipped_gpu.log  - tests/test_shipped_model.py on the GPU (the greedy invariant of the shipped pair on
 #                      every held-out prompt, the acceptance floors, determinism for a seed).
-# Each log ends with the run's exit status ("rc=124": cut at the limit).
+# Each log ends with the run's exit status ("rc=124": cut at the limit). The suite runs WORKERS pytest workers: by default
+# one per 12 GiB of the first GPU's memory, at most 12 (11 on an H200, 6 on an 80 GB H100; there, 12 workers ran out of GPU memory
+# in the K2.6-shape kernel tests, docs/kernels.md "Testing the kernels").
 set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
 LIMIT_S=${LIMIT_S:-420}
 RUNS=${RUNS:-suite shipped}
 PY=${PYTHON:-python3}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+if [[ -z "${WORKERS:-}" ]]; then
+    mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+    WORKERS=$(( ${mib:-0} / (12 * 1024) )); (( WORKERS > 12 )) && WORKERS=12; (( WORKERS < 1 )) && WORKERS=1
+fi
 common=(-p no:cacheprovider -p no:benchmark -o addopts="-rfEs" -v --tb=short)
 # --dist load: the two long kernel files (MoE, tree build) spread over the workers
 [[ " $RUNS " == *" suite "* ]] && ( end=$(( $(date +%s) + LIMIT_S )); log="$OUT/gpu_suite.log"
-    timeout "$LIMIT_S" $PY -m pytest "${common[@]}" -n 12 --dist load -m gpu tests > "$log" 2>&1
+    timeout "$LIMIT_S" $PY -m pytest "${common[@]}" -n "$WORKERS" --dist load -m gpu tests > "$log" 2>&1
     echo "rc=$? (-m gpu)" >> "$log"
     left=$(( end - $(date +%s) ))
     if (( left > 10 )); then
-        timeout "$left" $PY -m pytest "${common[@]}" -n 12 --dist load -m "kernels and not gpu" -k "not mgpu_interpret" \
+        timeout "$left" $PY -m pytest "${common[@]}" -n "$WORKERS" --dist load -m "kernels and not gpu" -k "not mgpu_interpret" \
             tests >> "$log" 2>&1
         echo "rc=$? (-m 'kernels and not gpu')" >> "$log"
     else
