@@ -202,8 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "float32, where greedy DDTree == AR is proved). 'default' is JAX's (TF32 on NVIDIA GPUs, whose "
                    "rounding differs between the AR step and the tree-shaped verify, so greedy DDTree can leave the "
                    "AR path at near-ties). The others are XLA dot algorithms of float32 accuracy from bf16 / TF32 "
-                   "tensor-core passes: on the H200 BF16_BF16_F32_X9 ran the shipped pair's DDTree 14-27%% faster "
-                   "(budgets 7-31) than highest with greedy output == AR on every prompt measured, and AR 14%% "
+                   "tensor-core passes: BF16_BF16_F32_X9 ran the shipped pair's greedy DDTree 13-27%% faster than "
+                   "highest (H200 and H100, budgets 7-31) with output == AR on every prompt measured, and AR no "
                    "slower (kdtree_jax.precision); the CPU lacks X9 and TF32. bf16 models are unaffected")
     g.set_defaults(func=cmd_generate)
 
