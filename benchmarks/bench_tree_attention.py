@@ -105,6 +105,12 @@ def main():
     ap.add_argument("--budget-s", type=float, default=200.0, help="start no new shape after this many seconds")
     ap.add_argument("--shapes", nargs="+", metavar="S:T",
                     help="only these (S, T) of MOSAIC_PLAN (with --smoke: of SMOKE_PLAN), e.g. 32768:33 32768:129")
+    ap.add_argument("--splits", nargs="+", type=int, metavar="N",
+                    help="time the Mosaic kernel at these KV split counts instead of the plan's (every selected shape; "
+                         "with --schedules: those schedules only), e.g. a T = 1 sweep: --shapes 32768:1 --splits 32 64 "
+                         "128 --schedules replicated")
+    ap.add_argument("--schedules", nargs="+", choices=("replicated", "shared_qk"),
+                    help="only these Mosaic schedules (default: the plan's)")
     ap.add_argument("--shipped", action="store_true",
                     help="the shipped pair's attention shape instead of K2's: tree_attention_shipped.{json,md}")
     ap.add_argument("--smoke", action="store_true",
@@ -170,6 +176,11 @@ def mosaic_main(args):
         if unknown:
             sys.exit(f"--shapes {unknown} not in the plan {sorted(plan)}")
         plan = {st: plan[st] for st in wanted}
+    if args.splits or args.schedules:
+        plan = {st: [dict(variants[0], num_splits=n, schedule=sch)  # other settings (smoke: value_block) kept
+                     for n in (args.splits or sorted({v["num_splits"] for v in variants}))
+                     for sch in (args.schedules or dict.fromkeys(v["schedule"] for v in variants))]
+                for st, variants in plan.items()}
     # Pass 1, wall clocks: every shape (until --budget-s) and variant, no CUPTI window open yet. Each record keeps its
     # jitted program and input sets for pass 2.
     measured = []  # (record, program, sets, ref0): the records live in `rows`
