@@ -23,6 +23,10 @@ Usage (GPU): python benchmarks/bench_tree_attention.py --out DIR [--budget-s 200
              python benchmarks/bench_tree_attention.py --summarize-shipped RUN.json   # results/ .md again
        (CPU): python benchmarks/bench_tree_attention.py --smoke --out DIR   # the same run at tiny shapes, the
              kernel in Mosaic GPU interpret mode: checks the script only; its timings mean nothing.
+       the split-KV combine alone (combine_splits, one fused reduction, against the textbook XLA form it replaced)
+       at a T = 1 call's partials (64 rows x 512, bf16) per split count: wall clock per call inside a jitted loop,
+       then CUPTI time and kernel count; DIR/tree_attention_combine_<device>.{json,md} (--smoke: on a CPU):
+             python benchmarks/bench_tree_attention.py --out DIR --combine [--splits 16 32 64 128]
 """
 
 from __future__ import annotations
@@ -115,7 +119,12 @@ def main():
                     help="the shipped pair's attention shape instead of K2's: tree_attention_shipped.{json,md}")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU script check: tiny shapes, the kernel in Mosaic GPU interpret mode, wall clock")
+    ap.add_argument("--combine", action="store_true",
+                    help="time the split-KV combine alone (combine_splits vs the textbook XLA form) at a T = 1 call's "
+                         "partials per split count (--splits, default 16 32 64 128)")
     args = ap.parse_args()
+    if args.combine:
+        return combine_main(args)
     if args.shipped:
         return shipped_main(args)
     return mosaic_main(args)
@@ -228,6 +237,87 @@ def mosaic_main(args):
         failed = [(row["S"], row["T"], m) for row in rows for m in [row["xla"], *row["mosaic"]] if not passed(m)]
         if failed or len(rows) < len(plan):
             sys.exit(f"smoke run: {len(plan) - len(rows)} shape(s) not run; failed: {failed}")
+
+
+def combine_textbook(o_part, lse, dtype):
+    """The split-KV combine as first written (until 2026-12-05 in the kernel's wrapper), the baseline of --combine:
+    max LSE, exp2 weights, their sum, the weighted sum, the division (five kernels for an H200)."""
+    w = jnp.exp2(lse - jnp.max(lse, axis=1, keepdims=True))
+    out = jnp.sum(o_part.astype(jnp.float32) * w[..., None], axis=1) / jnp.sum(w, axis=1)[..., None]
+    return out.astype(dtype)
+
+
+def combine_two_stage(o_part, lse, dtype):
+    """A third form, for --combine: each row's total log2-sum-exp over the splits first (one small variadic-free
+    reduction over [B, NS, R] with a log-add-exp reducer), then the weighted sum with exp2(lse - total)."""
+    def log_add(a, b):
+        m = jnp.maximum(a, b)
+        return m + jnp.log2(jnp.exp2(a - m) + jnp.exp2(b - m))
+
+    total = jax.lax.reduce(lse, jnp.float32(-1e30), log_add, (1,))
+    w = jnp.exp2(lse - total[:, None])
+    return jnp.sum(o_part.astype(jnp.float32) * w[..., None], axis=1).astype(dtype)
+
+
+def combine_main(args):
+    """combine_splits against combine_textbook on the partials of a T = 1 call (B 1, 64 rows, c 512, bf16; LSEs
+    uniform in [-20, 20]) per split count: both checked against the float64 combine, the wall clock per call inside a
+    jitted loop of 200 (every variant before any CUPTI window), then CUPTI summed kernel time and the kernels."""
+    from benchmarks.common import loop_wall_us
+    from pallas_kernels.tree_attention.mosaic_gpu import combine_splits
+
+    if jax.default_backend() != "gpu" and not args.smoke:
+        sys.exit("no GPU: this benchmark only measures on the device (--smoke checks the script on a CPU)")
+    splits = args.splits or [16, 32, 64, 128]
+    rows_, c = 64, 512
+    calls = 5 if args.smoke else 200
+    timer = Timer(1, device=False) if args.smoke else Timer(5)
+    rng = np.random.default_rng(0)
+    forms = {"one reduction (combine_splits)": combine_splits, "two stages": combine_two_stage,
+             "textbook (5 ops)": combine_textbook}
+    meta = metadata(B=1, rows=rows_, c=c, dtype="bfloat16", smoke=args.smoke, timer=timer.method,
+                    wall=f"wall clock per call inside a jitted loop of {calls} calls, median of 5 loops, "
+                         "all taken before the first CUPTI window", wall_after_cupti=False)
+    rows, programs = [], []
+    for ns in splits:
+        o = rng.standard_normal((1, ns, rows_, c)).astype(np.float32)
+        lse = rng.uniform(-20, 20, (1, ns, rows_)).astype(np.float32)
+        args_dev = (jnp.asarray(o, jnp.bfloat16), jnp.asarray(lse))
+        w = np.exp2(lse.astype(np.float64) - lse.max(axis=1, keepdims=True))
+        o64 = np.asarray(args_dev[0].astype(jnp.float32), np.float64)
+        want = (o64 * w[..., None]).sum(axis=1) / w.sum(axis=1)[..., None]
+        floor = (ns * rows_ * (c * 2 + 4) + rows_ * c * 2) / COPY_BW * 1e6
+        row = dict(splits=ns, floor_us=floor, forms={})
+        for name, form in forms.items():
+            fn = jax.jit(lambda o_, l_, form=form: form(o_, l_, jnp.bfloat16))
+            got = np.asarray(fn(*args_dev).astype(jnp.float32), np.float64)
+            rec = dict(rel_err=float(np.abs(got - want).max() / np.abs(want).max()),
+                       wall_loop_us=loop_wall_us(fn, args_dev, calls))
+            row["forms"][name] = rec
+            programs.append((rec, fn, args_dev))
+            print(ns, name, rec, flush=True)
+        rows.append(row)
+    for rec, fn, args_dev in programs:  # CUPTI after every wall clock
+        timing = timer(fn, *args_dev)
+        rec["us"] = timing.seconds * 1e6
+        if timer.device:
+            rec["kernels"] = [(name, sec * 1e6) for name, sec in timing.kernels]
+    lines = [f"# The split-KV combine of a T = 1 call, {meta['device']}, jax {meta['jax']}, {meta['date']}",
+             *(["", "**SMOKE RUN (CPU): these numbers are NOT measurements.**"] if args.smoke else []),
+             "", f"B 1, {rows_} rows (one T = 1 row tile of 64 heads), c {c}, bf16 partials, float32 LSEs. us = "
+             f"{timer.method}; loop wall = {meta['wall']}. Floor = the partials' and the output's bytes / 3.4 TB/s. "
+             "rel err = max abs error / max abs value against the float64 combine.", "",
+             "| splits | floor us | form | us (kernels) | loop wall us | rel err |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        for name, rec in row["forms"].items():
+            n = len(rec.get("kernels", []))
+            lines.append(f"| {row['splits']} | {row['floor_us']:.1f} | {name} | {rec['us']:.1f}"
+                         f"{f' ({n})' if n else ''} | {rec['wall_loop_us']:.1f} | {rec['rel_err']:.1e} |")
+    table = "\n".join(lines)
+    stem = os.path.join(args.out, "tree_attention_combine_" + ("smoke" if args.smoke else "h200"))
+    write_results(stem, meta, dict(rows=rows), table)
+    print(table)
 
 
 def passed(rec) -> bool:

@@ -38,7 +38,7 @@ The KV range of batch row b is [0, start[b] + T):
     (S_max not a multiple of block_kv: the wrapper pads the cache, see tree_attention_mosaic).
 
 num_splits > 1: each split writes its normalized partial output (in the input dtype: it is staged in the q chunk's
-SMEM) and its float32 log2-sum-exp; an XLA combine (`combine_splits`) weights them by exp2(lse - max lse).
+SMEM) and its float32 log2-sum-exp; an XLA combine (`combine_splits`: one fused reduction) weights them by exp2(lse).
 
 Status: checked in Mosaic GPU interpret mode on CPU (tests/kernels/test_tree_attention_mgpu.py, tiny shapes, both
 schedules), its CUDA lowering at K2 shapes (c 512, r 64, H 64), and natively on an H200 (the @gpu tests of that
@@ -481,9 +481,23 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
 
 def combine_splits(o_part, lse, dtype):
     """The split-KV combine (XLA): per-split normalized outputs o_part [B, NS, R, c] and their log2-sum-exp
-    lse [B, NS, R] -> [B, R, c] in `dtype`, each split weighted by exp2(lse - max lse)."""
-    w = jnp.exp2(lse - jnp.max(lse, axis=1, keepdims=True))  # the last split always sees the diagonal
-    out = jnp.sum(o_part.astype(jnp.float32) * w[..., None], axis=1) / jnp.sum(w, axis=1)[..., None]
+    lse [B, NS, R] -> [B, R, c] in `dtype`: the softmax-weighted mean of the splits, each weighted by exp2(lse).
+
+    One variadic reduction over the split axis whose reducer merges two (log2-sum-exp, normalized output) pairs as
+    the online softmax does, so XLA fuses the whole combine (the split weights, their sum, the weighted sum, the
+    division) into one reduction kernel over the partials plus the cast: two launches, where the textbook form
+    (max lse, then exp2 weights, their sum, the weighted sum, the division) compiled for an H200 into five. The
+    identity is a finite NEG (not -inf: merging two untouched accumulators must not compute -inf - -inf)."""
+
+    def merge(a, b):  # one exp2, one log2 and one reciprocal per merge: the larger side's weight is 1
+        (ma, oa), (mb, ob) = a, b
+        a_larger = ma >= mb
+        e = jnp.exp2(-jnp.abs(ma - mb))  # the smaller side's weight, in (0, 1]
+        wa, wb = jnp.where(a_larger, 1.0, e), jnp.where(a_larger, e, 1.0)
+        return jnp.maximum(ma, mb) + jnp.log2(1.0 + e), (oa * wa + ob * wb) * (1.0 / (1.0 + e))
+
+    lse_rows = jnp.broadcast_to(lse[..., None], o_part.shape)  # fused into the reduction, never materialized
+    _, out = lax.reduce((lse_rows, o_part.astype(jnp.float32)), (jnp.float32(NEG), jnp.float32(0)), merge, (1,))
     return out.astype(dtype)
 
 

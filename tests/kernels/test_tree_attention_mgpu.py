@@ -160,6 +160,30 @@ def test_mgpu_at_t1_builds_no_mask_words():
     assert "shift_left" not in texts[1] and "shift_left" in texts[2]
 
 
+def test_split_combine_matches_numpy_in_one_reduction():
+    """combine_splits (the split-KV combine) against the float64 NumPy softmax-weighted mean of the splits: LSEs far
+    apart (2^300 would overflow float32 without the max shift), rows with some splits empty (lse NEG, output 0) and a
+    row whose every split is empty (a padded row: a finite output). It is one variadic reduction in the lowered
+    program (the textbook form had three reductions and XLA made five kernels of them for an H200)."""
+    from pallas_kernels.tree_attention.mosaic_gpu import NEG, combine_splits
+
+    rng = np.random.default_rng(7)
+    B, NS, R, c = 2, 7, 5, 16
+    o = rng.standard_normal((B, NS, R, c)).astype(np.float32)
+    lse = rng.uniform(-300, 300, (B, NS, R)).astype(np.float32)
+    lse[0, 2:, 1] = NEG  # row 1: only splits 0 and 1 saw a visible row
+    o[0, 2:, 1] = 0.0
+    lse[1, :, 4] = NEG  # row 4 of batch 1: a padded row, no split saw anything
+    o[1, :, 4] = 0.0
+    got = np.asarray(jax.jit(combine_splits, static_argnums=2)(jnp.asarray(o), jnp.asarray(lse), jnp.float32))
+    w = np.exp2(lse.astype(np.float64) - lse.max(axis=1, keepdims=True))
+    want = (o * w[..., None]).sum(axis=1) / w.sum(axis=1)[..., None]
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    text = jax.jit(combine_splits, static_argnums=2).lower(jnp.asarray(o), jnp.asarray(lse), jnp.bfloat16).as_text()
+    assert text.count("stablehlo.reduce") == 1
+
+
 def test_mgpu_lowers_for_cuda_at_the_gpu_invariant_check_shapes():
     """benchmarks/check_gpu_invariant.py's kernel table (B 3, H 6, c 64, r 64, S_max 200, bf16 and f16; one value
     warpgroup, the split counts of tuned.mosaic_config) lowers for an abstract H200; r = 16 there did not (c + r = 80,
