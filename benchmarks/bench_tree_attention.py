@@ -25,7 +25,7 @@ Usage (GPU): python benchmarks/bench_tree_attention.py --out DIR [--budget-s 200
              kernel in Mosaic GPU interpret mode: checks the script only; its timings mean nothing.
        the split-KV combine alone (combine_splits, one fused reduction, against the textbook XLA form it replaced)
        at a T = 1 call's partials (64 rows x 512, bf16) per split count: wall clock per call inside a jitted loop,
-       then CUPTI time and kernel count; DIR/tree_attention_combine_<device>.{json,md} (--smoke: on a CPU):
+       then CUPTI time and kernel count; DIR/tree_attention_combine_<h200|h100|gpu>.{json,md} (--smoke: on a CPU):
              python benchmarks/bench_tree_attention.py --out DIR --combine [--splits 16 32 64 128]
 """
 
@@ -315,7 +315,8 @@ def combine_main(args):
             lines.append(f"| {row['splits']} | {row['floor_us']:.1f} | {name} | {rec['us']:.1f}"
                          f"{f' ({n})' if n else ''} | {rec['wall_loop_us']:.1f} | {rec['rel_err']:.1e} |")
     table = "\n".join(lines)
-    stem = os.path.join(args.out, "tree_attention_combine_" + ("smoke" if args.smoke else "h200"))
+    card = next((k.lower() for k in ("H200", "H100") if k in meta["device"]), "gpu") if not args.smoke else "smoke"
+    stem = os.path.join(args.out, "tree_attention_combine_" + card)
     write_results(stem, meta, dict(rows=rows), table)
     print(table)
 
