@@ -15,7 +15,7 @@ that is <= 8 sets) so the cache is not simply L2 resident; time per op = program
 warm-up. Results carry the run's metadata (device, JAX, date, git commit, command).
 
 Usage (GPU): python benchmarks/bench_tree_attention.py --out DIR [--budget-s 200] [--shapes 32768:33 ...]
-               (DIR/tree_attention_mosaic_h200.{json,md}, rewritten as the shapes are measured)
+               (DIR/tree_attention_mosaic_<h200|h100|gpu>.{json,md}, rewritten as the shapes are measured)
              python benchmarks/bench_tree_attention.py --summarize-mosaic RUN1.json RUN2.json
                (merged into benchmarks/results/tree_attention_mosaic_h200.{json,md,png})
        shipped pair's shape (H, c, r from its config; float32 and bf16; impl="xla", and in bf16 impl="mosaic_gpu"):
@@ -23,7 +23,8 @@ Usage (GPU): python benchmarks/bench_tree_attention.py --out DIR [--budget-s 200
              python benchmarks/bench_tree_attention.py --summarize-shipped RUN.json   # results/ .md again
        (CPU): python benchmarks/bench_tree_attention.py --smoke --out DIR   # the same run at tiny shapes, the
              kernel in Mosaic GPU interpret mode: checks the script only; its timings mean nothing.
-       the split-KV combine alone (combine_splits, one fused reduction, against the textbook XLA form it replaced)
+       the split-KV combine alone (combine_splits, two reductions, against the textbook XLA form it replaced and a
+       variadic-reduction form)
        at a T = 1 call's partials (64 rows x 512, bf16) per split count: wall clock per call inside a jitted loop,
        then CUPTI time and kernel count; DIR/tree_attention_combine_<h200|h100|gpu>.{json,md} (--smoke: on a CPU):
              python benchmarks/bench_tree_attention.py --out DIR --combine [--splits 16 32 64 128]
@@ -120,7 +121,7 @@ def main():
     ap.add_argument("--smoke", action="store_true",
                     help="CPU script check: tiny shapes, the kernel in Mosaic GPU interpret mode, wall clock")
     ap.add_argument("--combine", action="store_true",
-                    help="time the split-KV combine alone (combine_splits vs the textbook XLA form) at a T = 1 call's "
+                    help="time the split-KV combine alone (combine_splits vs two other XLA forms) at a T = 1 call's "
                          "partials per split count (--splits, default 16 32 64 128)")
     args = ap.parse_args()
     if args.combine:
@@ -168,7 +169,7 @@ def mosaic_main(args):
         wall_timer, device_timer, interpret = Timer(1, device=False), Timer(1, device=False), gpu_interpret_params()
         method = "SMOKE RUN: wall clock of one call, the kernel in Mosaic GPU interpret mode, meaningless"
     else:
-        H, c, r, plan, name = 64, 512, 64, MOSAIC_PLAN, "tree_attention_mosaic_h200"
+        H, c, r, plan, name = 64, 512, 64, MOSAIC_PLAN, None  # named by the card below
         wall_timer, device_timer, interpret = Timer(5, device=False), Timer(5), None
         method = ("wall clock of every shape and variant first, then CUPTI profiler.measure of the same programs; "
                   "median of 5 each, n_buf input sets per program")
@@ -176,7 +177,7 @@ def mosaic_main(args):
     meta = metadata(H=H, c=c, r=r, B=1, dtype="bfloat16", smoke=args.smoke, method=method, wall_after_cupti=False,
                     timer=device_timer.method)
     rows: list[dict] = []
-    stem = os.path.join(args.out, name)
+    stem = os.path.join(args.out, name or f"tree_attention_mosaic_{card(meta)}")
     rng = np.random.default_rng(1234)
 
     if args.shapes:
@@ -241,28 +242,40 @@ def mosaic_main(args):
 
 def combine_textbook(o_part, lse, dtype):
     """The split-KV combine as first written (until 2026-12-05 in the kernel's wrapper), the baseline of --combine:
-    max LSE, exp2 weights, their sum, the weighted sum, the division (five kernels for an H200)."""
+    max LSE, exp2 weights, their sum, the weighted sum, the division (five kernels on an H100 at 128 splits)."""
     w = jnp.exp2(lse - jnp.max(lse, axis=1, keepdims=True))
     out = jnp.sum(o_part.astype(jnp.float32) * w[..., None], axis=1) / jnp.sum(w, axis=1)[..., None]
     return out.astype(dtype)
 
 
-def combine_two_stage(o_part, lse, dtype):
-    """A third form, for --combine: each row's total log2-sum-exp over the splits first (one small variadic-free
-    reduction over [B, NS, R] with a log-add-exp reducer), then the weighted sum with exp2(lse - total)."""
-    def log_add(a, b):
-        m = jnp.maximum(a, b)
-        return m + jnp.log2(jnp.exp2(a - m) + jnp.exp2(b - m))
+def combine_variadic(o_part, lse, dtype):
+    """A form --combine measured slower (tried 2026-12-05): one variadic reduction over the splits whose reducer
+    merges (log2-sum-exp, normalized output) pairs as the online softmax does; two kernels for an H100, but an exp2,
+    a log2 and a reciprocal per element of the partials."""
+    from pallas_kernels.tree_attention.mosaic_gpu import NEG
 
-    total = jax.lax.reduce(lse, jnp.float32(-1e30), log_add, (1,))
-    w = jnp.exp2(lse - total[:, None])
-    return jnp.sum(o_part.astype(jnp.float32) * w[..., None], axis=1).astype(dtype)
+    def merge(a, b):
+        (ma, oa), (mb, ob) = a, b
+        a_larger = ma >= mb
+        e = jnp.exp2(-jnp.abs(ma - mb))  # the smaller side's weight; the larger side's is 1
+        wa, wb = jnp.where(a_larger, 1.0, e), jnp.where(a_larger, e, 1.0)
+        return jnp.maximum(ma, mb) + jnp.log2(1.0 + e), (oa * wa + ob * wb) * (1.0 / (1.0 + e))
+
+    lse_rows = jnp.broadcast_to(lse[..., None], o_part.shape)
+    _, out = jax.lax.reduce((lse_rows, o_part.astype(jnp.float32)), (jnp.float32(NEG), jnp.float32(0)), merge, (1,))
+    return out.astype(dtype)
+
+
+def card(meta: dict) -> str:
+    """The results files' card suffix: h200 / h100 from the run's device, else gpu."""
+    return next((k.lower() for k in ("H200", "H100") if k in meta["device"]), "gpu")
 
 
 def combine_main(args):
-    """combine_splits against combine_textbook on the partials of a T = 1 call (B 1, 64 rows, c 512, bf16; LSEs
-    uniform in [-20, 20]) per split count: both checked against the float64 combine, the wall clock per call inside a
-    jitted loop of 200 (every variant before any CUPTI window), then CUPTI summed kernel time and the kernels."""
+    """combine_splits against combine_variadic and combine_textbook on the partials of a T = 1 call (B 1, 64 rows,
+    c 512, bf16; LSEs uniform in [-20, 20]) per split count: each checked against the float64 combine, the wall clock
+    per call inside a jitted loop of 200 (every variant before any CUPTI window), then CUPTI summed kernel time and
+    the kernels."""
     from benchmarks.common import loop_wall_us
     from pallas_kernels.tree_attention.mosaic_gpu import combine_splits
 
@@ -273,7 +286,7 @@ def combine_main(args):
     calls = 5 if args.smoke else 200
     timer = Timer(1, device=False) if args.smoke else Timer(5)
     rng = np.random.default_rng(0)
-    forms = {"one reduction (combine_splits)": combine_splits, "two stages": combine_two_stage,
+    forms = {"two stages (combine_splits)": combine_splits, "one variadic reduction": combine_variadic,
              "textbook (5 ops)": combine_textbook}
     meta = metadata(B=1, rows=rows_, c=c, dtype="bfloat16", smoke=args.smoke, timer=timer.method,
                     wall=f"wall clock per call inside a jitted loop of {calls} calls, median of 5 loops, "
@@ -315,8 +328,7 @@ def combine_main(args):
             lines.append(f"| {row['splits']} | {row['floor_us']:.1f} | {name} | {rec['us']:.1f}"
                          f"{f' ({n})' if n else ''} | {rec['wall_loop_us']:.1f} | {rec['rel_err']:.1e} |")
     table = "\n".join(lines)
-    card = next((k.lower() for k in ("H200", "H100") if k in meta["device"]), "gpu") if not args.smoke else "smoke"
-    stem = os.path.join(args.out, "tree_attention_combine_" + card)
+    stem = os.path.join(args.out, "tree_attention_combine_" + ("smoke" if args.smoke else card(meta)))
     write_results(stem, meta, dict(rows=rows), table)
     print(table)
 

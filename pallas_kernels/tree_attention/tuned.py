@@ -10,10 +10,10 @@ import jax.numpy as jnp
 from pallas_kernels.tree_attention.mosaic_gpu import MosaicAttentionConfig
 
 
-# Which implementation was measured FASTEST on the H200 per call shape; impl="auto" runs the first of them that can
-# run on the device at hand (the Mosaic kernel needs a Hopper GPU), and never a kernel where it measured slower than
-# XLA or where nothing was measured. (The Triton kernel timed below was deleted on 2026-12-04: behind the Mosaic
-# kernel at every measured shape.)
+# Which implementation was measured FASTEST on Hopper (the H200; one H100 run below) per call shape; impl="auto" runs
+# the first of them that can run on the device at hand (the Mosaic kernel needs a Hopper GPU), and never a kernel where
+# it measured slower than XLA or where nothing was measured. (The Triton kernel timed below was deleted on 2026-12-04:
+# behind the Mosaic kernel at every measured shape.)
 # K2 (c 512, r 64, H 64), bf16, cache rows S + T rounded up to 64 (tree_attention_mosaic_h200.md, 2026-12-02;
 # CUPTI us, wall clock per op in brackets; XLA = the bf16 jnp form):
 #   S 32768: T 1: Mosaic 35.3 (103), Triton 44.1 (119), XLA 90.6 (168);  T 33: Mosaic 319 (574), XLA 554 (699),
@@ -21,10 +21,14 @@ from pallas_kernels.tree_attention.mosaic_gpu import MosaicAttentionConfig
 #            (2026-12-04, the shared_qk schedule: T 33 300.6 (554), XLA 528.7 (663); T 129 1134 (1490), XLA 1854 (2044))
 #   S 4096:  T 1: XLA 23.3 (62), Mosaic 24.0 (118), Triton 34.0 (90);  T 33: Mosaic 58.5 (241), XLA 65.9 (230),
 #            Triton 94.8 (222);  T 129: Mosaic 188.7 (342), XLA 191.9 (293), Triton 311.8 (468).
-# So: the Mosaic kernel at S_max >= 32768 for T = 1 and T >= 33 (both timings agree); XLA at S_max < 32768 (there the
-# kernel time is at most XLA's but the wall clock per op is 5-17% above it: the kernel's XLA glue, more launches;
-# those wall clocks came after CUPTI windows of the same process, which inflate launches: to be re-measured);
-# T = 2..32 at S_max >= 32768 was not measured (the split count for so few row tiles is untuned): XLA.
+#   S 4096 again, wall clocks first (2026-12-05, an NVIDIA H100: no H200 came; tree_attention_mosaic_h100_s23_s4096.md):
+#            T 33: Mosaic (shared_qk, 4 splits) 65.4 (162), XLA 67.5 (170);  T 129: Mosaic (shared_qk, 1) 181 (354),
+#            XLA 213 (376): the kernel is faster by both measures. T 1 (tree_attention_mosaic_h100_s23_t1_4096.md):
+#            XLA 20.5 (79), Mosaic 24.9 (69) at 16 splits with the 5.7 us combine of that day (two-stage: 3.4).
+# So: the Mosaic kernel at S_max >= 32768 for T = 1 and at S_max >= 4096 for T >= 33 (there the 2026-12-02 H200 wall
+# clocks that had kept XLA came after CUPTI windows of the same process, which inflate launches; the wall-clock-first
+# run above reverses them); XLA at T = 1 below S_max 32768 (CUPTI: XLA faster) and everywhere below S_max 4096 (not
+# measured); T = 2..32 was not measured (the split count for so few row tiles is untuned): XLA.
 # float32: the Mosaic kernel takes bf16 / f16 only (and the Triton kernel took 1.24-44.7x XLA's float32 time,
 # tree_attention_shipped.md).
 def measured_fastest(*, num_heads: int, latent_dim: int, rope_dim: int, dtype, num_tree: int | None = None,
@@ -41,8 +45,8 @@ def measured_fastest(*, num_heads: int, latent_dim: int, rope_dim: int, dtype, n
         return ("mosaic_gpu", "xla"), "per call shape, as measured"
     if cache_rows >= 32768 and num_tree == 1:
         return ("mosaic_gpu", "xla"), "T=1, S_max >= 32768: Mosaic measured fastest"
-    if cache_rows >= 32768 and num_tree >= 33:
-        return ("mosaic_gpu", "xla"), f"T={num_tree} >= 33, S_max >= 32768: Mosaic measured fastest"
+    if cache_rows >= 4096 and num_tree >= 33:
+        return ("mosaic_gpu", "xla"), f"T={num_tree} >= 33, S_max >= 4096: Mosaic measured fastest"
     return ("xla",), f"T={num_tree}, S_max={cache_rows}: XLA measured fastest (or no kernel measured here)"
 
 

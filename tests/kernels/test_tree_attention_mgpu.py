@@ -160,11 +160,12 @@ def test_mgpu_at_t1_builds_no_mask_words():
     assert "shift_left" not in texts[1] and "shift_left" in texts[2]
 
 
-def test_split_combine_matches_numpy_in_one_reduction():
+def test_split_combine_matches_numpy_in_two_reductions():
     """combine_splits (the split-KV combine) against the float64 NumPy softmax-weighted mean of the splits: LSEs far
     apart (2^300 would overflow float32 without the max shift), rows with some splits empty (lse NEG, output 0) and a
-    row whose every split is empty (a padded row: a finite output). It is one variadic reduction in the lowered
-    program (the textbook form had three reductions and XLA made five kernels of them for an H200)."""
+    row whose every split is empty (a padded row: a finite output). The lowered program has two reductions (each
+    row's total LSE, the weighted sum), not the three of the textbook form it replaced (max, sum of weights,
+    weighted sum: five kernels on an H100 against three, and 8.9 against 6.8 us at 128 splits)."""
     from pallas_kernels.tree_attention.mosaic_gpu import NEG, combine_splits
 
     rng = np.random.default_rng(7)
@@ -181,7 +182,7 @@ def test_split_combine_matches_numpy_in_one_reduction():
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     text = jax.jit(combine_splits, static_argnums=2).lower(jnp.asarray(o), jnp.asarray(lse), jnp.bfloat16).as_text()
-    assert text.count("stablehlo.reduce") == 1
+    assert text.count("stablehlo.reduce") == 2
 
 
 def test_mgpu_lowers_for_cuda_at_the_gpu_invariant_check_shapes():
