@@ -179,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention-kernel", choices=("auto", *KERNEL_CHOICES["attention"]), default="auto",
                    help="kernel for the tree attention: mosaic_gpu (a Hopper GPU, bf16) or xla "
                    "(the plain-JAX reference); auto (default): on a GPU the one measured fastest at each call "
-                   "shape (Mosaic GPU for K2-shaped bf16 attention over >= 32768 cache rows), else xla")
+                   "shape (Mosaic GPU for K2-shaped bf16 attention: an AR step over >= 32768 cache rows, a "
+                   "verify of >= 33 tokens over >= 4096), else xla")
     g.add_argument("--linear-kernel", choices=("auto", *KERNEL_CHOICES["linear"]), default="auto",
                    help="kernel for INT4 dense linears (shared experts and dense MLPs of a checkpoint quantized "
                    "with kj.quantize(policy='experts+shared' or 'all_mlp')): mosaic_gpu (a Hopper GPU, bf16; the "
