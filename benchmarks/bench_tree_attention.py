@@ -24,9 +24,9 @@ Usage (GPU): python benchmarks/bench_tree_attention.py --out DIR [--budget-s 200
        (CPU): python benchmarks/bench_tree_attention.py --smoke --out DIR   # the same run at tiny shapes, the
              kernel in Mosaic GPU interpret mode: checks the script only; its timings mean nothing.
        the split-KV combine alone (combine_splits, two reductions, against the textbook XLA form it replaced and a
-       variadic-reduction form)
-       at a T = 1 call's partials (64 rows x 512, bf16) per split count: wall clock per call inside a jitted loop,
-       then CUPTI time and kernel count; DIR/tree_attention_combine_<h200|h100|gpu>.{json,md} (--smoke: on a CPU):
+       variadic-reduction form) at a T = 1 call's partials (64 rows x 512, bf16) per split count: wall clock per
+       call inside a jitted loop, then CUPTI time and kernel count; DIR/tree_attention_combine_<h200|h100|gpu>.
+       {json,md} (--smoke: on a CPU):
              python benchmarks/bench_tree_attention.py --out DIR --combine [--splits 16 32 64 128]
 """
 
