@@ -164,12 +164,12 @@ def mosaic_main(args):
         sys.exit("no GPU: this benchmark only measures on the device (--smoke checks the script on a CPU)")
     t_begin = time.time()
     if args.smoke:  # wall clock of one call in interpret mode: meaningless, but every path of a device run runs
-        H, c, r, plan, name = 8, 128, 64, SMOKE_PLAN, "tree_attention_mosaic_smoke"
+        H, c, r, plan = 8, 128, 64, SMOKE_PLAN
         # a second wall-clock pass stands in for CUPTI, so that the smoke run goes through both passes
         wall_timer, device_timer, interpret = Timer(1, device=False), Timer(1, device=False), gpu_interpret_params()
         method = "SMOKE RUN: wall clock of one call, the kernel in Mosaic GPU interpret mode, meaningless"
     else:
-        H, c, r, plan, name = 64, 512, 64, MOSAIC_PLAN, None  # named by the card below
+        H, c, r, plan = 64, 512, 64, MOSAIC_PLAN
         wall_timer, device_timer, interpret = Timer(5, device=False), Timer(5), None
         method = ("wall clock of every shape and variant first, then CUPTI profiler.measure of the same programs; "
                   "median of 5 each, n_buf input sets per program")
@@ -177,7 +177,7 @@ def mosaic_main(args):
     meta = metadata(H=H, c=c, r=r, B=1, dtype="bfloat16", smoke=args.smoke, method=method, wall_after_cupti=False,
                     timer=device_timer.method)
     rows: list[dict] = []
-    stem = os.path.join(args.out, name or f"tree_attention_mosaic_{card(meta)}")
+    stem = os.path.join(args.out, f"tree_attention_mosaic_{card(meta)}")
     rng = np.random.default_rng(1234)
 
     if args.shapes:
@@ -267,7 +267,9 @@ def combine_variadic(o_part, lse, dtype):
 
 
 def card(meta: dict) -> str:
-    """The results files' card suffix: h200 / h100 from the run's device, else gpu."""
+    """The results files' suffix: smoke for a smoke run, else h200 / h100 from the run's device, else gpu."""
+    if meta.get("smoke"):
+        return "smoke"
     return next((k.lower() for k in ("H200", "H100") if k in meta["device"]), "gpu")
 
 
@@ -300,16 +302,16 @@ def combine_main(args):
         o64 = np.asarray(args_dev[0].astype(jnp.float32), np.float64)
         want = (o64 * w[..., None]).sum(axis=1) / w.sum(axis=1)[..., None]
         floor = (ns * rows_ * (c * 2 + 4) + rows_ * c * 2) / COPY_BW * 1e6
-        row = dict(splits=ns, floor_us=floor, forms={})
+        recs: dict[str, dict] = {}
         for name, form in forms.items():
             fn = jax.jit(lambda o_, l_, form=form: form(o_, l_, jnp.bfloat16))
             got = np.asarray(fn(*args_dev).astype(jnp.float32), np.float64)
             rec = dict(rel_err=float(np.abs(got - want).max() / np.abs(want).max()),
                        wall_loop_us=loop_wall_us(fn, args_dev, calls))
-            row["forms"][name] = rec
+            recs[name] = rec
             programs.append((rec, fn, args_dev))
             print(ns, name, rec, flush=True)
-        rows.append(row)
+        rows.append(dict(splits=ns, floor_us=floor, forms=recs))
     for rec, fn, args_dev in programs:  # CUPTI after every wall clock
         timing = timer(fn, *args_dev)
         rec["us"] = timing.seconds * 1e6
@@ -328,7 +330,7 @@ def combine_main(args):
             lines.append(f"| {row['splits']} | {row['floor_us']:.1f} | {name} | {rec['us']:.1f}"
                          f"{f' ({n})' if n else ''} | {rec['wall_loop_us']:.1f} | {rec['rel_err']:.1e} |")
     table = "\n".join(lines)
-    stem = os.path.join(args.out, "tree_attention_combine_" + ("smoke" if args.smoke else card(meta)))
+    stem = os.path.join(args.out, f"tree_attention_combine_{card(meta)}")
     write_results(stem, meta, dict(rows=rows), table)
     print(table)
 

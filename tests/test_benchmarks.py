@@ -75,6 +75,20 @@ def test_tree_attention_smoke_run(tmp_path):
         tmp_path / "tree_attention_mosaic_smoke.md").read_text()
 
 
+def test_tree_attention_split_sweep_and_combine_smoke_runs(tmp_path):
+    """--splits / --schedules replace the plan's variants (value_block kept), and --combine times the three combine
+    forms, each matching the float64 combine, into tree_attention_combine_smoke.*."""
+    _run("benchmarks/bench_tree_attention.py", "--smoke", "--shapes", "100:1", "--splits", "3",
+         "--schedules", "replicated", "--out", str(tmp_path))
+    (row,) = json.loads((tmp_path / "tree_attention_mosaic_smoke.json").read_text())["rows"]
+    assert [(m["schedule"], m["num_splits"], m["value_block"]) for m in row["mosaic"]] == [("replicated", 3, 64)]
+    _run("benchmarks/bench_tree_attention.py", "--smoke", "--combine", "--splits", "2", "3", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "tree_attention_combine_smoke.json").read_text())["rows"]
+    assert [r["splits"] for r in rows] == [2, 3]
+    for r in rows:
+        assert len(r["forms"]) == 3 and all(f["rel_err"] < 1e-2 for f in r["forms"].values())
+
+
 def test_tree_build_smoke_run(tmp_path):
     """bench_tree_build's checks and every variant run on a CPU (interpret mode); the exit status covers them."""
     _run("benchmarks/bench_tree_build.py", "--smoke", "--out", str(tmp_path))
