@@ -303,3 +303,18 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 """
     assert count(text) == {"dots": 2, "dots_algorithm": 1, "dots_highest": 1, "bf16_products": 1,
                            "round_kernels": 6}  # 2 dots, the reduce fusion, the inner while + its fusion, the copy
+
+
+def test_ncu_source_summary_reproduces_the_committed_t1_profile(tmp_path):
+    """benchmarks/ncu_source_summary.py on the committed Nsight Compute source page gives the tables that
+    tree_attention_t1_ncu_h100_s24.md quotes (loop 67.4% of the samples, the QK^T wgmma wait, the stall reasons)."""
+    out = _run("benchmarks/ncu_source_summary.py", str(RESULTS / "tree_attention_t1_ncu_h100_s24_source.csv.gz"))
+    assert "3952 SASS instructions, 1999 warp-stall samples, 1024 warps" in out
+    assert "| 577-1225 | 4 | 1348 | 67.4% |" in out  # the loop body: 4 tiles a CTA
+    assert "| WARPGROUP | 413 | 20.7% | 24624 |" in out and "| long_sb | 32.9% |" in out
+    assert out in (RESULTS / "tree_attention_t1_ncu_h100_s24.md").read_text()  # the results file quotes it whole
+    bad = tmp_path / "not_ncu.csv"
+    bad.write_text("a,b\n1,2\n")
+    proc = subprocess.run([sys.executable, "benchmarks/ncu_source_summary.py", str(bad)], cwd=ROOT, env=CPU,
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "not an ncu source page" in proc.stderr
