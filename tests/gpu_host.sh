@@ -20,6 +20,10 @@ LIMIT_S=${LIMIT_S:-420}
 RUNS=${RUNS:-suite shipped}
 PY=${PYTHON:-python3}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+# One persistent compilation cache for every worker of both runs (a fresh folder a call unless set): a program that
+# two workers compile is compiled once, and through it XLA's per-fusion autotuning cache (jax's
+# persistent_cache_enable_xla_caches default) shares the float32 GEMM autotuning that dominates these tests' time.
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$(mktemp -d /tmp/kdtree-jax-gpu-cache.XXXXXX)}
 if [[ -z "${WORKERS:-}" ]]; then
     mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
     WORKERS=$(( ${mib:-0} / (12 * 1024) )); (( WORKERS > 12 )) && WORKERS=12; (( WORKERS < 1 )) && WORKERS=1
@@ -37,7 +41,9 @@ common=(-p no:cacheprovider -p no:benchmark -o addopts="-rfEs" -v --tb=short)
     else
         echo "rc=124 (-m 'kernels and not gpu': not started, no time left)" >> "$log"
     fi ) &
-[[ " $RUNS " == *" shipped "* ]] && ( timeout "$LIMIT_S" $PY -m pytest "${common[@]}" -n 3 --dist load tests/test_shipped_model.py \
+# --dist loadgroup: the tests of one whole-generate module fixture run on one worker (their xdist_group), so no fixture
+# is built twice
+[[ " $RUNS " == *" shipped "* ]] && ( timeout "$LIMIT_S" $PY -m pytest "${common[@]}" -n 3 --dist loadgroup tests/test_shipped_model.py \
     > "$OUT/shipped_gpu.log" 2>&1; echo "rc=$?" >> "$OUT/shipped_gpu.log" ) &
 wait
 for log in "$OUT/gpu_suite.log" "$OUT/shipped_gpu.log"; do [[ -f "$log" ]] && grep -HE "FAILED|ERROR|rc=" "$log"; done | tail -n 40
