@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,7 @@ MID = kj.ModelConfig(
 ).validate()
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
+def timed(fn, repeats: int) -> tuple[float, Any]:
     """(median wall seconds of fn(), its output): the wall clock around one generate dispatch."""
     timing = Timer(repeats, device=False)(fn)
     return timing.wall_s, timing.out

@@ -303,8 +303,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              "| batch | temp | method | budget | mean accept | target fwd / token | tokens/s | speedup vs AR | "
              "greedy == AR |" + (" run |" if merged else ""), "|---|---|---|---|---|---|---|---|---|"
              + ("---|" if merged else "")]
+    same_label: dict[bool | None, str] = {True: "yes", False: "NO"}  # None: a sampled point (no greedy check)
     for r in rows:
-        same = {True: "yes", False: "NO"}.get(r.get("greedy_equals_ar"), "n/a (sampling)")
+        same = same_label.get(r.get("greedy_equals_ar"), "n/a (sampling)")
         lines.append(f"| {r['batch']} | {r['temperature']:g} | {r['method']} | {r['budget'] or '-'} | "
                      f"{r['mean_acceptance']:.2f} | {r['forwards_per_token']:.3f} | {r['tokens_per_s']:.1f} | "
                      f"{r['speedup']:.2f}x | {same} |" + (f" {r['run']} |" if merged else ""))
@@ -326,7 +327,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 def plot(path: Path, meta: dict, rows: list[dict], budgets) -> None:
     """Acceptance length and speedup against the budget (called by benchmarks.common.write_png)."""
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt  # noqa: PLC0415  # pyright: ignore[reportMissingImports] (the bench extra)
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     settings = sorted({(r["batch"], r["temperature"]) for r in rows})

@@ -192,7 +192,7 @@ def routed_rows_masked(live):
 
 # ---------------------------------------------------------------------------------------------- main
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--layers", type=int, default=2, help="MoE layers in the slice (9.8 GB each at K2.6)")
     ap.add_argument("--iters", type=int, default=5, help="timed calls per point (the median is reported)")
@@ -622,7 +622,7 @@ def resummarize(path):
 def plot(meta, data, path):
     """Per-layer time against the live tree (switch, masked, their MoE and attention), auto's budget picks
     per profile, and the modelled speedup of every policy at the headline profile."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # pyright: ignore[reportMissingImports] (the bench extra)
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
     pts, layers = data["measured"]["points"], meta["layers"]

@@ -167,7 +167,7 @@ def random_tree_mask(rng, t):
 
 # ---------------------------------------------------------------------------------------------- main
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--layers", type=int, default=2, help="MoE layers in the slice (9.8 GB each at K2.6)")
     ap.add_argument("--iters", type=int, default=5, help="timed calls per point (the median is reported)")
@@ -275,7 +275,7 @@ def main():
         x = rms_norm(h[0], p0["post_attn_norm"], cfg.rms_norm_eps)  # [T, D]: what the layer's MoE sees
         idx, w = kmodel.route(cfg, x, p0["moe"]["router"], p0["moe"]["router_bias"])  # [T, k]
         touched = int(jnp.unique(idx).size)
-        mrow = {"T": t, "touched": touched}
+        mrow: dict[str, float] = {"T": t, "touched": touched}
         timing = timer(routed, x, experts(by_impl[moe_impl]), idx, w, kernels_for[moe_impl])
         mrow["moe_s"] = timing.seconds
         ref = baselines["xla_touched"](x, experts(params), idx, w)
@@ -283,6 +283,7 @@ def main():
         checks.append({"T": t, "what": f"moe {moe_impl} vs xla_touched (bf16 dequant)", "max_rel_err": err})
         if on_gpu:
             mrow["moe_wall_s"] = timing.wall_s
+            assert alt_impl is not None  # on a GPU moe_impl is --moe's, mosaic or triton
             alt = timer(routed, x, experts(by_impl[alt_impl]), idx, w, kernels_for[alt_impl])
             mrow["alt_s"], mrow["alt_wall_s"] = alt.seconds, alt.wall_s
             checks.append({"T": t, "what": f"moe {alt_impl} vs xla_touched (bf16 dequant)",
@@ -490,7 +491,7 @@ def summarize(meta, rows, moe_rows, checks, model, on_gpu, evaluate_budgets, sat
 
 def plot(result, path):
     """Stacked per-layer bars against the floors, and the break-even line (called by benchmarks.common)."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # pyright: ignore[reportMissingImports] (the bench extra)
 
     rows = result["rows"]
     ss = sorted({r["S"] for r in rows})

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"), help="folder for moe_mgpu.json/.md")
     ap.add_argument("--ts", default="1,9,33,129", help="tokens T routed through the layer, comma-separated")
     ap.add_argument("--variants", default="bn64:bk256:s4",

@@ -263,6 +263,7 @@ def bench_decode(cfg, params, mesh, batch, new_tokens, budget, repeats) -> list[
     for method in ("ar", "ddtree"):
         extra = {}
         if method == "ddtree":
+            assert ar is not None  # the "ar" method runs first
             seq = np.concatenate([np.asarray(prompts), np.asarray(ar.tokens)], axis=1)
             extra = dict(method="ddtree", drafter=OracleDraft(jnp.asarray(seq, jnp.int32), 16, cfg.vocab_size),
                          tree_budget=budget)
@@ -271,6 +272,7 @@ def bench_decode(cfg, params, mesh, batch, new_tokens, budget, repeats) -> list[
         out, seconds = timing.out, timing.wall_s
         if method == "ar":
             ar = out
+        assert ar is not None  # set on the first pass, "ar"
         row = {"method": method, "batch": batch, "new_tokens": new_tokens, "seconds": seconds,
                "tokens_per_s": batch * new_tokens / seconds, "target_forwards": int(out.num_target_forwards),
                "same_tokens_as_ar": bool(np.array_equal(np.asarray(out.tokens), np.asarray(ar.tokens)))}
@@ -284,7 +286,7 @@ def bench_decode(cfg, params, mesh, batch, new_tokens, budget, repeats) -> list[
 
 # ------------------------------------------------------------------------------------------- main
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--mesh", help="e.g. expert=2,tensor=1 (default: expert=<all devices>)")
     parser.add_argument("--tiny", action="store_true", help="the tiny config (2 layers, INT4 experts) for CPU tests")
     parser.add_argument("--layers", type=int, help="K2.6-width layers (default: as many as fit)")
@@ -436,7 +438,7 @@ def report(path) -> dict:
 
 def draw(path, r, one):
     """Verify ms per layer, sharded vs one device (called by benchmarks.common.write_png)."""
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt  # noqa: PLC0415  # pyright: ignore[reportMissingImports] (the bench extra)
 
     ts = [v["tokens"] for v in r["verify"]]
     x = np.arange(len(ts))

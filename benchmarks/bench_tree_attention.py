@@ -39,6 +39,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import Timer, metadata, write_json, write_results  # noqa: E402
 from pallas_kernels.tree_attention import tree_mla_attention_reference, tree_mla_attention_xla  # noqa: E402
+from pallas_kernels.tree_attention.mosaic_gpu import SCHEDULES  # noqa: E402
 
 COPY_BW = 3.4e12  # bytes/s, measured device copy on the H200 (docs/kernels.md)
 PEAK_FLOPS = 800e12  # bf16 dense, measured 8192^3 matmul is 823 TFLOP/s
@@ -94,7 +96,8 @@ def timed(timer, prog, sets, ref0) -> dict:
     kernel itself; the others are its glue: q pad, split combine, and for T > 1 the mask-word build)."""
     timing = timer(prog, sets)
     per_op = 1e6 / len(sets)
-    rec = dict(us=timing.seconds * per_op, wall_us=timing.wall_s * per_op, rel_err=rel_err(timing.out[0], ref0))
+    rec: dict[str, Any] = dict(us=timing.seconds * per_op, wall_us=timing.wall_s * per_op,
+                               rel_err=rel_err(timing.out[0], ref0))
     if timer.device:
         by_name: dict[str, float] = {}
         for name, sec in timing.kernels:
@@ -114,8 +117,8 @@ def main():
                     help="time the Mosaic kernel at these KV split counts instead of the plan's (every selected shape; "
                          "with --schedules: those schedules only), e.g. a T = 1 sweep: --shapes 32768:1 --splits 32 64 "
                          "128 --schedules replicated")
-    ap.add_argument("--schedules", nargs="+", choices=("replicated", "shared_qk"),
-                    help="only these Mosaic schedules (default: the plan's)")
+    ap.add_argument("--schedules", nargs="+", choices=SCHEDULES,
+                    help="only these Mosaic schedules (default: the plan's, which does not time split_rows yet)")
     ap.add_argument("--shipped", action="store_true",
                     help="the shipped pair's attention shape instead of K2's: tree_attention_shipped.{json,md}")
     ap.add_argument("--smoke", action="store_true",
@@ -135,7 +138,9 @@ def main():
 # SMEM at c = 512). T * H / 64 row tiles x splits CTAs; 132 SMs. "replicated" = each warpgroup its own QK^T
 # (measured 2026-12-02); "shared_qk" = one QK^T handed over in SMEM (docs/tree_attention.md).
 _SCHEDULES = ("replicated", "shared_qk")
-MOSAIC_PLAN = {  # in the order measured (a --budget-s cut drops the last shapes)
+# (S, T) -> the Mosaic variants timed there, each one's MosaicAttentionConfig keyword arguments
+Plan = dict[tuple[int, int], list[dict[str, Any]]]
+MOSAIC_PLAN: Plan = {  # in the order measured (a --budget-s cut drops the last shapes)
     (32768, 33): [dict(num_splits=n, schedule=s) for n in (4, 8) for s in _SCHEDULES],
     (32768, 129): [dict(num_splits=n, schedule=s) for n in (1, 2) for s in _SCHEDULES],
     (32768, 1): [dict(num_splits=n, schedule=s) for n in (64, 128) for s in _SCHEDULES],
@@ -149,8 +154,8 @@ MOSAIC_TARGET_US = {(32768, 1): 18, (32768, 33): 300, (32768, 129): 1100, (4096,
 # --smoke (H 8, c 128, r 64: a row width the kernel also takes natively): value_block 64 gives the two value
 # warpgroups of c = 512, so both schedules run as at K2; S_max 128 is two KV tiles, so 2 splits share a prefix tile
 # and a tail.
-SMOKE_PLAN = {(S, T): [dict(num_splits=n, schedule=s, value_block=64) for n in (1, 2) for s in _SCHEDULES]
-              for S, T in ((100, 1), (100, 5))}
+SMOKE_PLAN: Plan = {(S, T): [dict(num_splits=n, schedule=s, value_block=64) for n in (1, 2) for s in _SCHEDULES]
+                    for S, T in ((100, 1), (100, 5))}
 
 
 def mosaic_main(args):
@@ -185,7 +190,7 @@ def mosaic_main(args):
         unknown = [st for st in wanted if st not in plan]
         if unknown:
             sys.exit(f"--shapes {unknown} not in the plan {sorted(plan)}")
-        plan = {st: plan[st] for st in wanted}
+        plan = {(S, T): plan[S, T] for S, T in wanted}  # each a 2-tuple: a key of the plan
     if args.splits or args.schedules:
         plan = {st: [dict(variants[0], num_splits=n, schedule=sch)  # other settings (smoke: value_block) kept
                      for n in (args.splits or sorted({v["num_splits"] for v in variants}))
@@ -205,8 +210,9 @@ def mosaic_main(args):
         s_max = -(-(S + T) // 64) * 64
         sets = [make_set(rng, 1, T, H, c, r, S, jnp.bfloat16, s_max) for _ in range(n_buf)]
         ref0 = jax.jit(lambda *a: tree_mla_attention_reference(*a, scale=scale, value_dim=c))(*sets[0])
-        row = dict(S=S, T=T, S_max=s_max, n_buf=n_buf, floor_us=floor_us(S, T, H, c, r)[0],
-                   target_us=MOSAIC_TARGET_US.get((S, T)) if not args.smoke else None, xla={}, mosaic=[])
+        row: dict[str, Any] = dict(S=S, T=T, S_max=s_max, n_buf=n_buf, floor_us=floor_us(S, T, H, c, r)[0],
+                                   target_us=MOSAIC_TARGET_US.get((S, T)) if not args.smoke else None, xla={},
+                                   mosaic=[])
         programs = [(row["xla"], program(lambda *a: tree_mla_attention_xla(*a, scale=scale, value_dim=c)))]
         for variant in variants:
             row["mosaic"].append(dict(variant))
@@ -433,7 +439,7 @@ def draw_mosaic(path, meta, rows):
 
 def bar_chart(path, labels, series, ylabel, title):
     """Grouped bars on a log scale: one group per label, one bar per (name, values) of `series`."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # pyright: ignore[reportMissingImports] (the bench extra)
 
     fig, ax = plt.subplots(figsize=(10, 4.5))
     x = np.arange(len(labels))

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
     ap.add_argument("--budgets", type=int, nargs="+", default=[8, 32, 128, 256], help="tree budgets")
     ap.add_argument("--vocabs", type=int, nargs="+", default=[2048, 4096, 163840], help="vocabulary sizes")

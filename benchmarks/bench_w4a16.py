@@ -42,7 +42,7 @@ def floor_us(m, k, n, copy_bps=COPY_TBPS):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results", help="folder for w4a16_results.json / .md / .png")
     ap.add_argument("--iters", type=int, default=7, help="timed calls per point (median reported)")
@@ -71,7 +71,7 @@ def main():
     meta["copy_TBps_measured"] = copy_bps / 1e12
 
     def measure(f, *a):
-        return timer(f, *a).device_s * 1e6
+        return timer(f, *a).require_device_s() * 1e6
 
     rows = []
     key = jax.random.key(0)
@@ -141,7 +141,7 @@ def plot(path):
 
 def draw(data, out):
     """Microseconds against M for each shape: the kernel, XLA's INT4 and bf16 dots, the floor."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # pyright: ignore[reportMissingImports] (the bench extra)
 
     rows, meta = data["rows"], data["meta"]
     shapes = [s for s in SHAPES if any(r["k"] == s[0] and r["n"] == s[1] for r in rows)]

@@ -107,7 +107,7 @@ def markdown(meta: dict, rows: list[dict], settings: list[str]) -> str:
 
 
 def plot(path: Path, meta: dict, rows: list[dict], settings: list[str]) -> None:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # pyright: ignore[reportMissingImports] (the bench extra)
     import numpy as np
 
     stages = list(dict.fromkeys(r["stage"] for r in rows))
@@ -127,7 +127,7 @@ def plot(path: Path, meta: dict, rows: list[dict], settings: list[str]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--target", type=Path, default=ASSETS / "target", help="target checkpoint")
     ap.add_argument("--drafter", type=Path, default=ASSETS / "drafter", help="drafter checkpoint")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights cast to this dtype")

@@ -30,12 +30,13 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"), help="output folder")
     ap.add_argument("--layers", type=int, default=4, help="k26 model: decoder layers, the first dense "
                     "(default: %(default)s)")
@@ -154,7 +155,7 @@ def teacher_forced(cfg, paths: dict, params_f32, seqs, kernels: dict) -> dict:
     fwd = jax.jit(kj.forward, static_argnums=(1, 3))
     ref = np.asarray(fwd(params_f32, cfg, seqs, kernels["triton"]), np.float32)  # float32: the Triton path's kernels
     got = {name: np.asarray(fwd(p, cfg, seqs, kernels[name]), np.float32) for name, p in paths.items()}
-    out = {"positions": int(np.prod(seqs.shape))}
+    out: dict[str, Any] = {"positions": int(np.prod(seqs.shape))}
     scale = float(ref.std())
     for name, g in got.items():
         out[name] = {"top1_vs_f32": float((g.argmax(-1) == ref.argmax(-1)).mean()),

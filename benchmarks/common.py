@@ -68,12 +68,12 @@ def metadata(**extra: Any) -> dict:
     with a dirty flag, the exact command line, XLA_FLAGS as the process holds them; then `extra` (the script's
     own settings)."""
     import jax
-    import jaxlib
+    from jaxlib.version import __version__ as jaxlib_version  # jaxlib.__version__, from where it is defined
 
     device = jax.devices()[0]
     commit, dirty, source = git_commit()
     meta = {"device": getattr(device, "device_kind", device.platform), "platform": device.platform,
-            "devices": jax.device_count(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "devices": jax.device_count(), "jax": jax.__version__, "jaxlib": jaxlib_version,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "commit": commit, "dirty": dirty, "command": shlex.join(sys.orig_argv),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}  # kdtree_jax adds its own (kdtree_jax/xla_flags.py)
@@ -128,6 +128,12 @@ class Timing:
     def seconds(self) -> float:
         """Device time where measured, else wall clock."""
         return self.wall_s if self.device_s is None else self.device_s
+
+    def require_device_s(self) -> float:
+        """device_s, for a caller that needs the device time: an error where the Timer took none (device=False)."""
+        if self.device_s is None:
+            raise ValueError("Timing: no device time measured (the Timer ran with device=False)")
+        return self.device_s
 
 
 class Timer:
@@ -267,7 +273,7 @@ def write_markdown(stem: str | Path, meta: dict, markdown: str) -> Path:
 def write_png(stem: str | Path, plot: Callable[[Path], None]) -> Path | None:
     """<stem>.png drawn by plot(path) with matplotlib's Agg backend; None (and a note) without matplotlib."""
     try:
-        import matplotlib
+        import matplotlib  # pyright: ignore[reportMissingImports] (the bench extra)
     except ImportError:
         print(f"note: matplotlib is not installed (pip install -e '.[bench]'): no {stem}.png; the .json and "
               ".md are written", flush=True)
@@ -276,7 +282,7 @@ def write_png(stem: str | Path, plot: Callable[[Path], None]) -> Path | None:
     path = Path(f"{stem}.png")
     path.parent.mkdir(parents=True, exist_ok=True)
     plot(path)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # pyright: ignore[reportMissingImports] (the bench extra)
 
     plt.close("all")
     return path

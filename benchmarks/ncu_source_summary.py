@@ -16,6 +16,7 @@ import argparse
 import collections
 import csv
 import gzip
+import heapq
 import io
 from pathlib import Path
 
@@ -64,13 +65,15 @@ def summarize(kernel: str, rows: list[dict[str, str]], top: int = 12) -> str:
         if samples / total >= 0.003:
             out.append(f"| {first}-{last} | {executed / warps:.3g} | {samples:.0f} | {samples / total:.1%} | "
                        f"`{source[:48]}` |")
-    by_op: collections.Counter[str] = collections.Counter()
-    executed_op: collections.Counter[str] = collections.Counter()
+    # float sums (a Counter's counts are typed int), the top ones picked as Counter.most_common picks them
+    by_op: collections.defaultdict[str, float] = collections.defaultdict(float)
+    executed_op: collections.defaultdict[str, float] = collections.defaultdict(float)
     for r in rows:
         by_op[_opcode(r["Source"])] += _number(r[SAMPLES])
         executed_op[_opcode(r["Source"])] += _number(r[EXECUTED])
     out += ["", "| opcode | samples | share | executed (warp instructions) |", "| --- | --- | --- | --- |"]
-    out += [f"| {op} | {s:.0f} | {s / total:.1%} | {executed_op[op]:.0f} |" for op, s in by_op.most_common(top)]
+    out += [f"| {op} | {s:.0f} | {s / total:.1%} | {executed_op[op]:.0f} |"
+            for op, s in heapq.nlargest(top, by_op.items(), key=lambda kv: kv[1])]
     reasons = {k: sum(_number(r[k]) for r in rows) for k in rows[0] if k.startswith("stall_") and "Not Issued" not in k}
     all_reasons = sum(reasons.values()) or 1.0
     out += ["", "| stall reason | share of samples |", "| --- | --- |"]

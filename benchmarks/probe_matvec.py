@@ -30,7 +30,7 @@ FORMS = ("dot", "dot_nt", "row_reduce")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"), help="folder for matvec_h200.*")
     ap.add_argument("--ms", default="1,9,33", help="token counts M, comma-separated")
     ap.add_argument("--iters", type=int, default=5, help="CUPTI windows per point (median)")
@@ -80,7 +80,7 @@ def main() -> None:
         row["loop_wall_us"] = loop_wall_us(raw, a, args.loop_calls)
     for row, _, f, a in points:
         timing = timer(f, *a)
-        row.update(kernel_us=timing.device_s * 1e6, kernels=len(timing.kernels))
+        row.update(kernel_us=timing.require_device_s() * 1e6, kernels=len(timing.kernels))
         print(row, flush=True)
     lines = ["# A small model's matvecs on the GPU: dot vs transposed dot vs row reduction (H200)", "",
              "Per call, us: loop wall (in a jitted loop) / CUPTI kernel time (kernels). float32, HIGHEST.", "",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -76,7 +77,7 @@ def add_kernel_times(pending: list, iters: int, top: int = 12) -> None:
     for row, fn, args, per in pending:
         timing = timer(fn, *args)
         count = len(timing.kernels)
-        row.update(kernel_us=timing.device_s * 1e6 / per, kernels=count if per == 1 else count / per)
+        row.update(kernel_us=timing.require_device_s() * 1e6 / per, kernels=count if per == 1 else count / per)
         tops = top_kernels(timing.kernels, top)  # where the time goes (in-loop rows: per round)
         row["top_kernels"] = tops if per == 1 else [
             {**k, "launches": round(k["launches"] / per, 2), "us": round(k["us"] / per, 2)} for k in tops]
@@ -186,7 +187,8 @@ def profile_in_loop(cfg, params, drafter, prompts, budgets, *, max_new_tokens: i
     rows, ar_outputs = [], []
     methods = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in budgets]
     for method, budget in methods:
-        extra = {"kernels": kernels} if method == "ar" else {"drafter": drafter, "method": method, "kernels": kernels}
+        extra: dict[str, Any] = ({"kernels": kernels} if method == "ar"
+                                 else {"drafter": drafter, "method": method, "kernels": kernels})
         if budget is not None:
             extra["tree_budget"] = budget
 
@@ -224,7 +226,7 @@ def profile_in_loop(cfg, params, drafter, prompts, budgets, *, max_new_tokens: i
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--target", type=Path, default=ASSETS / "target", help="target checkpoint")
     ap.add_argument("--drafter", type=Path, default=ASSETS / "drafter", help="drafter checkpoint")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
