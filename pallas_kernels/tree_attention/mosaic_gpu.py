@@ -545,7 +545,10 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
             def _():
                 plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(row0, ROWS)])
 
-        plgpu.wait_smem_to_gmem(0)
+        # The CTA may exit once the copies have read their SMEM; their global writes complete before any later
+        # kernel reads them (the kernel boundary), as jax's own Hopper matmul ends. Waiting for the writes too held
+        # each CTA ~6.5% of its time at exit (the T = 1 profile, benchmarks/results/tree_attention_t1_ncu_h100_s24.md).
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     def entry(start_ref, q_ref, cache_ref, *refs):
         bits_ref, out_refs = (refs[0], refs[1:]) if words else (None, refs)  # T = 1: no mask words
