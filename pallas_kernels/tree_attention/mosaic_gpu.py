@@ -29,8 +29,7 @@ rows (row = t * H + h), cut into tiles of 64 rows (one wgmma M). Grid (B, row ti
   * the cache streams with TMA through a ring of `max_concurrent_steps` SMEM slots (latent columns in num_wg
     chunks + the RoPE columns, one barrier per copy). replicated: warpgroup 0 issues every copy and refills a
     slot once every warpgroup arrived on its "consumed" barrier (split_rows: the same); shared_qk: each warpgroup
-    refills the chunk it
-    read last (warpgroup 0 also the RoPE columns), right after its P @ V;
+    refills the chunk it read last (warpgroup 0 also the RoPE columns), right after its P @ V;
   * online softmax in float32 (exp2, log2(e) folded into the scale), P cast to the input dtype for the
     value wgmma; replicated: fed from registers natively (p_operand "registers") or staged in SMEM ("smem",
     the only form jax 0.11's GPU interpreter simulates; the default picks by `interpret`); shared_qk and
@@ -54,10 +53,10 @@ SMEM) and its float32 log2-sum-exp; an XLA combine (`combine_splits`) weights th
 Status: checked in Mosaic GPU interpret mode on CPU (tests/kernels/test_tree_attention_mgpu.py, tiny shapes, all three
 schedules), its CUDA lowering at K2 shapes (c 512, r 64, H 64; all three), and natively on an H200 (the @gpu tests of
 that file, shared_qk and replicated; timed in benchmarks/results/tree_attention_mosaic_h200.md; split_rows not yet run
-on a GPU). pallas_kernels.dispatch runs it
-where it was measured fastest (tuned.measured_fastest). What jax 0.11.2's GPU interpreter cannot run, and so only
-the native tests cover: wgmma with A (P) from registers (interpret mode stages P in SMEM) and accumulating into a
-carried accumulator with pl.run_state (interpret mode adds a fresh product in registers instead, see `_accumulate`).
+on a GPU). pallas_kernels.dispatch runs it where it was measured fastest (tuned.measured_fastest). What jax 0.11.2's
+GPU interpreter cannot run, and so only the native tests cover: wgmma with A (P) from registers (interpret mode stages
+P in SMEM) and accumulating into a carried accumulator with pl.run_state (interpret mode adds a fresh product in
+registers instead, see `_accumulate`).
 Its race detector reported no race, but it also stays silent with the cross-warpgroup sync of a tail tile removed,
 so the ordering between warpgroups is reasoned (and the native tests pass), not proven.
 """
@@ -423,12 +422,6 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
 
             return pl.run_scoped(qk, plgpu.WGMMAAccumulatorRef((ROWS, half), jnp.float32)) * scale_log2
 
-        def store_own(buf, value):  # buf[wg] = value, through static indices (what the SMEM stores lower)
-            for w in range(nwg):
-                @pl.when(wg == w)
-                def _(w=w):
-                    buf.at[w][...] = value
-
         def step_split(step, carry, masked: bool):
             """split_rows: warpgroup w scores the tile's cache rows [w * half, (w + 1) * half); the row maxima and
             the P halves go through SMEM (two rendezvous a tile, three on a masked one); each warpgroup then
@@ -449,7 +442,7 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
                 s = jnp.where(visible, s, NEG)
             # This tile's writes of xchg / P follow the previous tile's last rendezvous, which every warpgroup
             # reached after reading the previous xchg and finishing its P V: no slot is overwritten while read.
-            store_own(xchg_smem, jnp.maximum(m, s.max(axis=1)))
+            xchg_smem.at[wg][...] = jnp.maximum(m, s.max(axis=1))
             rendezvous()
             m_new = m
             for w in range(nwg):
@@ -459,7 +452,7 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
             if visible is not None:
                 p = jnp.where(visible, p, 0.0)
             denom = denom * alpha + p.sum(axis=1)
-            store_own(p_smem, p.astype(dtype))
+            p_smem.at[wg][...] = p.astype(dtype)
             rendezvous()
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             # P half w by a traced index: jax 0.11's Mosaic GPU lowering fails on a static integer index of a ref
@@ -500,7 +493,7 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
             carry = lax.fori_loop(0, n_prefix, functools.partial(step_fn, masked=False), carry)
             acc, m, denom = lax.fori_loop(n_prefix, n_steps, functools.partial(step_fn, masked=True), carry)
             if rows_split:  # the warpgroups' denominator shares (after the last tile's rendezvous: xchg is free)
-                store_own(xchg_smem, denom)
+                xchg_smem.at[wg][...] = denom
                 rendezvous()
                 denom = plgpu.load(xchg_smem.at[0], layout=row_layout, optimized=False)
                 for w in range(1, nwg):
