@@ -121,6 +121,51 @@ def test_drafter_loss_matches_float64_cross_entropy():
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
 
 
+def test_drafter_distillation_loss_matches_float64():
+    """--distill W: each position's loss is (1 - W) x the cross-entropy against the token + W x the cross-entropy
+    against the target's softmax at the position before the token (float64 NumPy truth); W = 0 is the plain loss;
+    W outside [0, 1], or W > 0 without the target's logits, is an error."""
+    from training.train_drafter import block_weights, drafter_loss, drafter_training_logits
+
+    cfg, dcfg, dparams, embed, lm_head, rng = _tiny_drafter(2)
+    B, T, L = 2, 10, dcfg.block_size - 1
+    hidden = jnp.asarray(rng.standard_normal((B, T, dcfg.num_target_layers, cfg.hidden_size)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(4, cfg.vocab_size - 1, (B, T)), jnp.int32)
+    target_logits = jnp.asarray(3 * rng.standard_normal((B, T, cfg.vocab_size)), jnp.float32)
+    anchors = jnp.asarray([[2, 6], [1, 4]], jnp.int32)
+    valid = np.array([10, 7])
+    weights = jnp.asarray(block_weights(dcfg.block_size, 3.0))
+    args = (dparams, dcfg, hidden, tokens, jnp.asarray(valid), anchors, embed, lm_head, weights)
+    logits = np.asarray(drafter_training_logits(dparams, dcfg, hidden, tokens, anchors, embed, lm_head), np.float64)
+    teacher = np.asarray(target_logits, np.float64)
+    tok = np.asarray(tokens)
+
+    def log_softmax(x):
+        return x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+
+    hard_sum, soft_sum, counts = np.zeros(L), np.zeros(L), np.zeros(L)
+    for b in range(B):
+        for k, a in enumerate(np.asarray(anchors[b])):
+            for j in range(L):
+                pos = a + 1 + j
+                if pos < valid[b]:
+                    logq = log_softmax(logits[b, k, j])
+                    p = np.exp(log_softmax(teacher[b, pos - 1]))
+                    hard_sum[j] -= logq[tok[b, pos]]
+                    soft_sum[j] -= (p * logq).sum()
+                    counts[j] += 1
+    hard, soft = (float(np.dot(s / np.maximum(counts, 1), np.asarray(weights))) for s in (hard_sum, soft_sum))
+    assert abs(hard - soft) > 0.1  # the two labels differ here, so the mix is checked, not one term twice
+    for w in (0.0, 0.3, 1.0):
+        loss, _ = drafter_loss(*args, target_logits, w)
+        np.testing.assert_allclose(float(loss), (1 - w) * hard + w * soft, rtol=1e-5, err_msg=f"distill {w}")
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="distill must be in"):
+            drafter_loss(*args, target_logits, bad)
+    with pytest.raises(ValueError, match="needs target_logits"):
+        drafter_loss(*args, None, 0.5)
+
+
 # ------------------------------------------------------------------------------------ shipped pair
 @pytest.fixture(scope="module")
 def shipped():

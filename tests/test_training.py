@@ -209,3 +209,14 @@ def test_grow_layers_needs_init(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         train_drafter.main()
     assert exit_info.value.code == 2 and "--grow-layers needs --init" in capsys.readouterr().err
+
+
+def test_distill_weight_out_of_range_is_refused(monkeypatch, capsys):
+    import sys
+
+    from training import train_drafter
+
+    monkeypatch.setattr(sys, "argv", ["train_drafter", "--target", "unused", "--steps", "1", "--distill", "1.5"])
+    with pytest.raises(SystemExit) as exit_info:
+        train_drafter.main()
+    assert exit_info.value.code == 2 and "--distill must be in [0, 1]" in capsys.readouterr().err

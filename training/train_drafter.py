@@ -11,7 +11,9 @@
 2. Loss: for `--anchors` random anchor positions a per sequence (inside the generated part), the block
    [token a, mask x (block-1)] at positions a..a+block-1 attends to the drafter context features of
    tokens [0, a) and to itself; cross-entropy of the block's predictions against tokens a+1..a+block-1,
-   position k weighted exp(-(k-1)/gamma) (DFlash's decaying weights), normalised to sum 1.
+   position k weighted exp(-(k-1)/gamma) (DFlash's decaying weights), normalised to sum 1. `--distill W` mixes in
+   (weight W) the cross-entropy against the target's own distribution for each label, from the target forward
+   that gives the drafter its features (the logged losses then include that term; the accuracies do not change).
    The training forward IS `drafter_forward` on a cache holding the context of every anchor
    (`drafter_training_logits`; tests/test_shipped_model.py checks it against incremental inference).
 Mixed precision as in training/train_target.py: float32 master weights, the drafter's forward and backward in
@@ -54,11 +56,11 @@ from training.data import load_streams, random_windows
 from training.train_target import StepSchedule, causal_forward, check_step_args, make_optimizer, set_learning_rate
 
 
-def target_hidden(params, cfg: kj.ModelConfig, tokens: jax.Array, layers: tuple[int, ...]) -> jax.Array:
-    """Residual stream after target layers `layers` for tokens [B, T] (plain causal forward):
-    [B, T, n, D], no gradient."""
-    _, hidden = causal_forward(params, cfg, tokens, params["embed_tokens"].dtype, hidden_layers=layers)
-    return jax.lax.stop_gradient(hidden)
+def target_outputs(params, cfg: kj.ModelConfig, tokens: jax.Array, layers: tuple[int, ...]):
+    """One plain causal target forward over tokens [B, T], no gradient: (logits [B, T, V] float32, the residual
+    stream after target layers `layers` [B, T, n, D])."""
+    logits, hidden = causal_forward(params, cfg, tokens, params["embed_tokens"].dtype, hidden_layers=layers)
+    return jax.lax.stop_gradient(logits.astype(jnp.float32)), jax.lax.stop_gradient(hidden)
 
 
 def drafter_training_logits(dparams, dcfg: kj.DrafterConfig, hidden: jax.Array, tokens: jax.Array,
@@ -110,9 +112,16 @@ def block_weights(block_size: int, gamma: float) -> np.ndarray:
     return (w / w.sum()).astype(np.float32)
 
 
-def drafter_loss(dparams, dcfg, hidden, tokens, valid_len, anchors, embed, lm_head, weights):
+def drafter_loss(dparams, dcfg, hidden, tokens, valid_len, anchors, embed, lm_head, weights, target_logits=None,
+                 distill: float = 0.0):
     """Weighted block cross-entropy. tokens [B, T]; valid_len [B]: labels at positions >= valid_len
-    (past a stop token) are ignored. Returns (loss, per-position accuracy [block-1])."""
+    (past a stop token) are ignored. distill in [0, 1] (with target_logits [B, T, V], the target's own logits over
+    tokens): each position's loss is (1 - distill) x the cross-entropy against the token plus distill x the
+    cross-entropy against the target's distribution for that token (its softmax at the position before), i.e. the
+    KL to it up to a constant: what a sampled verify accepts, sum_x min(p, q), grows as q nears p, and the
+    distribution is a lower-variance label than one sample of it. Returns (loss, per-position accuracy [block-1])."""
+    if not 0.0 <= distill <= 1.0 or (distill and target_logits is None):
+        raise ValueError(f"distill must be in [0, 1] and needs target_logits, got {distill}")
     L = dcfg.block_size - 1
     logits = drafter_training_logits(dparams, dcfg, hidden, tokens, anchors, embed, lm_head)  # [B, K, L, V]
     label_pos = anchors[:, :, None] + 1 + jnp.arange(L)[None, None, :]  # [B, K, L]
@@ -120,6 +129,13 @@ def drafter_loss(dparams, dcfg, hidden, tokens, valid_len, anchors, embed, lm_he
     labels = jnp.take_along_axis(tokens[:, None, :], jnp.minimum(label_pos, T - 1), axis=2)  # [B, K, L]
     mask = (label_pos < valid_len[:, None, None]).astype(jnp.float32)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)  # [B, K, L]
+    if distill:
+        assert target_logits is not None
+        # the target's distribution of the token at label_pos: its logits at label_pos - 1 (a row per block slot)
+        rows = jnp.minimum(label_pos - 1, T - 1).reshape(label_pos.shape[0], -1)  # [B, K*L]
+        teacher = jnp.take_along_axis(target_logits, rows[:, :, None], axis=1).reshape(logits.shape)
+        soft = optax.softmax_cross_entropy(logits, jax.nn.softmax(teacher, axis=-1))  # [B, K, L]
+        ce = (1.0 - distill) * ce + distill * soft
     per_pos = (ce * mask).sum((0, 1)) / jnp.maximum(mask.sum((0, 1)), 1.0)  # [L]
     correct = ((jnp.argmax(logits, -1) == labels) * mask).sum((0, 1)) / jnp.maximum(mask.sum((0, 1)), 1.0)
     return jnp.dot(per_pos, weights), correct
@@ -236,6 +252,10 @@ def main() -> None:
                         help="with --init: append this many decoder layers to the loaded drafter, each freshly "
                              "initialised with its attention output and MLP down projection zero, so the grown "
                              "drafter starts as the same function (step 0) with more capacity")
+    parser.add_argument("--distill", type=float, default=0.0,
+                        help="weight in [0, 1] of the cross-entropy against the target's own next-token distribution "
+                             "(from the same forward that gives the drafter its features) beside the one against the "
+                             "generated token; 0 (default): the DFlash recipe's hard labels only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("/tmp/kdtree_train/drafter"))
     args = parser.parse_args()
@@ -245,6 +265,8 @@ def main() -> None:
         check_step_args(parser, args)
     if args.grow_layers < 0 or (args.grow_layers and args.init is None):
         parser.error("--grow-layers needs --init (the drafter to grow) and a count >= 1")
+    if not 0.0 <= args.distill <= 1.0:
+        parser.error(f"--distill must be in [0, 1], got {args.distill}")
     dflash_gamma = {16: 7.0, 10: 5.0, 8: 4.0}
     if args.gamma:
         gamma = float(args.gamma)
@@ -287,9 +309,10 @@ def main() -> None:
     dparams, opt_state = on_one_device((dparams, optimizer.init(dparams)))
 
     def loss_fn(dparams, tokens, valid_len, anchors):
-        hidden = target_hidden(params, cfg, tokens, layers).astype(compute_dtype)
-        return drafter_loss(cast_params(dparams, compute_dtype), dcfg, hidden, tokens, valid_len, anchors,
-                            embed.astype(compute_dtype), lm_head.astype(compute_dtype), weights)
+        target_logits, hidden = target_outputs(params, cfg, tokens, layers)
+        return drafter_loss(cast_params(dparams, compute_dtype), dcfg, hidden.astype(compute_dtype), tokens,
+                            valid_len, anchors, embed.astype(compute_dtype), lm_head.astype(compute_dtype), weights,
+                            target_logits, args.distill)
 
     @jax.jit
     def train_step(dparams, opt_state, tokens, valid_len, anchors):
