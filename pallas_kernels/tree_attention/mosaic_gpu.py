@@ -321,20 +321,36 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
                 p = jnp.where(visible, p, 0.0)
             return p, m_new, alpha, denom * alpha + p.sum(axis=1)
 
-        def step_replicated(step, carry, masked: bool):
-            acc, m, denom = carry
+        def rendezvous():  # every warpgroup's SMEM writes before here are visible to every warpgroup after it
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(sync)
+            plgpu.barrier_wait(sync)
+
+        def open_tile(step, masked: bool, cols: int = bk, col0: int | jax.Array = 0):
+            """replicated / split_rows: wait for tile `step`; (slot, the visibility of score columns
+            [col0, col0 + cols) or None). A masked tile: each warpgroup zeroes its own chunk's garbage rows, and a
+            rendezvous keeps every warpgroup's QK^T reads of the tile after all the zeroing."""
             slot = lax.rem(step, depth)
             wait_tile(slot)
             k0 = actual_k0(step)
             visible = None
             if masked:
-                visible = visibility(step, k0)
-                # each warpgroup zeroes its own chunk; the sync keeps every warpgroup's QK^T reads of the tile
-                # after all the zeroing
+                visible = visibility(step, k0, cols, col0)
                 zero_garbage(kc_smem.at[slot, wg], k0)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(sync)
-                plgpu.barrier_wait(sync)
+                rendezvous()
+            return slot, visible
+
+        def release_tile(step, slot):  # replicated / split_rows: this warpgroup is done with the slot; refill it
+            plgpu.barrier_arrive(consumed.at[slot])
+
+            @pl.when((wg == 0) & (step + depth < n_steps))
+            def _():
+                plgpu.barrier_wait(consumed.at[slot])  # every warpgroup is done with this slot
+                issue(step + depth)
+
+        def step_replicated(step, carry, masked: bool):
+            acc, m, denom = carry
+            slot, visible = open_tile(step, masked)
             p, m_new, alpha, denom = softmax_step(scores(slot), m, denom, visible)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p16 = p.astype(dtype)
@@ -346,13 +362,7 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
                 p_in = p16
 
             acc = _accumulate(acc, [(p_in, kc_smem.at[slot, wg])], interpret)
-            plgpu.barrier_arrive(consumed.at[slot])
-
-            @pl.when((wg == 0) & (step + depth < n_steps))
-            def _():
-                plgpu.barrier_wait(consumed.at[slot])  # every warpgroup is done with this slot
-                issue(step + depth)
-
+            release_tile(step, slot)
             return acc, m_new, denom
 
         def step_shared(step, carry, masked: bool):
@@ -405,11 +415,6 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
 
             return acc, m, denom
 
-        def rendezvous():  # every warpgroup's SMEM writes before here are visible to every warpgroup after it
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(sync)
-            plgpu.barrier_wait(sync)
-
         def half_scores(slot, w):  # [64, half] float32 in log2 units: the scores of the tile's rows [w * half, ..)
             rows = pl.ds(w * half, half)
 
@@ -428,14 +433,7 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
             multiplies the whole P into its own value columns. `denom` is this warpgroup's share of the
             denominator (its rows' P sums; the shares add up after the loop: both follow the same maxima)."""
             acc, m, denom = carry
-            slot = lax.rem(step, depth)
-            wait_tile(slot)
-            k0 = actual_k0(step)
-            visible = None
-            if masked:
-                visible = visibility(step, k0, half, wg * half)
-                zero_garbage(kc_smem.at[slot, wg], k0)  # as replicated: each its chunk, all rows, before any QK^T
-                rendezvous()
+            slot, visible = open_tile(step, masked, half, wg * half)
             # static row slices (the SMEM tiling), so one branch a warpgroup
             s = lax.cond(wg == 0, lambda: half_scores(slot, 0), lambda: half_scores(slot, 1))
             if visible is not None:
@@ -460,13 +458,7 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
             traced = wg * 0
             acc = _accumulate(acc, [(p_smem.at[traced + w], kc_smem.at[slot, wg, pl.ds(w * half, half)])
                                     for w in range(nwg)], interpret)
-            plgpu.barrier_arrive(consumed.at[slot])
-
-            @pl.when((wg == 0) & (step + depth < n_steps))
-            def _():
-                plgpu.barrier_wait(consumed.at[slot])  # every warpgroup is done with this slot
-                issue(step + depth)
-
+            release_tile(step, slot)
             return acc, m_new, denom
 
         acc0 = plgpu.layout_cast(jnp.zeros((ROWS, vb), jnp.float32), wgmma_layout)
