@@ -220,3 +220,30 @@ def test_distill_weight_out_of_range_is_refused(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         train_drafter.main()
     assert exit_info.value.code == 2 and "--distill must be in [0, 1]" in capsys.readouterr().err
+
+
+def _write_log(path, records):
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_plot_logs_draws_every_run_and_refuses_a_metric_a_run_never_logged(tmp_path):
+    """training.plot_logs: one panel a metric, one line a run; a metric missing from one run's log is a clear error
+    (before matplotlib is needed), as is a --run without LABEL=LOG."""
+    from training import plot_logs
+
+    a = _write_log(tmp_path / "a.jsonl", [{"step": 0, "m": 1.0}, {"step": 10, "m": 1.5, "other": 2.0}])
+    b = _write_log(tmp_path / "b.jsonl", [{"step": 0, "other": 1.0}])
+    with pytest.raises(ValueError, match=r"run 'b' .* never logged \['m'\]"):
+        plot_logs.plot_runs({"a": a, "b": b}, ["m"], tmp_path / "x.png", "t")
+    with pytest.raises(SystemExit, match="expected LABEL=LOG"):
+        plot_logs.main(["--run", str(a), "--keys", "m", "--out", str(tmp_path / "x.png")])
+    with pytest.raises(SystemExit, match="no file"):
+        plot_logs.main(["--run", f"a={tmp_path / 'none.jsonl'}", "--keys", "m", "--out", str(tmp_path / "x.png")])
+    assert not (tmp_path / "x.png").exists()
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "fig" / "runs.png"
+    plot_logs.main(["--run", f"a={a}", "--run", f"b={b}", "--keys", "other", "--out", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
