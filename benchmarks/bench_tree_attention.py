@@ -118,7 +118,7 @@ def main():
                          "with --schedules: those schedules only), e.g. a T = 1 sweep: --shapes 32768:1 --splits 32 64 "
                          "128 --schedules replicated")
     ap.add_argument("--schedules", nargs="+", choices=SCHEDULES,
-                    help="only these Mosaic schedules (default: the plan's, which does not time split_rows yet)")
+                    help="only these Mosaic schedules (default: the plan's)")
     ap.add_argument("--shipped", action="store_true",
                     help="the shipped pair's attention shape instead of K2's: tree_attention_shipped.{json,md}")
     ap.add_argument("--smoke", action="store_true",

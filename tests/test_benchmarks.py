@@ -79,10 +79,9 @@ def test_tree_attention_split_sweep_and_combine_smoke_runs(tmp_path):
     """--splits / --schedules replace the plan's variants (value_block kept), and --combine times the three combine
     forms, each matching the float64 combine, into tree_attention_combine_smoke.*."""
     _run("benchmarks/bench_tree_attention.py", "--smoke", "--shapes", "100:1", "--splits", "3",
-         "--schedules", "replicated", "split_rows", "--out", str(tmp_path))
+         "--schedules", "replicated", "--out", str(tmp_path))
     (row,) = json.loads((tmp_path / "tree_attention_mosaic_smoke.json").read_text())["rows"]
-    assert [(m["schedule"], m["num_splits"], m["value_block"]) for m in row["mosaic"]] == [
-        ("replicated", 3, 64), ("split_rows", 3, 64)]
+    assert [(m["schedule"], m["num_splits"], m["value_block"]) for m in row["mosaic"]] == [("replicated", 3, 64)]
     assert all(m["rel_err"] < 2e-2 for m in row["mosaic"])  # each checked against the float32 reference
     _run("benchmarks/bench_tree_attention.py", "--smoke", "--combine", "--splits", "2", "3", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "tree_attention_combine_smoke.json").read_text())["rows"]

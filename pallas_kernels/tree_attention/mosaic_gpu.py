@@ -10,30 +10,22 @@ rows (row = t * H + h), cut into tiles of 64 rows (one wgmma M). Grid (B, row ti
     float32 accumulator fits one warpgroup's registers: c = 512 needs 2 warpgroups, FlashMLA's O_L / O_R);
     warpgroup w owns output columns [w * value_block, (w + 1) * value_block);
   * the [64, block_kv] score tile S = q . row (the c latent columns as num_wg chunked wgmmas plus one RoPE
-    wgmma) is computed by one of three schedules (`MosaicAttentionConfig.schedule`):
+    wgmma) is computed by one of two schedules (`MosaicAttentionConfig.schedule`):
       "shared_qk" (default): warpgroup 0 alone computes S and the online softmax, and hands P (input dtype) and
         the row rescale to warpgroup 1 through SMEM (barriers p_ready / p_free); both then run their half of
         P @ V. The tensor cores do the QK^T once (1088 instead of 1664 multiply-adds per score at K2 widths):
         6-7% faster at S = 32768, T = 33 / 129 on the H200, the same at T = 1;
       "replicated": every warpgroup computes the whole S and its own softmax, no hand-off, twice the QK^T work
         (the T = 1 choice of tuned.mosaic_config, as measured there);
-      "split_rows" (2026-12-05, not measured on a GPU yet; the T = 1 profile's lead, docs/tree_attention.md):
-        warpgroup w computes the scores of the tile's cache rows [w * block_kv / 2, ...) only (the QK^T once, as
-        shared_qk, but by both warpgroups at once), the two exchange their row maxima (rendezvous on `sync`) and
-        their halves of P (input dtype, SMEM; another rendezvous), and each runs the whole P @ V for its value
-        columns as two wgmmas. Each keeps its share of the softmax denominator (both follow the same maxima), and
-        the shares are added after the loop. Its SMEM uses one 64-byte swizzle throughout (P's halves are 64
-        bytes wide at block_kv 64, and with the 128-byte swizzle elsewhere Mosaic's layout inference finds no
-        tiling for the cache chunks that P multiplies); at K2 widths it fits the 227 KiB beside the 2-deep ring
-        (8.5 KiB more than replicated);
+      (a third, "split_rows", each warpgroup the scores of half a tile's cache rows, was measured slower than
+        these two on an H100 on 2026-12-05 and removed: docs/tree_attention.md)
   * the cache streams with TMA through a ring of `max_concurrent_steps` SMEM slots (latent columns in num_wg
     chunks + the RoPE columns, one barrier per copy). replicated: warpgroup 0 issues every copy and refills a
-    slot once every warpgroup arrived on its "consumed" barrier (split_rows: the same); shared_qk: each warpgroup
-    refills the chunk it read last (warpgroup 0 also the RoPE columns), right after its P @ V;
+    slot once every warpgroup arrived on its "consumed" barrier; shared_qk: each warpgroup refills the chunk it
+    read last (warpgroup 0 also the RoPE columns), right after its P @ V;
   * online softmax in float32 (exp2, log2(e) folded into the scale), P cast to the input dtype for the
     value wgmma; replicated: fed from registers natively (p_operand "registers") or staged in SMEM ("smem",
-    the only form jax 0.11's GPU interpreter simulates; the default picks by `interpret`); shared_qk and
-    split_rows: SMEM.
+    the only form jax 0.11's GPU interpreter simulates; the default picks by `interpret`); shared_qk: SMEM.
 
 The KV range of batch row b is [0, start[b] + T):
   * full prefix tiles [0, start // block_kv) are visible to every query row: no mask at all; they are shared
@@ -50,13 +42,12 @@ The KV range of batch row b is [0, start[b] + T):
 num_splits > 1: each split writes its normalized partial output (in the input dtype: it is staged in the q chunk's
 SMEM) and its float32 log2-sum-exp; an XLA combine (`combine_splits`) weights them by exp2(lse - the row's total).
 
-Status: checked in Mosaic GPU interpret mode on CPU (tests/kernels/test_tree_attention_mgpu.py, tiny shapes, all three
-schedules), its CUDA lowering at K2 shapes (c 512, r 64, H 64; all three), and natively on an H200 (the @gpu tests of
-that file, shared_qk and replicated; timed in benchmarks/results/tree_attention_mosaic_h200.md; split_rows not yet run
-on a GPU). pallas_kernels.dispatch runs it where it was measured fastest (tuned.measured_fastest). What jax 0.11.2's
-GPU interpreter cannot run, and so only the native tests cover: wgmma with A (P) from registers (interpret mode stages
-P in SMEM) and accumulating into a carried accumulator with pl.run_state (interpret mode adds a fresh product in
-registers instead, see `_accumulate`).
+Status: checked in Mosaic GPU interpret mode on CPU (tests/kernels/test_tree_attention_mgpu.py, tiny shapes, both
+schedules), its CUDA lowering at K2 shapes (c 512, r 64, H 64), and natively on an H200 (the @gpu tests of that
+file, both schedules; timed in benchmarks/results/tree_attention_mosaic_h200.md). pallas_kernels.dispatch runs it
+where it was measured fastest (tuned.measured_fastest). What jax 0.11.2's GPU interpreter cannot run, and so only
+the native tests cover: wgmma with A (P) from registers (interpret mode stages P in SMEM) and accumulating into a
+carried accumulator with pl.run_state (interpret mode adds a fresh product in registers instead, see `_accumulate`).
 Its race detector reported no race, but it also stays silent with the cross-warpgroup sync of a tail tile removed,
 so the ordering between warpgroups is reasoned (and the native tests pass), not proven.
 """
@@ -80,7 +71,7 @@ LOG2E = math.log2(math.e)
 NEG = -1e30
 ROWS = 64  # query rows per CTA: one wgmma M
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-SCHEDULES = ("shared_qk", "replicated", "split_rows")
+SCHEDULES = ("shared_qk", "replicated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +84,8 @@ class MosaicAttentionConfig:
       form jax 0.11's GPU interpreter simulates; 16 KiB more SMEM, which c = 512 does not have at block_kv 64
       and depth 2), or None: registers natively, smem in interpret mode. Replicated schedule only.
     schedule: with two value warpgroups, "shared_qk" (warpgroup 0 computes the score tile and the softmax once and
-      hands P and the row rescale to warpgroup 1 through SMEM), "replicated" (each warpgroup computes the whole
-      score tile itself, no hand-off) or "split_rows" (each warpgroup computes the scores of its half of the tile's
-      cache rows, the two exchange their row maxima and their halves of P through SMEM, and each multiplies the
-      whole P into its value columns: the replicated schedule's QK^T work halved without an idle warpgroup; P
-      always in SMEM). One warpgroup: the same kernel either way."""
+      hands P and the row rescale to warpgroup 1 through SMEM) or "replicated" (each warpgroup computes the whole
+      score tile itself, no hand-off). One warpgroup: the same kernel either way."""
 
     block_kv: int = 64
     num_splits: int = 1
@@ -176,22 +164,19 @@ def tree_mask_bits(tree_mask, num_heads: int, rows_padded: int):
     return rows.transpose(0, 2, 1)  # [B, words, rows_padded]
 
 
-def _accumulate(acc, pairs, interpret):
-    """acc + sum of a @ b over the (a, b) pairs, on the tensor cores, float32. Natively the wgmmas accumulate into
-    `acc` itself, carried in registers (pl.run_state). jax 0.11's GPU interpreter runs neither pl.run_state nor
-    stores into an accumulator, so there the products go into a fresh zero accumulator that is added to `acc` in
-    registers (the same sum, one more rounding per step; natively that would cost a second accumulator's
-    registers)."""
+def _accumulate(acc, a, b, interpret):
+    """acc + a @ b on the tensor cores, float32. Natively the wgmma accumulates into `acc` itself, carried in
+    registers (pl.run_state). jax 0.11's GPU interpreter runs neither pl.run_state nor stores into an
+    accumulator, so there the product goes into a fresh zero accumulator and is added to `acc` in registers
+    (the same sum, one more rounding per step; natively that would cost a second accumulator's registers)."""
     if interpret is None:
         def body(acc_ref):
-            for a, b in pairs:
-                plgpu.wgmma(acc_ref, a, b)
+            plgpu.wgmma(acc_ref, a, b)
 
         return pl.run_state(body)(plgpu.WGMMAAccumulatorRef.init(acc))
 
     def product(acc_ref):
-        for a, b in pairs:
-            plgpu.wgmma(acc_ref, a, b)
+        plgpu.wgmma(acc_ref, a, b)
         plgpu.wgmma_wait(0)
         return acc_ref[...]
 
@@ -205,15 +190,12 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
     # T = 1 (an AR step) needs no mask words: the one tree token sees the prefix and itself (the mask's diagonal)
     words = -(-num_tree // 32) if num_tree > 1 else 0
     shared = config.schedule == "shared_qk" and nwg > 1
-    rows_split = config.schedule == "split_rows" and nwg > 1
-    half = bk // nwg  # split_rows: the cache rows of a tile whose scores one warpgroup computes
-    p_register = (not shared and not rows_split
-                  and (config.p_operand or ("registers" if interpret is None else "smem")) == "registers")
+    p_register = not shared and (config.p_operand or ("registers" if interpret is None else "smem")) == "registers"
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def kernel(start_ref, q_ref, cache_ref, bits_ref, *out_refs, scratch):
-        (qc_smem, qr_smem, kc_smem, kr_smem, p_smem, row_smem, xchg_smem), (q_bar, kc_bar, kr_bar), consumed, sync, \
+        (qc_smem, qr_smem, kc_smem, kr_smem, p_smem, row_smem), (q_bar, kc_bar, kr_bar), consumed, sync, \
             p_ready, p_free = scratch
         # one row of float32 per query row: the rescale (shared_qk, in the loop), then warpgroup 0's final
         # denominator (shared_qk) and the log2-sum-exp staging (splits), when no warpgroup reads the rescale any more
@@ -280,15 +262,15 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
                 plgpu.barrier_wait(kc_bar.at[slot * nwg + j])
             plgpu.barrier_wait(kr_bar.at[slot])
 
-        def visibility(step, k0, cols: int = bk, col0: int | jax.Array = 0):  # [ROWS, cols] from cache row k0 + col0
-            col = plgpu.broadcasted_iota(jnp.int32, (ROWS, cols), 1, layout=wgmma_layout) + k0 + col0  # cache row
+        def visibility(step, k0):
+            col = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1, layout=wgmma_layout) + k0  # cache row
             # rows already covered by the previous tile (a clamped last tile) or >= start + T: never
             rel = col - start  # position in the tree, < 0 for the prefix
             if not words:  # T = 1: the prefix and the token itself
                 return (rel <= 0) & (col >= nominal_k0(step))
             visible = rel < 0
             for w in range(words):
-                word = lax.broadcast_in_dim(word_rows[w], (ROWS, cols), [0])
+                word = lax.broadcast_in_dim(word_rows[w], (ROWS, bk), [0])
                 in_word = (rel >= 32 * w) & (rel < 32 * w + 32)
                 bit = lax.shift_right_logical(word, jnp.clip(rel - 32 * w, 0, 31)) & 1
                 visible = visible | (in_word & (bit != 0))
@@ -326,21 +308,21 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
             plgpu.barrier_arrive(sync)
             plgpu.barrier_wait(sync)
 
-        def open_tile(step, masked: bool, cols: int = bk, col0: int | jax.Array = 0):
-            """replicated / split_rows: wait for tile `step`; (slot, the visibility of score columns
-            [col0, col0 + cols) or None). A masked tile: each warpgroup zeroes its own chunk's garbage rows, and a
-            rendezvous keeps every warpgroup's QK^T reads of the tile after all the zeroing."""
+        def open_tile(step, masked: bool):
+            """replicated: wait for tile `step`; (slot, the visibility of its score columns or None). A masked
+            tile: each warpgroup zeroes its own chunk's garbage rows, and a rendezvous keeps every warpgroup's QK^T
+            reads of the tile after all the zeroing."""
             slot = lax.rem(step, depth)
             wait_tile(slot)
             k0 = actual_k0(step)
             visible = None
             if masked:
-                visible = visibility(step, k0, cols, col0)
+                visible = visibility(step, k0)
                 zero_garbage(kc_smem.at[slot, wg], k0)
                 rendezvous()
             return slot, visible
 
-        def release_tile(step, slot):  # replicated / split_rows: this warpgroup is done with the slot; refill it
+        def release_tile(step, slot):  # replicated: this warpgroup is done with the slot; refill it
             plgpu.barrier_arrive(consumed.at[slot])
 
             @pl.when((wg == 0) & (step + depth < n_steps))
@@ -361,7 +343,7 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
             else:
                 p_in = p16
 
-            acc = _accumulate(acc, [(p_in, kc_smem.at[slot, wg])], interpret)
+            acc = _accumulate(acc, p_in, kc_smem.at[slot, wg], interpret)
             release_tile(step, slot)
             return acc, m_new, denom
 
@@ -398,7 +380,7 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
 
             alpha = plgpu.load(alpha_smem, layout=row_layout, optimized=False)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            acc = _accumulate(acc, [(p_smem, kc_smem.at[slot, wg])], interpret)
+            acc = _accumulate(acc, p_smem, kc_smem.at[slot, wg], interpret)
 
             @pl.when(wg != 0)
             def _():
@@ -414,52 +396,6 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
                         issue_rope(step + depth)
 
             return acc, m, denom
-
-        def half_scores(slot, w):  # [64, half] float32 in log2 units: the scores of the tile's rows [w * half, ..)
-            rows = pl.ds(w * half, half)
-
-            def qk(acc_ref):
-                for j in range(nwg):
-                    plgpu.wgmma(acc_ref, qc_smem.at[j], kc_smem.at[slot, j, rows].T)
-                plgpu.wgmma(acc_ref, qr_smem, kr_smem.at[slot, rows].T)
-                plgpu.wgmma_wait(0)
-                return acc_ref[...]
-
-            return pl.run_scoped(qk, plgpu.WGMMAAccumulatorRef((ROWS, half), jnp.float32)) * scale_log2
-
-        def step_split(step, carry, masked: bool):
-            """split_rows: warpgroup w scores the tile's cache rows [w * half, (w + 1) * half); the row maxima and
-            the P halves go through SMEM (two rendezvous a tile, three on a masked one); each warpgroup then
-            multiplies the whole P into its own value columns. `denom` is this warpgroup's share of the
-            denominator (its rows' P sums; the shares add up after the loop: both follow the same maxima)."""
-            acc, m, denom = carry
-            slot, visible = open_tile(step, masked, half, wg * half)
-            # static row slices (the SMEM tiling), so one branch a warpgroup
-            s = lax.cond(wg == 0, lambda: half_scores(slot, 0), lambda: half_scores(slot, 1))
-            if visible is not None:
-                s = jnp.where(visible, s, NEG)
-            # This tile's writes of xchg / P follow the previous tile's last rendezvous, which every warpgroup
-            # reached after reading the previous xchg and finishing its P V: no slot is overwritten while read.
-            xchg_smem.at[wg][...] = jnp.maximum(m, s.max(axis=1))
-            rendezvous()
-            m_new = m
-            for w in range(nwg):
-                m_new = jnp.maximum(m_new, plgpu.load(xchg_smem.at[w], layout=row_layout, optimized=False))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            if visible is not None:
-                p = jnp.where(visible, p, 0.0)
-            denom = denom * alpha + p.sum(axis=1)
-            p_smem.at[wg][...] = p.astype(dtype)
-            rendezvous()
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            # P half w by a traced index: jax 0.11's Mosaic GPU lowering fails on a static integer index of a ref
-            # that pl.run_state's body closes over ("Shaped arrays must be represented by ir.Values")
-            traced = wg * 0
-            acc = _accumulate(acc, [(p_smem.at[traced + w], kc_smem.at[slot, wg, pl.ds(w * half, half)])
-                                    for w in range(nwg)], interpret)
-            release_tile(step, slot)
-            return acc, m_new, denom
 
         acc0 = plgpu.layout_cast(jnp.zeros((ROWS, vb), jnp.float32), wgmma_layout)
         carry = (acc0, plgpu.layout_cast(jnp.full((ROWS,), NEG, jnp.float32), row_layout),
@@ -481,15 +417,8 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
             plgpu.barrier_wait(sync)
             denom = plgpu.load(denom_smem, layout=row_layout, optimized=False)
         else:
-            step_fn = step_split if rows_split else step_replicated
-            carry = lax.fori_loop(0, n_prefix, functools.partial(step_fn, masked=False), carry)
-            acc, m, denom = lax.fori_loop(n_prefix, n_steps, functools.partial(step_fn, masked=True), carry)
-            if rows_split:  # the warpgroups' denominator shares (after the last tile's rendezvous: xchg is free)
-                xchg_smem.at[wg][...] = denom
-                rendezvous()
-                denom = plgpu.load(xchg_smem.at[0], layout=row_layout, optimized=False)
-                for w in range(1, nwg):
-                    denom = denom + plgpu.load(xchg_smem.at[w], layout=row_layout, optimized=False)
+            carry = lax.fori_loop(0, n_prefix, functools.partial(step_replicated, masked=False), carry)
+            acc, m, denom = lax.fori_loop(n_prefix, n_steps, functools.partial(step_replicated, masked=True), carry)
 
             @pl.when(wg == 0)
             def _():  # observe the last `depth` consumed phases too (never left pending, as the interpreter checks)
@@ -537,26 +466,19 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
 
     def entry(start_ref, q_ref, cache_ref, *refs):
         bits_ref, out_refs = (refs[0], refs[1:]) if words else (None, refs)  # T = 1: no mask words
-
-        def transforms(minor):  # split_rows: one 64-byte swizzle for all (P's halves are 64 bytes wide; see above)
-            return smem_transforms(min(minor, half) if rows_split else minor, dtype)
-
         if shared:  # one P tile, written by warpgroup 0, read by all
-            p_buf = plgpu.SMEM((ROWS, bk), dtype, transforms=transforms(bk))
-        elif rows_split:  # each warpgroup's half of P, read by all
-            p_buf = plgpu.SMEM((nwg, ROWS, half), dtype, transforms=transforms(half))
+            p_buf = plgpu.SMEM((ROWS, bk), dtype, transforms=smem_transforms(bk, dtype))
         elif p_register:
             p_buf = None
         else:
-            p_buf = plgpu.SMEM((nwg, ROWS, bk), dtype, transforms=transforms(bk))
+            p_buf = plgpu.SMEM((nwg, ROWS, bk), dtype, transforms=smem_transforms(bk, dtype))
         smem = (
-            plgpu.SMEM((nwg, ROWS, vb), dtype, transforms=transforms(vb)),  # q latent chunks
-            plgpu.SMEM((ROWS, r), dtype, transforms=transforms(r)),  # q RoPE part
-            plgpu.SMEM((depth, nwg, bk, vb), dtype, transforms=transforms(vb)),  # cache latent ring
-            plgpu.SMEM((depth, bk, r), dtype, transforms=transforms(r)),  # cache RoPE ring
+            plgpu.SMEM((nwg, ROWS, vb), dtype, transforms=smem_transforms(vb, dtype)),  # q latent chunks
+            plgpu.SMEM((ROWS, r), dtype, transforms=smem_transforms(r, dtype)),  # q RoPE part
+            plgpu.SMEM((depth, nwg, bk, vb), dtype, transforms=smem_transforms(vb, dtype)),  # cache latent ring
+            plgpu.SMEM((depth, bk, r), dtype, transforms=smem_transforms(r, dtype)),  # cache RoPE ring
             p_buf,
             plgpu.SMEM((ROWS,), jnp.float32),  # see alpha_smem
-            plgpu.SMEM((nwg, ROWS), jnp.float32) if rows_split else None,  # split_rows: maxima, then denominators
         )
         barriers = (plgpu.Barrier(num_barriers=nwg + 1), plgpu.Barrier(num_barriers=depth * nwg),
                     plgpu.Barrier(num_barriers=depth))
