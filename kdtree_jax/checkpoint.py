@@ -285,16 +285,7 @@ def check_destination(path: str | os.PathLike, *, overwrite: bool = False,
 
 def read_checkpoint_meta(path: str | os.PathLike) -> dict:
     """The config.json of a checkpoint directory (kind, config, param_dtype, quantization, format)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"no checkpoint directory at {path}")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"{path} is not a kdtree-jax checkpoint: config.json is missing")
-    try:
-        meta = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_file} is not valid JSON: {e}") from None
+    config_file, meta = storage.read_config_json(path, "kdtree-jax checkpoint", CheckpointError)
     if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS or meta.get("kind") not in _KINDS:
         got = meta if not isinstance(meta, dict) else (meta.get("format"), meta.get("kind"))
         raise CheckpointError(f"{config_file}: unsupported checkpoint format / kind {got!r} "

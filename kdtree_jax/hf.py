@@ -38,6 +38,7 @@ import numpy as np
 from safetensors import SafetensorError, deserialize, safe_open
 from tqdm.auto import tqdm
 
+from kdtree_jax import storage
 from kdtree_jax.config import ConfigError, ModelConfig
 from kdtree_jax.weights import declare
 from pallas_kernels.int4 import GROUP_SIZE, PACK_FACTOR, Int4Weight
@@ -65,17 +66,8 @@ class HFCheckpointError(ValueError):
 
 # ------------------------------------------------------------------------------------------- config
 def read_config_json(path: str | Path, what: str, error: type[Exception] = HFCheckpointError) -> tuple[Path, Any]:
-    """(config.json's path, its parsed JSON) of a Hugging Face directory; `error` names what is wrong."""
-    path = Path(path)
-    if not path.is_dir():
-        raise error(f"{what} path {str(path)!r} is not a directory")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise error(f"no config.json in {str(path)!r}: not a Hugging Face {what} directory")
-    try:
-        return config_file, json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise error(f"{config_file} is not valid JSON: {e}") from None
+    """(config.json's path, its parsed JSON) of a Hugging Face directory (`what`: "checkpoint", "DFlash drafter")."""
+    return storage.read_config_json(path, f"Hugging Face {what}", error)
 
 
 def read_hf_config(path: str | Path) -> tuple[ModelConfig, dict]:

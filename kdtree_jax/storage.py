@@ -45,6 +45,21 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, unreadable, corrupt or does not match its config."""
 
 
+def read_config_json(path: str | os.PathLike, what: str, error: type[Exception]) -> tuple[Path, object]:
+    """(config.json's path, its parsed JSON) of a checkpoint directory (kdtree-jax's or a Hugging Face one);
+    `error(message)` says what is wrong, naming the directory as `what` ("kdtree-jax checkpoint", ...)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise error(f"{what} path {str(path)!r} is not a directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise error(f"no config.json in {str(path)!r}: not a {what} directory")
+    try:
+        return config_file, json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise error(f"{config_file} is not valid JSON: {e}") from None
+
+
 class CheckpointRecoveryWarning(UserWarning):
     """An interrupted commit was finished or rolled back, or stale temporaries were removed."""
 
