@@ -137,8 +137,8 @@ def _check(q, cache, start, tree_mask, value_dim, config: MosaicAttentionConfig,
                          f"({config.max_concurrent_steps}) must be >= 1")
     if config.schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {config.schedule!r}")
-    if config.schedule != "replicated" and c // vb > 1 and config.p_operand == "registers":
-        raise ValueError(f"p_operand='registers' is the replicated schedule's: {config.schedule} hands P over in SMEM")
+    if config.schedule == "shared_qk" and c // vb > 1 and config.p_operand == "registers":
+        raise ValueError("p_operand='registers' is the replicated schedule's: shared_qk hands P over in SMEM")
     if config.p_operand not in (None, "smem", "registers"):
         raise ValueError(f"p_operand must be None, 'smem' or 'registers', got {config.p_operand!r}")
     if interpret and config.p_operand == "registers":
@@ -303,36 +303,20 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
                 p = jnp.where(visible, p, 0.0)
             return p, m_new, alpha, denom * alpha + p.sum(axis=1)
 
-        def rendezvous():  # every warpgroup's SMEM writes before here are visible to every warpgroup after it
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(sync)
-            plgpu.barrier_wait(sync)
-
-        def open_tile(step, masked: bool):
-            """replicated: wait for tile `step`; (slot, the visibility of its score columns or None). A masked
-            tile: each warpgroup zeroes its own chunk's garbage rows, and a rendezvous keeps every warpgroup's QK^T
-            reads of the tile after all the zeroing."""
+        def step_replicated(step, carry, masked: bool):
+            acc, m, denom = carry
             slot = lax.rem(step, depth)
             wait_tile(slot)
             k0 = actual_k0(step)
             visible = None
             if masked:
                 visible = visibility(step, k0)
+                # each warpgroup zeroes its own chunk; the sync keeps every warpgroup's QK^T reads of the tile
+                # after all the zeroing
                 zero_garbage(kc_smem.at[slot, wg], k0)
-                rendezvous()
-            return slot, visible
-
-        def release_tile(step, slot):  # replicated: this warpgroup is done with the slot; refill it
-            plgpu.barrier_arrive(consumed.at[slot])
-
-            @pl.when((wg == 0) & (step + depth < n_steps))
-            def _():
-                plgpu.barrier_wait(consumed.at[slot])  # every warpgroup is done with this slot
-                issue(step + depth)
-
-        def step_replicated(step, carry, masked: bool):
-            acc, m, denom = carry
-            slot, visible = open_tile(step, masked)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(sync)
+                plgpu.barrier_wait(sync)
             p, m_new, alpha, denom = softmax_step(scores(slot), m, denom, visible)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p16 = p.astype(dtype)
@@ -344,7 +328,13 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
                 p_in = p16
 
             acc = _accumulate(acc, p_in, kc_smem.at[slot, wg], interpret)
-            release_tile(step, slot)
+            plgpu.barrier_arrive(consumed.at[slot])
+
+            @pl.when((wg == 0) & (step + depth < n_steps))
+            def _():
+                plgpu.barrier_wait(consumed.at[slot])  # every warpgroup is done with this slot
+                issue(step + depth)
+
             return acc, m_new, denom
 
         def step_shared(step, carry, masked: bool):
