@@ -39,6 +39,15 @@ left() { echo $(( end - $(date +%s) )); }
 suite_log="$OUT/gpu_suite.log" shipped_log="$OUT/shipped_gpu.log"
 status=0
 note() { (( status == 0 )) && status=$1; return 0; }  # note RC: the script's exit status is the first nonzero one
+in_time_left() {  # LOG LABEL CMD...: CMD, its output appended to LOG, in the time left (not started with 10 s or less)
+    local log=$1 label=$2 rc; shift 2
+    if (( $(left) > 10 )); then
+        timeout "$(left)" "$@" >> "$log" 2>&1
+        rc=$?; note $rc; echo "rc=$rc${label:+ ($label)}" >> "$log"
+    else
+        note 124; echo "rc=124 (${label:+$label: }not started, no time left)" >> "$log"
+    fi
+}
 # --dist load: the two long kernel files (MoE, tree build) spread over the workers
 if [[ " $RUNS " == *" suite "* ]]; then
     t=$(left); (( t > SUITE_S )) && t=$SUITE_S
@@ -48,21 +57,12 @@ fi
 # --dist loadgroup: the tests of one whole-generate module fixture run on one worker (their xdist_group), so no fixture
 # is built twice
 if [[ " $RUNS " == *" shipped "* ]]; then
-    if (( $(left) > 10 )); then
-        timeout "$(left)" $PY -m pytest "${common[@]}" -n 3 --dist loadgroup tests/test_shipped_model.py > "$shipped_log" 2>&1
-        rc=$?; note $rc; echo "rc=$rc" >> "$shipped_log"
-    else
-        note 124; echo "rc=124 (not started, no time left)" > "$shipped_log"
-    fi
+    : > "$shipped_log"
+    in_time_left "$shipped_log" "" $PY -m pytest "${common[@]}" -n 3 --dist loadgroup tests/test_shipped_model.py
 fi
 if [[ " $RUNS " == *" suite "* ]]; then
-    if (( $(left) > 10 )); then
-        timeout "$(left)" $PY -m pytest "${common[@]}" -n "$WORKERS" --dist load -m "kernels and not gpu" \
-            -k "not mgpu_interpret" tests >> "$suite_log" 2>&1
-        rc=$?; note $rc; echo "rc=$rc (-m 'kernels and not gpu')" >> "$suite_log"
-    else
-        note 124; echo "rc=124 (-m 'kernels and not gpu': not started, no time left)" >> "$suite_log"
-    fi
+    in_time_left "$suite_log" "-m 'kernels and not gpu'" \
+        $PY -m pytest "${common[@]}" -n "$WORKERS" --dist load -m "kernels and not gpu" -k "not mgpu_interpret" tests
 fi
 for log in "$suite_log" "$shipped_log"; do [[ ! -f "$log" ]] || grep -HE "FAILED|ERROR|rc=" "$log"; done | tail -n 40
 exit "$status"
