@@ -1,0 +1,379 @@
+"""What ptxas makes of each Mosaic GPU kernel at K2 / K2.6 shapes, on a machine WITHOUT a GPU: registers a thread,
+spill bytes, shared memory, and the SASS of the hot loops (instructions, wgmmas, local-memory spill loads/stores
+inside each), by XLA's deviceless ahead-of-time compile for an abstract Hopper GPU.
+
+  python benchmarks/aot_resources.py --out DIR [--gpu h100|h200] [--only tree_attention w4a16 moe]
+
+How: the CUDA PJRT plugin (jax-cuda13-pjrt / jax-cuda13-plugin 0.11.2, the GPU image's) compiles for a topology
+made from a target description (`TARGETS`: what XLA needs to know of the GPU) instead of a device; compiling a
+Mosaic GPU custom call runs the whole Mosaic pipeline to PTX and ptxas (CUDA 13.0, the image's), and
+MOSAIC_GPU_DUMP_TO makes it write the PTX and ptxas's report. The script then assembles that PTX again with the
+same ptxas and disassembles it (nvdisasm) to find the loops. Nothing runs: these are compile-time facts (the
+register allocation, the spills, the instruction mix of a loop), never timings.
+
+Set-up, in a virtual environment of its own (with the CUDA plugin installed every `import jax` looks for a GPU, which
+the test environment should not):
+  python3.12 -m venv .venv-aot && .venv-aot/bin/pip install -e '.[aot]'
+  .venv-aot/bin/python benchmarks/aot_resources.py --out benchmarks/results
+The `aot` extra brings the plugin, ptxas (nvidia-cuda-nvcc 13.0) and nvdisasm; MOSAIC_GPU_CUDA_ROOT overrides where
+the CUDA tools are looked for. Writes DIR/aot_resources_<gpu>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# What XLA's GPU compiler needs to know of the target (a GpuTargetConfigProto in text form); the values are the
+# GPUs' published ones (132 SMs, 227 KiB of opt-in SMEM a block, 64 K registers an SM). Both are sm_90a: the same
+# code, the same registers; only memory size and bandwidth differ.
+_HOPPER = """gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {bandwidth}
+  l2_cache_size: {l2}
+  clock_rate_ghz: 1.98
+  device_memory_size: {memory}
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability {{
+    major: 9
+    feature_extension: ACCELERATED_FEATURES
+  }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  thread_dim_limit_x: 1024
+  thread_dim_limit_y: 1024
+  thread_dim_limit_z: 64
+  device_vendor: "NVIDIA Corporation"
+  platform_version: "Compute Capability 9.0a"
+  device_address_bits: 64
+  name: "{name}"
+  driver_version: "13.0.0"
+  runtime_version: "13.0.0"
+  compile_time_toolkit_version: "13.0.0"
+  dnn_version: "9.10.0"
+}}
+platform_name: "CUDA"
+dnn_version_info {{
+  major: 9
+  minor: 10
+}}
+device_description_str: "{name}"
+"""
+TARGETS = {
+    "h100": _HOPPER.format(name="NVIDIA H100 80GB HBM3", bandwidth=3352320000000, l2=52428800, memory=84942979072),
+    "h200": _HOPPER.format(name="NVIDIA H200", bandwidth=4800000000000, l2=62914560, memory=150754820096),
+}
+
+
+# --------------------------------------------------------------------------------------------- the reports
+@dataclasses.dataclass
+class PtxasReport:
+    registers: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    stack_bytes: int
+    barriers: int | None
+
+
+def parse_ptxas(text: str) -> PtxasReport:
+    """ptxas -v's report of one kernel: registers a thread, spill bytes, stack frame, named barriers."""
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    stack = re.search(r"(\d+) bytes stack frame", text)
+    bars = re.search(r"used (\d+) barriers", text)
+    if regs is None or spills is None:
+        raise ValueError(f"not a ptxas -v report of one kernel:\n{text}")
+    return PtxasReport(int(regs.group(1)), int(spills.group(1)), int(spills.group(2)),
+                       int(stack.group(1)) if stack else 0, int(bars.group(1)) if bars else None)
+
+
+@dataclasses.dataclass
+class Loop:
+    start: int  # byte offsets in the kernel's SASS
+    end: int
+    instructions: int
+    wgmma: int
+    spill_loads: int
+    spill_stores: int
+    exp2: int
+
+
+_INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_BRANCH = re.compile(r"\bBRA\b.*?(\.L_x_\d+)")
+
+
+def sass_loops(sass: str) -> list[Loop]:
+    """The innermost loops of one kernel's SASS (`nvdisasm -c`) that hold wgmmas (HGMMA): a backward branch
+    closes a loop from its target to itself, unless that range holds an EXIT (the out-of-line retry blocks of
+    the barrier waits, placed after the kernel's end, branch back into it: they are not loops); of those with
+    wgmmas, the ones with no such loop inside."""
+    instrs: list[tuple[int, str]] = []
+    labels: dict[str, int] = {}
+    pending: list[str] = []
+    for line in sass.splitlines():
+        if m := _LABEL.match(line):
+            pending.append(m.group(1))
+        elif m := _INSTR.match(line):
+            addr = int(m.group(1), 16)
+            instrs.append((addr, m.group(2)))
+            for name in pending:
+                labels[name] = addr
+            pending = []
+
+    def count(lo: int, hi: int, pattern: str) -> int:
+        return sum(1 for a, text in instrs if lo <= a <= hi and re.search(pattern, text))
+
+    candidates = set()
+    for addr, text in instrs:
+        m = _BRANCH.search(text)
+        if m and (target := labels.get(m.group(1))) is not None and target < addr:
+            if not count(target, addr, r"\bEXIT\b") and count(target, addr, r"\bHGMMA\b"):
+                candidates.add((target, addr))
+    innermost = [(lo, hi) for lo, hi in candidates
+                 if not any((lo2, hi2) != (lo, hi) and lo <= lo2 and hi2 <= hi for lo2, hi2 in candidates)]
+    return [Loop(lo, hi, count(lo, hi, "."), count(lo, hi, r"\bHGMMA\b"), count(lo, hi, r"\bLDL\b"),
+                 count(lo, hi, r"\bSTL\b"), count(lo, hi, r"\bMUFU\.EX2\b")) for lo, hi in sorted(innermost)]
+
+
+# ------------------------------------------------------------------------------------------ the tooling
+def cuda_root() -> Path:
+    """Where ptxas, nvdisasm and libdevice are: MOSAIC_GPU_CUDA_ROOT, else the `aot` extra's pip packages
+    (nvidia/cu13), else /usr/local/cuda."""
+    if root := os.environ.get("MOSAIC_GPU_CUDA_ROOT"):
+        return Path(root)
+    try:
+        import nvidia.cu13  # pyright: ignore[reportMissingImports] (the aot extra)
+
+        return Path(list(nvidia.cu13.__path__)[0])
+    except ImportError:
+        return Path("/usr/local/cuda")
+
+
+def tool(root: Path, name: str) -> str:
+    """The path of a CUDA tool: root/bin/name, else on PATH; a clear error without it."""
+    for candidate in (root / "bin" / name, shutil.which(name)):
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    raise SystemExit(f"aot_resources: no {name} in {root}/bin or on PATH (install the aot extra: "
+                     "pip install -e '.[aot]', or set MOSAIC_GPU_CUDA_ROOT)")
+
+
+def setup_environment(dump_dir: str) -> None:
+    """Before jax is imported: the CUDA plugin skips its library checks (no cuDNN is needed to compile), jax
+    keeps the CPU as its backend, Mosaic writes what it compiles to dump_dir, libdevice and ptxas come from
+    cuda_root()."""
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["MOSAIC_GPU_DUMP_TO"] = dump_dir
+    os.environ.setdefault("MOSAIC_GPU_CUDA_ROOT", str(cuda_root()))
+
+
+def abstract_device(gpu: str):
+    """The one device of a deviceless topology for this GPU (XLA's AOT compile for a target description)."""
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", topology_name="", target_config=TARGETS[gpu],
+                                            topology="1x1x1")
+    except (NotImplementedError, RuntimeError, KeyError) as e:
+        raise SystemExit(f"aot_resources: no CUDA topology ({e}); this needs the CUDA plugin of the aot extra: "
+                         "pip install -e '.[aot]' in a virtual environment of its own") from e
+    return topo.devices[0]
+
+
+@dataclasses.dataclass
+class Case:
+    kernel: str  # tree_attention | w4a16 | moe
+    name: str
+    build: Callable  # () -> (fn, abstract args without sharding)
+
+
+def compile_case(case: Case, device, dump_dir: Path, ptxas: str, nvdisasm: str) -> dict:
+    """Compile one kernel for the abstract device; its ptxas report, SMEM, hot loops. Exactly one Mosaic module
+    must appear in dump_dir (one kernel a case)."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    fn, args = case.build()
+    sharding = SingleDeviceSharding(device)
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
+    before = set(glob.glob(str(dump_dir / "*.ptx")))
+    t0 = time.time()
+    try:
+        jax.jit(fn).trace(*args).lower().compile()
+    except Exception as e:  # noqa: BLE001 - a kernel that does not compile is a result: reported, not raised
+        return {"kernel": case.kernel, "case": case.name, "error": str(e).strip().splitlines()[0][:300]}
+    new = sorted(set(glob.glob(str(dump_dir / "*.ptx"))) - before)
+    if len(new) != 1:
+        raise RuntimeError(f"{case.name}: expected one Mosaic module, found {len(new)} PTX files")
+    stem = Path(new[0]).with_suffix("")
+    report = parse_ptxas(Path(f"{stem}.ptxas").read_text())
+    smem = re.search(r"smem_scratch_bytes=(\d+)", Path(f"{stem}.resources.txt").read_text())
+    # the SASS: the same PTX through the same ptxas (its register count must agree with Mosaic's own compile)
+    cubin = f"{stem}.cubin"
+    again = subprocess.run([ptxas, "-arch=sm_90a", "-O3", "-v", f"{stem}.ptx", "-o", cubin],
+                           capture_output=True, text=True, check=True)
+    if parse_ptxas(again.stderr + again.stdout).registers != report.registers:
+        raise RuntimeError(f"{case.name}: ptxas run again gave another register count than Mosaic's compile")
+    sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+    loops = sass_loops(sass)
+    for path in glob.glob(f"{stem}.*"):  # the pass log alone is ~100 MB a kernel
+        os.remove(path)
+    return {"kernel": case.kernel, "case": case.name, **dataclasses.asdict(report),
+            "smem_bytes": int(smem.group(1)) if smem else None,
+            "sass_instructions": sum(1 for line in sass.splitlines() if _INSTR.match(line)),
+            "loops": [dataclasses.asdict(loop) for loop in loops], "compile_s": round(time.time() - t0, 1)}
+
+
+# -------------------------------------------------------------------------------------------- the kernels
+def cases(only: list[str]) -> list[Case]:
+    """The kernels at the shapes the engine runs them: tree attention at K2's MLA shape (H 64, c 512, r 64, bf16,
+    S = 32768) with the tuned split count and schedule of each T and the other schedule; the dense W4A16 GEMM at
+    K2.6's dense MLP and expert widths with its tuned tiling (M 8: a decode step); the grouped MoE launches at
+    K2.6's experts (384 x [2048, 7168]; a decode step's 8 tiles of 8 rows)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.int4 import GROUP_SIZE
+    from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_gate_up_mgpu_kernel, grouped_w4a16_mgpu_kernel
+    from pallas_kernels.moe_w4a16.tuned import default_mosaic_config
+    from pallas_kernels.tree_attention import tuned as attention_tuned
+    from pallas_kernels.tree_attention.mosaic_gpu import MosaicAttentionConfig, tree_attention_mosaic
+    from pallas_kernels.w4a16.mosaic_gpu import w4a16_matmul_mgpu_kernel
+    from pallas_kernels.w4a16.tuned import dense_config
+
+    S = jax.ShapeDtypeStruct
+    out: list[Case] = []
+
+    def attention(T: int, s: int, config: MosaicAttentionConfig):
+        c, r, h = 512, 64, 64
+        rows = -(-(s + T) // 64) * 64
+        args = (S((1, T, h, c + r), jnp.bfloat16), S((1, rows, c + r), jnp.bfloat16), S((1,), jnp.int32),
+                S((1, T, T), jnp.bool_))
+
+        def fn(q, cache, start, mask):
+            return tree_attention_mosaic(q, cache, start, mask, scale=0.04, value_dim=c, config=config)
+        return fn, args
+
+    if "tree_attention" in only:
+        for T in (1, 33, 129):
+            tuned = attention_tuned.mosaic_config(batch=1, num_tree=T, cache_rows=32768)
+            other = "shared_qk" if tuned.schedule == "replicated" else "replicated"
+            for config in (tuned, dataclasses.replace(tuned, schedule=other)):
+                label = f"T={T} S=32768 {config.schedule} splits={config.num_splits}" + (
+                    " (tuned)" if config is tuned else "")
+                out.append(Case("tree_attention", label, lambda T=T, config=config: attention(T, 32768, config)))
+
+    def dense(k: int, n: int, m: int):
+        config, split = dense_config(k, n)
+        args = (S((m, k), jnp.bfloat16), S((n, k), jnp.int4), S((k // GROUP_SIZE, n), jnp.bfloat16))
+        return (lambda x, w, s: w4a16_matmul_mgpu_kernel(x, w, s, config=config, split_k=split)), args
+
+    if "w4a16" in only:
+        for k, n in ((7168, 18432), (18432, 7168), (7168, 2048), (2048, 7168)):
+            config, split = dense_config(k, n)
+            out.append(Case("w4a16", f"K={k} N={n} M=8 block_k={config.block_k} split_k={split}",
+                            lambda k=k, n=n: dense(k, n, 8)))
+
+    def grouped(k: int, n: int, tiles: int, fused: bool):
+        experts, block_m = 384, 8
+        config = default_mosaic_config(k)
+        x = S((tiles * block_m, k), jnp.bfloat16)
+        w, s = S((experts, n, k), jnp.int4), S((experts, k // GROUP_SIZE, n), jnp.bfloat16)
+        tile_expert = S((tiles,), jnp.int32)
+        if fused:
+            return (lambda x, gw, gs, uw, us, t: grouped_gate_up_mgpu_kernel(x, gw, gs, uw, us, t, config=config),
+                    (x, w, s, w, s, tile_expert))
+        return (lambda x, w, s, t: grouped_w4a16_mgpu_kernel(x, w, s, t, config=config)), (x, w, s, tile_expert)
+
+    if "moe" in only:  # the kernel's code does not depend on the tile count (a grid dimension): T = 1's 8 tiles
+        out.append(Case("moe", "gate or up, K=7168 N=2048, 8 tiles of 8 rows", lambda: grouped(7168, 2048, 8, False)))
+        out.append(Case("moe", "fused gate+up, K=7168 N=2048, 8 tiles of 8 rows", lambda: grouped(7168, 2048, 8, True)))
+        out.append(Case("moe", "down, K=2048 N=7168, 8 tiles of 8 rows", lambda: grouped(2048, 7168, 8, False)))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- main
+def markdown(rows: list[dict], gpu: str) -> str:
+    lines = [f"# ptxas resources of the Mosaic GPU kernels (deviceless compile for an abstract {gpu.upper()}, sm_90a)",
+             "", "Compile-time facts, not timings: registers a thread (255 is the most a thread can have), spill bytes "
+             "(ptxas -v), SMEM (Mosaic's scratch), and each innermost loop holding wgmmas (HGMMA) in the SASS: its "
+             "instructions, wgmmas, exp2s, and local-memory spill loads / stores (LDL / STL) inside it.", "",
+             "| kernel | case | regs | spill st / ld B | SMEM KiB | SASS instr "
+             "| hot loops: instr, HGMMA, EX2, LDL / STL |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['kernel']} | {row['case']} | does not compile: {row['error']} | | | | |")
+            continue
+        loops = "; ".join(f"{lp['instructions']}, {lp['wgmma']}, {lp['exp2']}, "
+                          f"{lp['spill_loads']} / {lp['spill_stores']}" for lp in row["loops"]) or "none"
+        smem = f"{row['smem_bytes'] / 1024:.1f}" if row["smem_bytes"] is not None else "?"
+        lines.append(f"| {row['kernel']} | {row['case']} | {row['registers']} | {row['spill_store_bytes']} / "
+                     f"{row['spill_load_bytes']} | {smem} | {row['sass_instructions']} | {loops} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"),
+                    help="folder for aot_resources_<gpu>.json / .md")
+    ap.add_argument("--gpu", choices=sorted(TARGETS), default="h100",
+                    help="the abstract target (both sm_90a: the same code and registers)")
+    ap.add_argument("--only", nargs="+", choices=("tree_attention", "w4a16", "moe"),
+                    default=["tree_attention", "w4a16", "moe"], help="which kernels (default: all)")
+    ap.add_argument("--tag", default="", help="suffix of the results' file names")
+    args = ap.parse_args(argv)
+
+    dump = tempfile.mkdtemp(prefix="kdtree_aot_")
+    setup_environment(dump)
+    from tqdm import tqdm
+
+    from benchmarks.common import metadata, write_results
+
+    root = cuda_root()
+    ptxas, nvdisasm = tool(root, "ptxas"), tool(root, "nvdisasm")
+    version = subprocess.run([ptxas, "--version"], capture_output=True, text=True, check=True).stdout
+    ptxas_version = re.search(r"V[\d.]+", version)
+    device = abstract_device(args.gpu)
+    rows = []
+    try:
+        for case in tqdm(cases(args.only), desc="compiling", unit="kernel"):
+            rows.append(compile_case(case, device, Path(dump), ptxas, nvdisasm))
+            tqdm.write(markdown(rows[-1:], args.gpu).splitlines()[-1])
+    finally:
+        shutil.rmtree(dump, ignore_errors=True)
+    from importlib.metadata import version as package_version
+
+    meta = metadata(target=device.device_kind + " (abstract: a deviceless compile, nothing ran)",
+                    ptxas=ptxas_version.group(0) if ptxas_version else version.strip().splitlines()[-1],
+                    cuda_plugin=package_version("jax-cuda13-pjrt"))
+    stem = Path(args.out) / f"aot_resources_{args.gpu}{'_' + args.tag if args.tag else ''}"
+    write_results(stem, meta, {"rows": rows}, markdown(rows, args.gpu))
+
+
+if __name__ == "__main__":
+    main()
