@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -117,6 +118,7 @@ class Loop:
     spill_loads: int
     spill_stores: int
     exp2: int
+    opcodes: dict[str, int]  # the loop's instructions by opcode (predicates dropped), most frequent first
 
 
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -153,8 +155,14 @@ def sass_loops(sass: str) -> list[Loop]:
                 candidates.add((target, addr))
     innermost = [(lo, hi) for lo, hi in candidates
                  if not any((lo2, hi2) != (lo, hi) and lo <= lo2 and hi2 <= hi for lo2, hi2 in candidates)]
+
+    def opcodes(lo: int, hi: int) -> dict[str, int]:
+        ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for a, text in instrs if lo <= a <= hi)
+        return dict(ops.most_common())
+
     return [Loop(lo, hi, count(lo, hi, "."), count(lo, hi, r"\bHGMMA\b"), count(lo, hi, r"\bLDL\b"),
-                 count(lo, hi, r"\bSTL\b"), count(lo, hi, r"\bMUFU\.EX2\b")) for lo, hi in sorted(innermost)]
+                 count(lo, hi, r"\bSTL\b"), count(lo, hi, r"\bMUFU\.EX2\b"), opcodes(lo, hi))
+            for lo, hi in sorted(innermost)]
 
 
 # ------------------------------------------------------------------------------------------ the tooling
@@ -316,9 +324,11 @@ def cases(only: list[str]) -> list[Case]:
 
 
 # --------------------------------------------------------------------------------------------------- main
-def markdown(rows: list[dict], gpu: str) -> str:
+def markdown(rows: list[dict], gpu: str, tools: str = "", opcodes: int = 0) -> str:
+    """The table of `rows`; with opcodes > 0, then each hot loop's most frequent opcodes (that many)."""
     lines = [f"# ptxas resources of the Mosaic GPU kernels (deviceless compile for an abstract {gpu.upper()}, sm_90a)",
-             "", "Compile-time facts, not timings: registers a thread (255 is the most a thread can have), spill bytes "
+             "", *([tools, ""] if tools else []),
+             "Compile-time facts, not timings: registers a thread (255 is the most a thread can have), spill bytes "
              "(ptxas -v), SMEM (Mosaic's scratch), and each innermost loop holding wgmmas (HGMMA) in the SASS: its "
              "instructions, wgmmas, exp2s, and local-memory spill loads / stores (LDL / STL) inside it.", "",
              "| kernel | case | regs | spill st / ld B | SMEM KiB | SASS instr "
@@ -333,6 +343,12 @@ def markdown(rows: list[dict], gpu: str) -> str:
         smem = f"{row['smem_bytes'] / 1024:.1f}" if row["smem_bytes"] is not None else "?"
         lines.append(f"| {row['kernel']} | {row['case']} | {row['registers']} | {row['spill_store_bytes']} / "
                      f"{row['spill_load_bytes']} | {smem} | {row['sass_instructions']} | {loops} |")
+    if opcodes:
+        lines += ["", f"The hot loops' {opcodes} most frequent opcodes (instructions a warp issues per iteration):", ""]
+        for row in rows:
+            for i, lp in enumerate(row.get("loops", [])):
+                top = ", ".join(f"{op} {n}" for op, n in list(lp["opcodes"].items())[:opcodes])
+                lines.append(f"- {row['kernel']}, {row['case']}, loop {i + 1} ({lp['instructions']}): {top}")
     return "\n".join(lines) + "\n"
 
 
@@ -346,6 +362,7 @@ def main(argv=None) -> None:
     ap.add_argument("--only", nargs="+", choices=("tree_attention", "w4a16", "moe"),
                     default=["tree_attention", "w4a16", "moe"], help="which kernels (default: all)")
     ap.add_argument("--tag", default="", help="suffix of the results' file names")
+    ap.add_argument("--opcodes", type=int, default=12, help="list this many of each hot loop's most frequent opcodes")
     args = ap.parse_args(argv)
 
     dump = tempfile.mkdtemp(prefix="kdtree_aot_")
@@ -371,8 +388,10 @@ def main(argv=None) -> None:
     meta = metadata(target=device.device_kind + " (abstract: a deviceless compile, nothing ran)",
                     ptxas=ptxas_version.group(0) if ptxas_version else version.strip().splitlines()[-1],
                     cuda_plugin=package_version("jax-cuda13-pjrt"))
+    tools = (f"Target {meta['target']}; ptxas {meta['ptxas']}; jax-cuda13-pjrt {meta['cuda_plugin']} (the GPU image's "
+             "versions). The machine that compiled has no GPU.")
     stem = Path(args.out) / f"aot_resources_{args.gpu}{'_' + args.tag if args.tag else ''}"
-    write_results(stem, meta, {"rows": rows}, markdown(rows, args.gpu))
+    write_results(stem, meta, {"rows": rows}, markdown(rows, args.gpu, tools, opcodes=args.opcodes))
 
 
 if __name__ == "__main__":

@@ -71,6 +71,7 @@ def test_sass_loops_finds_the_innermost_wgmma_loop():
     assert [(lp.start, lp.end) for lp in loops] == [(0x30, 0x70)]
     (hot,) = loops
     assert (hot.instructions, hot.wgmma, hot.spill_loads, hot.spill_stores, hot.exp2) == (5, 1, 1, 1, 1)
+    assert hot.opcodes == {"HGMMA.64x8x16.F32.BF16": 1, "LDL": 1, "MUFU.EX2": 1, "STL": 1, "BRA": 1}
 
 
 def test_sass_loops_without_a_wgmma_loop():
