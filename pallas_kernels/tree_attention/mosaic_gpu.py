@@ -23,7 +23,8 @@ rows (row = t * H + h), cut into tiles of 64 rows (one wgmma M). Grid (B, row ti
     chunks + the RoPE columns, one barrier per copy). replicated: warpgroup 0 issues every copy and refills a
     slot once every warpgroup arrived on its "consumed" barrier; shared_qk: each warpgroup refills the chunk it
     read last (warpgroup 0 also the RoPE columns), right after its P @ V;
-  * online softmax in float32 (exp2, log2(e) folded into the scale), P cast to the input dtype for the
+  * online softmax in float32 (exp2 with the scale and log2(e) in its argument's FMA; approximate exp2 / log2,
+    `approx_math`: ex2.approx.ftz, one MUFU each), P cast to the input dtype for the
     value wgmma; replicated: fed from registers natively (p_operand "registers") or staged in SMEM ("smem",
     the only form jax 0.11's GPU interpreter simulates; the default picks by `interpret`); shared_qk: SMEM.
 
@@ -290,15 +291,17 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
                 plgpu.wgmma_wait(0)
                 return acc_ref[...]
 
-            return pl.run_scoped(qk, plgpu.WGMMAAccumulatorRef((ROWS, bk), jnp.float32)) * scale_log2
+            return pl.run_scoped(qk, plgpu.WGMMAAccumulatorRef((ROWS, bk), jnp.float32))
 
         def softmax_step(s, m, denom, visible):
-            """Online softmax of one score tile: (p float32, m_new, alpha, denom_new)."""
+            """Online softmax of one tile of unscaled scores s (m: the rows' running maximum of them; the scale is
+            positive, so it commutes with the maximum): (p float32, m_new, alpha, denom_new). The scale and log2(e)
+            multiply inside each exp2's argument, s * c - m * c, one FMA an element instead of a scaling pass."""
             if visible is not None:
                 s = jnp.where(visible, s, NEG)
             m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            alpha = jnp.exp2((m - m_new) * scale_log2)
+            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new * scale_log2, s.shape, [0]))
             if visible is not None:  # a row with nothing visible yet has m_new == NEG and would get p == 1
                 p = jnp.where(visible, p, 0.0)
             return p, m_new, alpha, denom * alpha + p.sum(axis=1)
@@ -440,7 +443,7 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
 
             @pl.when(wg == 0)
             def _():
-                lse_smem[...] = jnp.where(has, m + jnp.log2(jnp.where(has, denom, 1.0)), NEG)
+                lse_smem[...] = jnp.where(has, m * scale_log2 + jnp.log2(jnp.where(has, denom, 1.0)), NEG)
 
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[b, split, pl.ds(row0, ROWS), cols])
@@ -516,6 +519,8 @@ def tree_attention_mosaic(q, cache, start, tree_mask, *, scale: float, value_dim
     (its one entry is the diagonal)."""
     q, cache, start, tree_mask = map(jnp.asarray, (q, cache, start, tree_mask))
     vb = _check(q, cache, start, tree_mask, value_dim, config, interpret)
+    if not float(scale) > 0:  # the running maximum is taken of unscaled scores: the scale must keep their order
+        raise ValueError(f"scale must be a positive number (the softmax scale), got {scale}")
     B, T, H, D = q.shape
     c, r = value_dim, D - value_dim
     bk, ns = config.block_kv, config.num_splits
@@ -554,7 +559,7 @@ def tree_attention_mosaic(q, cache, start, tree_mask, *, scale: float, value_dim
         # The row reductions (max, sum over a score tile's columns) stay inside a warp in the WGMMA layout and need
         # no SMEM scratch; the default reserves 2 KiB for cross-warp ones, which the shared_qk schedule's P tile
         # needs at c = 512 (it would exceed the 227 KiB by 112 B). A reduction that did need scratch fails to lower.
-        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
+        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0, approx_math=True),
     )
     outs = f(start.astype(jnp.int32), q_rows, cache, *bits)
     if ns == 1:

@@ -126,6 +126,10 @@ def test_mgpu_argument_errors():
         tree_attention_mosaic(q, cache, start, tree, scale=0.1, value_dim=128,
                               config=MosaicAttentionConfig(value_block=64, p_operand="registers",
                                                            schedule="shared_qk"))
+    # the kernel keeps the running maximum of unscaled scores (the scale multiplies inside exp2): it must be > 0
+    for scale in (0.0, -0.1):
+        with pytest.raises(ValueError, match="scale must be a positive number"):
+            tree_attention_mosaic(q, cache, start, tree, scale=scale, value_dim=128, interpret=_mgpu_interpret())
 
 
 def _lowered_for_h200(B, T, H, c, r, S_max, dtype, config) -> str:
