@@ -314,12 +314,15 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
             visible = None
             if masked:
                 visible = visibility(step, k0)
-                # each warpgroup zeroes its own chunk; the sync keeps every warpgroup's QK^T reads of the tile
-                # after all the zeroing
-                zero_garbage(kc_smem.at[slot, wg], k0)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(sync)
-                plgpu.barrier_wait(sync)
+
+                @pl.when(k0 + bk > kv_end)  # only the tile that reaches past the KV range holds garbage rows
+                def _():
+                    # each warpgroup zeroes its own chunk; the sync keeps every warpgroup's QK^T reads of the tile
+                    # after all the zeroing
+                    zero_garbage(kc_smem.at[slot, wg], k0)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(sync)
+                    plgpu.barrier_wait(sync)
             p, m_new, alpha, denom = softmax_step(scores(slot), m, denom, visible)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p16 = p.astype(dtype)
@@ -350,9 +353,12 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
                 visible = None
                 if masked:
                     visible = visibility(step, k0)
-                    for j in range(nwg):  # warpgroup 0 zeroes every chunk: it reads them all first (QK^T)
-                        zero_garbage(kc_smem.at[slot, j], k0)
-                    plgpu.commit_smem()
+
+                    @pl.when(k0 + bk > kv_end)  # only the tile that reaches past the KV range holds garbage rows
+                    def _():
+                        for j in range(nwg):  # warpgroup 0 zeroes every chunk: it reads them all first (QK^T)
+                            zero_garbage(kc_smem.at[slot, j], k0)
+                        plgpu.commit_smem()
                 p, m_new, alpha, denom = softmax_step(scores(slot), m, denom, visible)
 
                 @pl.when(step > 0)
