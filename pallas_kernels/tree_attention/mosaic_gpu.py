@@ -269,13 +269,15 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
             rel = col - start  # position in the tree, < 0 for the prefix
             if not words:  # T = 1: the prefix and the token itself
                 return (rel <= 0) & (col >= nominal_k0(step))
-            visible = rel < 0
-            for w in range(words):
-                word = lax.broadcast_in_dim(word_rows[w], (ROWS, bk), [0])
-                in_word = (rel >= 32 * w) & (rel < 32 * w + 32)
-                bit = lax.shift_right_logical(word, jnp.clip(rel - 32 * w, 0, 31)) & 1
-                visible = visible | (in_word & (bit != 0))
-            return visible & (rel < num_tree) & (col >= nominal_k0(step))
+            # the mask word of each column's tree position (a select per word), then one shift: rel // 32 picks
+            # the word, rel % 32 the bit (positions outside [0, T) pick some word; the range test drops them)
+            word_of = lax.shift_right_arithmetic(rel, 5)
+            word = lax.broadcast_in_dim(word_rows[0], (ROWS, bk), [0])
+            for w in range(1, words):
+                word = jnp.where(word_of == w, lax.broadcast_in_dim(word_rows[w], (ROWS, bk), [0]), word)
+            bit = lax.shift_right_logical(word, rel & 31) & 1
+            tree = (rel >= 0) & (rel < num_tree) & (bit != 0)
+            return ((rel < 0) | tree) & (col >= nominal_k0(step))
 
         def zero_garbage(chunk, k0):
             # Zero the latent columns of rows >= kv_end (garbage, maybe NaN: 0 * NaN in the value wgmma would

@@ -65,6 +65,9 @@ CASES = [
     (2, 5, 16, 128, 32, 150, [37, 145], MosaicAttentionConfig(value_block=64, schedule="replicated"), False),
     (1, 3, 16, 128, 16, 300, [200], MosaicAttentionConfig(num_splits=3, value_block=64, schedule="replicated"),
      True),
+    # T = 70: three mask words (word 2 picked for tree positions 64..69), two tail tiles of which only the second
+    # reaches past start + T (the only one whose garbage rows are zeroed); H = 2: 140 rows, three row tiles
+    (1, 70, 2, 64, 16, 200, [37], MosaicAttentionConfig(), False),
     # shared_qk over a tree of 40 tokens (two mask words) with block_kv 128 and two warpgroups
     (1, 40, 8, 128, 16, 200, [100], MosaicAttentionConfig(block_kv=128, value_block=64, schedule="shared_qk"),
      False),
