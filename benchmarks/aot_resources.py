@@ -255,6 +255,84 @@ def compile_case(case: Case, device, dump_dir: Path, ptxas: str, nvdisasm: str) 
             "loops": [dataclasses.asdict(loop) for loop in loops], "compile_s": round(time.time() - t0, 1)}
 
 
+_LAUNCH = re.compile(r"^\s*(?:ROOT )?%(\S+) = .+? (fusion|custom-call)\(.*?(?:kind=(\w+)|custom_call_target=\"(\w+)\")")
+
+
+def launches(hlo: str) -> list[str]:
+    """The kernels one compiled program launches, in order: the fusions and custom calls of its optimized HLO's
+    entry computation ("fusion <name> (<kind>)", "custom-call <target>"). (A fusion can hold a library call; the
+    programs counted here have none.)"""
+    entry = hlo[hlo.index("ENTRY"):]
+    out = []
+    for line in entry.splitlines():
+        if m := _LAUNCH.match(line):
+            name, op, kind, target = m.groups()
+            out.append(f"custom-call {target}" if op == "custom-call" else f"fusion {name} ({kind})")
+    return out
+
+
+def census_cases() -> list[Case]:
+    """Whole engine calls, with their XLA glue: the tree attention as the dispatcher runs it on Hopper
+    (`tree_attention_mosaic` with the tuned split count and schedule: mask words, the kernel, the split combine; the
+    entry point itself refuses the CPU that compiles) at T = 1 / 33, S = 32768, and the routed MoE of one K2.6 layer
+    (E 384, top-8, 7168 -> 2048 -> 7168) at T = 1, in three launches and with gate / up fused."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.int4 import GROUP_SIZE, MosaicInt4Weight
+    from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_moe_w4a16_mgpu
+    from pallas_kernels.tree_attention import tuned as attention_tuned
+    from pallas_kernels.tree_attention.mosaic_gpu import tree_attention_mosaic
+
+    S = jax.ShapeDtypeStruct
+    out: list[Case] = []
+
+    def attention(T: int, s: int):
+        c, r, h = 512, 64, 64
+        rows = -(-(s + T) // 64) * 64
+        args = (S((1, T, h, c + r), jnp.bfloat16), S((1, rows, c + r), jnp.bfloat16), S((1,), jnp.int32),
+                S((1, T, T), jnp.bool_))
+        config = attention_tuned.mosaic_config(batch=1, num_tree=T, cache_rows=rows)
+        return (lambda q, cache, start, mask: tree_attention_mosaic(q, cache, start, mask, scale=0.04, value_dim=c,
+                                                                    config=config)), args
+
+    for T in (1, 33):
+        out.append(Case("attention call", f"T={T} S=32768", lambda T=T: attention(T, 32768)))
+
+    def moe(T: int, fused: bool):
+        experts, d, i, k = 384, 7168, 2048, 8
+
+        def weight(n, kk):
+            return S((experts, n, kk), jnp.int4), S((experts, kk // GROUP_SIZE, n), jnp.bfloat16)
+
+        def fn(x, gw, gs, uw, us, dw, ds, ids, wts):
+            stack = {"gate": MosaicInt4Weight(gw, gs), "up": MosaicInt4Weight(uw, us),
+                     "down": MosaicInt4Weight(dw, ds)}
+            return grouped_moe_w4a16_mgpu(x, stack, ids, wts, fused_gate_up=fused)
+
+        return fn, (S((T, d), jnp.bfloat16), *weight(i, d), *weight(i, d), *weight(d, i), S((T, k), jnp.int32),
+                    S((T, k), jnp.float32))
+
+    for fused in (False, True):
+        out.append(Case("routed MoE call", f"T=1, {'gate+up fused' if fused else 'three launches'}",
+                        lambda fused=fused: moe(1, fused)))
+    return out
+
+
+def compile_launches(case: Case, device) -> dict:
+    """One engine call compiled for the abstract device: the kernels it launches."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    fn, args = case.build()
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=SingleDeviceSharding(device)) for a in args]
+    hlo = jax.jit(fn).trace(*args).lower().compile().as_text()
+    if hlo is None:
+        raise RuntimeError(f"{case.name}: the compiled program has no HLO text")
+    found = launches(hlo)
+    return {"call": case.kernel, "case": case.name, "launches": found}
+
+
 # -------------------------------------------------------------------------------------------- the kernels
 def cases(only: list[str]) -> list[Case]:
     """The kernels at the shapes the engine runs them: tree attention at K2's MLA shape (H 64, c 512, r 64, bf16,
@@ -324,8 +402,9 @@ def cases(only: list[str]) -> list[Case]:
 
 
 # --------------------------------------------------------------------------------------------------- main
-def markdown(rows: list[dict], gpu: str, tools: str = "", opcodes: int = 0) -> str:
-    """The table of `rows`; with opcodes > 0, then each hot loop's most frequent opcodes (that many)."""
+def markdown(rows: list[dict], gpu: str, tools: str = "", opcodes: int = 0, census: list[dict] | None = None) -> str:
+    """The table of `rows`; then the launches of each `census` call; with opcodes > 0, each hot loop's most
+    frequent opcodes (that many)."""
     lines = [f"# ptxas resources of the Mosaic GPU kernels (deviceless compile for an abstract {gpu.upper()}, sm_90a)",
              "", *([tools, ""] if tools else []),
              "Compile-time facts, not timings: registers a thread (255 is the most a thread can have), spill bytes "
@@ -343,6 +422,14 @@ def markdown(rows: list[dict], gpu: str, tools: str = "", opcodes: int = 0) -> s
         smem = f"{row['smem_bytes'] / 1024:.1f}" if row["smem_bytes"] is not None else "?"
         lines.append(f"| {row['kernel']} | {row['case']} | {row['registers']} | {row['spill_store_bytes']} / "
                      f"{row['spill_load_bytes']} | {smem} | {row['sass_instructions']} | {loops} |")
+    if census:
+        lines += ["", "Kernels launched by one engine call (its optimized HLO: Mosaic kernels are `custom-call "
+                  "mosaic_gpu_v2`, the rest XLA fusions):", "",
+                  "| call | case | launches | of them XLA | the launches |", "| --- | --- | --- | --- | --- |"]
+        for row in census:
+            xla = sum(1 for launch in row["launches"] if launch.startswith("fusion"))
+            lines.append(f"| {row['call']} | {row['case']} | {len(row['launches'])} | {xla} | "
+                         f"{'; '.join(row['launches'])} |")
     if opcodes:
         lines += ["", f"The hot loops' {opcodes} most frequent opcodes (instructions a warp issues per iteration):", ""]
         for row in rows:
@@ -363,6 +450,9 @@ def main(argv=None) -> None:
                     default=["tree_attention", "w4a16", "moe"], help="which kernels (default: all)")
     ap.add_argument("--tag", default="", help="suffix of the results' file names")
     ap.add_argument("--opcodes", type=int, default=12, help="list this many of each hot loop's most frequent opcodes")
+    ap.add_argument("--no-census", action="store_true",
+                    help="skip the launch census (the kernels one engine call launches: attention T = 1 / 33, the "
+                         "routed MoE at T = 1)")
     args = ap.parse_args(argv)
 
     dump = tempfile.mkdtemp(prefix="kdtree_aot_")
@@ -381,6 +471,12 @@ def main(argv=None) -> None:
         for case in tqdm(cases(args.only), desc="compiling", unit="kernel"):
             rows.append(compile_case(case, device, Path(dump), ptxas, nvdisasm))
             tqdm.write(markdown(rows[-1:], args.gpu).splitlines()[-1])
+        census = []
+        for case in tqdm([] if args.no_census else census_cases(), desc="launch census", unit="call"):
+            census.append(compile_launches(case, device))
+            tqdm.write(f"{case.kernel}, {case.name}: {len(census[-1]['launches'])} launches")
+            for path in glob.glob(f"{dump}/*"):  # Mosaic's dumps of these compiles (~100 MB a kernel)
+                os.remove(path)
     finally:
         shutil.rmtree(dump, ignore_errors=True)
     from importlib.metadata import version as package_version
@@ -391,7 +487,8 @@ def main(argv=None) -> None:
     tools = (f"Target {meta['target']}; ptxas {meta['ptxas']}; jax-cuda13-pjrt {meta['cuda_plugin']} (the GPU image's "
              "versions). The machine that compiled has no GPU.")
     stem = Path(args.out) / f"aot_resources_{args.gpu}{'_' + args.tag if args.tag else ''}"
-    write_results(stem, meta, {"rows": rows}, markdown(rows, args.gpu, tools, opcodes=args.opcodes))
+    write_results(stem, meta, {"rows": rows, "census": census},
+                  markdown(rows, args.gpu, tools, opcodes=args.opcodes, census=census))
 
 
 if __name__ == "__main__":
