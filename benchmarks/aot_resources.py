@@ -8,8 +8,10 @@ How: the CUDA PJRT plugin (jax-cuda13-pjrt / jax-cuda13-plugin 0.11.2, the GPU i
 made from a target description (`TARGETS`: what XLA needs to know of the GPU) instead of a device; compiling a
 Mosaic GPU custom call runs the whole Mosaic pipeline to PTX and ptxas (CUDA 13.0, the image's), and
 MOSAIC_GPU_DUMP_TO makes it write the PTX and ptxas's report. The script then assembles that PTX again with the
-same ptxas and disassembles it (nvdisasm) to find the loops. Nothing runs: these are compile-time facts (the
-register allocation, the spills, the instruction mix of a loop), never timings.
+same ptxas and disassembles it (nvdisasm) to find the loops. Then a launch census: whole engine calls (the attention
+with its split combine, the routed MoE at T = 1) compiled the same way, and the kernels their optimized HLO launches,
+XLA glue included. Nothing runs: these are compile-time facts (the register allocation, the spills, the instruction
+mix of a loop, the launches of a call), never timings.
 
 Set-up, in a virtual environment of its own (with the CUDA plugin installed every `import jax` looks for a GPU, which
 the test environment should not):
