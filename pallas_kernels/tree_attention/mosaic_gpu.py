@@ -285,7 +285,7 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
             kv_rows = plgpu.broadcasted_iota(jnp.int32, (bk, vb), 0, layout=wgmma_layout) + k0
             chunk[...] = jnp.where(kv_rows < kv_end, plgpu.load(chunk, layout=wgmma_layout), jnp.zeros((), dtype))
 
-        def scores(slot):  # [64, bk] float32 in log2 units
+        def scores(slot):  # [64, bk] float32, unscaled (q . row; softmax_step applies the scale)
             def qk(acc_ref):
                 for j in range(nwg):
                     plgpu.wgmma(acc_ref, qc_smem.at[j], kc_smem.at[slot, j].T)
