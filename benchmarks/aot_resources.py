@@ -220,19 +220,24 @@ class Case:
     build: Callable  # () -> (fn, abstract args without sharding)
 
 
-def compile_case(case: Case, device, dump_dir: Path, ptxas: str, nvdisasm: str) -> dict:
-    """Compile one kernel for the abstract device; its ptxas report, SMEM, hot loops. Exactly one Mosaic module
-    must appear in dump_dir (one kernel a case)."""
+def compile_for(case: Case, device):
+    """The case's function compiled for the abstract device (its arguments placed there)."""
     import jax
     from jax.sharding import SingleDeviceSharding
 
     fn, args = case.build()
     sharding = SingleDeviceSharding(device)
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
+    return jax.jit(fn).trace(*args).lower().compile()
+
+
+def compile_case(case: Case, device, dump_dir: Path, ptxas: str, nvdisasm: str) -> dict:
+    """Compile one kernel for the abstract device; its ptxas report, SMEM, hot loops. Exactly one Mosaic module
+    must appear in dump_dir (one kernel a case)."""
     before = set(glob.glob(str(dump_dir / "*.ptx")))
     t0 = time.time()
     try:
-        jax.jit(fn).trace(*args).lower().compile()
+        compile_for(case, device)
     except Exception as e:  # noqa: BLE001 - a kernel that does not compile is a result: reported, not raised
         return {"kernel": case.kernel, "case": case.name, "error": str(e).strip().splitlines()[0][:300]}
     new = sorted(set(glob.glob(str(dump_dir / "*.ptx"))) - before)
@@ -257,6 +262,98 @@ def compile_case(case: Case, device, dump_dir: Path, ptxas: str, nvdisasm: str) 
             "loops": [dataclasses.asdict(loop) for loop in loops], "compile_s": round(time.time() - t0, 1)}
 
 
+# -------------------------------------------------------------------------------------------- the kernels
+def _cache_rows(T: int, s: int) -> int:
+    """The cache rows an engine allocates for s committed rows and T tree tokens: s + T rounded up to 64."""
+    return -(-(s + T) // 64) * 64
+
+
+def _k2_attention(T: int, s: int, config):
+    """(fn, abstract args): `tree_attention_mosaic` at K2's MLA shape (H 64, c 512, r 64, bf16, B 1), s committed
+    rows, T tree tokens, with this MosaicAttentionConfig."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.tree_attention.mosaic_gpu import tree_attention_mosaic
+
+    S = jax.ShapeDtypeStruct
+    c, r, h = 512, 64, 64
+    args = (S((1, T, h, c + r), jnp.bfloat16), S((1, _cache_rows(T, s), c + r), jnp.bfloat16), S((1,), jnp.int32),
+            S((1, T, T), jnp.bool_))
+
+    def fn(q, cache, start, mask):
+        return tree_attention_mosaic(q, cache, start, mask, scale=0.04, value_dim=c, config=config)
+    return fn, args
+
+
+def _expert_stack(n: int, k: int):
+    """Abstract int4 [E, N, K] weights and bf16 [E, K/32, N] scales of K2.6's 384 routed experts (the Mosaic layout)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.int4 import GROUP_SIZE
+
+    experts = 384
+    return (jax.ShapeDtypeStruct((experts, n, k), jnp.int4),
+            jax.ShapeDtypeStruct((experts, k // GROUP_SIZE, n), jnp.bfloat16))
+
+
+def cases(only: list[str]) -> list[Case]:
+    """The kernels at the shapes the engine runs them: tree attention at K2's MLA shape (H 64, c 512, r 64, bf16,
+    S = 32768) with the tuned split count and schedule of each T and the other schedule; the dense W4A16 GEMM at
+    K2.6's dense MLP and expert widths with its tuned tiling (M 8: a decode step); the grouped MoE launches at
+    K2.6's experts (384 x [2048, 7168]; a decode step's 8 tiles of 8 rows)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.int4 import GROUP_SIZE
+    from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_gate_up_mgpu_kernel, grouped_w4a16_mgpu_kernel
+    from pallas_kernels.moe_w4a16.tuned import default_mosaic_config
+    from pallas_kernels.tree_attention import tuned as attention_tuned
+    from pallas_kernels.w4a16.mosaic_gpu import w4a16_matmul_mgpu_kernel
+    from pallas_kernels.w4a16.tuned import dense_config
+
+    S = jax.ShapeDtypeStruct
+    out: list[Case] = []
+    if "tree_attention" in only:
+        for T in (1, 33, 129):
+            tuned = attention_tuned.mosaic_config(batch=1, num_tree=T, cache_rows=32768)
+            other = "shared_qk" if tuned.schedule == "replicated" else "replicated"
+            for config in (tuned, dataclasses.replace(tuned, schedule=other)):
+                label = f"T={T} S=32768 {config.schedule} splits={config.num_splits}" + (
+                    " (tuned)" if config is tuned else "")
+                out.append(Case("tree_attention", label, lambda T=T, config=config: _k2_attention(T, 32768, config)))
+
+    def dense(k: int, n: int, m: int):
+        config, split = dense_config(k, n)
+        args = (S((m, k), jnp.bfloat16), S((n, k), jnp.int4), S((k // GROUP_SIZE, n), jnp.bfloat16))
+        return (lambda x, w, s: w4a16_matmul_mgpu_kernel(x, w, s, config=config, split_k=split)), args
+
+    if "w4a16" in only:
+        for k, n in ((7168, 18432), (18432, 7168), (7168, 2048), (2048, 7168)):
+            config, split = dense_config(k, n)
+            out.append(Case("w4a16", f"K={k} N={n} M=8 block_k={config.block_k} split_k={split}",
+                            lambda k=k, n=n: dense(k, n, 8)))
+
+    def grouped(k: int, n: int, tiles: int, fused: bool):
+        block_m = 8
+        config = default_mosaic_config(k)
+        x = S((tiles * block_m, k), jnp.bfloat16)
+        w, s = _expert_stack(n, k)
+        tile_expert = S((tiles,), jnp.int32)
+        if fused:
+            return (lambda x, gw, gs, uw, us, t: grouped_gate_up_mgpu_kernel(x, gw, gs, uw, us, t, config=config),
+                    (x, w, s, w, s, tile_expert))
+        return (lambda x, w, s, t: grouped_w4a16_mgpu_kernel(x, w, s, t, config=config)), (x, w, s, tile_expert)
+
+    if "moe" in only:  # the kernel's code does not depend on the tile count (a grid dimension): T = 1's 8 tiles
+        out.append(Case("moe", "gate or up, K=7168 N=2048, 8 tiles of 8 rows", lambda: grouped(7168, 2048, 8, False)))
+        out.append(Case("moe", "fused gate+up, K=7168 N=2048, 8 tiles of 8 rows", lambda: grouped(7168, 2048, 8, True)))
+        out.append(Case("moe", "down, K=2048 N=7168, 8 tiles of 8 rows", lambda: grouped(2048, 7168, 8, False)))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the census
 _LAUNCH = re.compile(r"^\s*(?:ROOT )?%(\S+) = .+? (fusion|custom-call)\(.*?(?:kind=(\w+)|custom_call_target=\"(\w+)\")")
 
 
@@ -281,39 +378,27 @@ def census_cases() -> list[Case]:
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.int4 import GROUP_SIZE, MosaicInt4Weight
+    from pallas_kernels.int4 import MosaicInt4Weight
     from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_moe_w4a16_mgpu
     from pallas_kernels.tree_attention import tuned as attention_tuned
-    from pallas_kernels.tree_attention.mosaic_gpu import tree_attention_mosaic
 
     S = jax.ShapeDtypeStruct
     out: list[Case] = []
-
-    def attention(T: int, s: int):
-        c, r, h = 512, 64, 64
-        rows = -(-(s + T) // 64) * 64
-        args = (S((1, T, h, c + r), jnp.bfloat16), S((1, rows, c + r), jnp.bfloat16), S((1,), jnp.int32),
-                S((1, T, T), jnp.bool_))
-        config = attention_tuned.mosaic_config(batch=1, num_tree=T, cache_rows=rows)
-        return (lambda q, cache, start, mask: tree_attention_mosaic(q, cache, start, mask, scale=0.04, value_dim=c,
-                                                                    config=config)), args
-
     for T in (1, 33):
-        out.append(Case("attention call", f"T={T} S=32768", lambda T=T: attention(T, 32768)))
+        config = attention_tuned.mosaic_config(batch=1, num_tree=T, cache_rows=_cache_rows(T, 32768))
+        out.append(Case("attention call", f"T={T} S=32768",
+                        lambda T=T, config=config: _k2_attention(T, 32768, config)))
 
     def moe(T: int, fused: bool):
-        experts, d, i, k = 384, 7168, 2048, 8
-
-        def weight(n, kk):
-            return S((experts, n, kk), jnp.int4), S((experts, kk // GROUP_SIZE, n), jnp.bfloat16)
+        d, i, k = 7168, 2048, 8
 
         def fn(x, gw, gs, uw, us, dw, ds, ids, wts):
             stack = {"gate": MosaicInt4Weight(gw, gs), "up": MosaicInt4Weight(uw, us),
                      "down": MosaicInt4Weight(dw, ds)}
             return grouped_moe_w4a16_mgpu(x, stack, ids, wts, fused_gate_up=fused)
 
-        return fn, (S((T, d), jnp.bfloat16), *weight(i, d), *weight(i, d), *weight(d, i), S((T, k), jnp.int32),
-                    S((T, k), jnp.float32))
+        return fn, (S((T, d), jnp.bfloat16), *_expert_stack(i, d), *_expert_stack(i, d), *_expert_stack(d, i),
+                    S((T, k), jnp.int32), S((T, k), jnp.float32))
 
     for fused in (False, True):
         out.append(Case("routed MoE call", f"T=1, {'gate+up fused' if fused else 'three launches'}",
@@ -323,84 +408,11 @@ def census_cases() -> list[Case]:
 
 def compile_launches(case: Case, device) -> dict:
     """One engine call compiled for the abstract device: the kernels it launches."""
-    import jax
-    from jax.sharding import SingleDeviceSharding
-
-    fn, args = case.build()
-    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=SingleDeviceSharding(device)) for a in args]
-    hlo = jax.jit(fn).trace(*args).lower().compile().as_text()
+    hlo = compile_for(case, device).as_text()
     if hlo is None:
         raise RuntimeError(f"{case.name}: the compiled program has no HLO text")
     found = launches(hlo)
     return {"call": case.kernel, "case": case.name, "launches": found}
-
-
-# -------------------------------------------------------------------------------------------- the kernels
-def cases(only: list[str]) -> list[Case]:
-    """The kernels at the shapes the engine runs them: tree attention at K2's MLA shape (H 64, c 512, r 64, bf16,
-    S = 32768) with the tuned split count and schedule of each T and the other schedule; the dense W4A16 GEMM at
-    K2.6's dense MLP and expert widths with its tuned tiling (M 8: a decode step); the grouped MoE launches at
-    K2.6's experts (384 x [2048, 7168]; a decode step's 8 tiles of 8 rows)."""
-    import jax
-    import jax.numpy as jnp
-
-    from pallas_kernels.int4 import GROUP_SIZE
-    from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_gate_up_mgpu_kernel, grouped_w4a16_mgpu_kernel
-    from pallas_kernels.moe_w4a16.tuned import default_mosaic_config
-    from pallas_kernels.tree_attention import tuned as attention_tuned
-    from pallas_kernels.tree_attention.mosaic_gpu import MosaicAttentionConfig, tree_attention_mosaic
-    from pallas_kernels.w4a16.mosaic_gpu import w4a16_matmul_mgpu_kernel
-    from pallas_kernels.w4a16.tuned import dense_config
-
-    S = jax.ShapeDtypeStruct
-    out: list[Case] = []
-
-    def attention(T: int, s: int, config: MosaicAttentionConfig):
-        c, r, h = 512, 64, 64
-        rows = -(-(s + T) // 64) * 64
-        args = (S((1, T, h, c + r), jnp.bfloat16), S((1, rows, c + r), jnp.bfloat16), S((1,), jnp.int32),
-                S((1, T, T), jnp.bool_))
-
-        def fn(q, cache, start, mask):
-            return tree_attention_mosaic(q, cache, start, mask, scale=0.04, value_dim=c, config=config)
-        return fn, args
-
-    if "tree_attention" in only:
-        for T in (1, 33, 129):
-            tuned = attention_tuned.mosaic_config(batch=1, num_tree=T, cache_rows=32768)
-            other = "shared_qk" if tuned.schedule == "replicated" else "replicated"
-            for config in (tuned, dataclasses.replace(tuned, schedule=other)):
-                label = f"T={T} S=32768 {config.schedule} splits={config.num_splits}" + (
-                    " (tuned)" if config is tuned else "")
-                out.append(Case("tree_attention", label, lambda T=T, config=config: attention(T, 32768, config)))
-
-    def dense(k: int, n: int, m: int):
-        config, split = dense_config(k, n)
-        args = (S((m, k), jnp.bfloat16), S((n, k), jnp.int4), S((k // GROUP_SIZE, n), jnp.bfloat16))
-        return (lambda x, w, s: w4a16_matmul_mgpu_kernel(x, w, s, config=config, split_k=split)), args
-
-    if "w4a16" in only:
-        for k, n in ((7168, 18432), (18432, 7168), (7168, 2048), (2048, 7168)):
-            config, split = dense_config(k, n)
-            out.append(Case("w4a16", f"K={k} N={n} M=8 block_k={config.block_k} split_k={split}",
-                            lambda k=k, n=n: dense(k, n, 8)))
-
-    def grouped(k: int, n: int, tiles: int, fused: bool):
-        experts, block_m = 384, 8
-        config = default_mosaic_config(k)
-        x = S((tiles * block_m, k), jnp.bfloat16)
-        w, s = S((experts, n, k), jnp.int4), S((experts, k // GROUP_SIZE, n), jnp.bfloat16)
-        tile_expert = S((tiles,), jnp.int32)
-        if fused:
-            return (lambda x, gw, gs, uw, us, t: grouped_gate_up_mgpu_kernel(x, gw, gs, uw, us, t, config=config),
-                    (x, w, s, w, s, tile_expert))
-        return (lambda x, w, s, t: grouped_w4a16_mgpu_kernel(x, w, s, t, config=config)), (x, w, s, tile_expert)
-
-    if "moe" in only:  # the kernel's code does not depend on the tile count (a grid dimension): T = 1's 8 tiles
-        out.append(Case("moe", "gate or up, K=7168 N=2048, 8 tiles of 8 rows", lambda: grouped(7168, 2048, 8, False)))
-        out.append(Case("moe", "fused gate+up, K=7168 N=2048, 8 tiles of 8 rows", lambda: grouped(7168, 2048, 8, True)))
-        out.append(Case("moe", "down, K=2048 N=7168, 8 tiles of 8 rows", lambda: grouped(2048, 7168, 8, False)))
-    return out
 
 
 # --------------------------------------------------------------------------------------------------- main
