@@ -16,6 +16,9 @@ warm-up. Results carry the run's metadata (device, JAX, date, git commit, comman
 
 Usage (GPU): python benchmarks/bench_tree_attention.py --out DIR [--budget-s 200] [--shapes 32768:33 ...]
                (DIR/tree_attention_mosaic_<h200|h100|gpu>.{json,md}, rewritten as the shapes are measured)
+             python benchmarks/bench_tree_attention.py --out DIR --shapes 32768:1 --kernel-source base=OLD.py
+               (an A/B in one process: every variant also with another commit's kernel file, `git show
+               C:pallas_kernels/tree_attention/mosaic_gpu.py > OLD.py`; rows say [base])
              python benchmarks/bench_tree_attention.py --summarize-mosaic RUN1.json RUN2.json
                (merged into benchmarks/results/tree_attention_mosaic_h200.{json,md,png})
        shipped pair's shape (H, c, r from its config; float32 and bf16; impl="xla", and in bf16 impl="mosaic_gpu"):
@@ -119,6 +122,11 @@ def main():
                          "128 --schedules replicated")
     ap.add_argument("--schedules", nargs="+", choices=SCHEDULES,
                     help="only these Mosaic schedules (default: the plan's)")
+    ap.add_argument("--kernel-source", nargs="+", default=[], metavar="LABEL=FILE",
+                    help="A/B in one process: also time every Mosaic variant with the kernel module FILE (another "
+                         "commit's pallas_kernels/tree_attention/mosaic_gpu.py, e.g. from `git show "
+                         "C:pallas_kernels/tree_attention/mosaic_gpu.py`), recorded with source LABEL; the headline "
+                         "(best variant) stays this tree's kernel")
     ap.add_argument("--shipped", action="store_true",
                     help="the shipped pair's attention shape instead of K2's: tree_attention_shipped.{json,md}")
     ap.add_argument("--smoke", action="store_true",
@@ -162,11 +170,13 @@ def mosaic_main(args):
     """XLA (the bf16 jnp form) and the Mosaic GPU kernel at each plan variant per (S, T), each checked against the
     float32 reference on the first input set; wall clock per op (every shape and variant, before any CUPTI window),
     then CUPTI summed kernel time per op; the floor. Rows go out as they are measured."""
-    from pallas_kernels.tree_attention.mosaic_gpu import MosaicAttentionConfig, tree_attention_mosaic
+    from pallas_kernels.tree_attention.mosaic_gpu import tree_attention_mosaic
     from pallas_kernels.w4a16.mosaic_gpu import gpu_interpret_params
 
     if jax.default_backend() != "gpu" and not args.smoke:
         sys.exit("no GPU: this benchmark only measures on the device (--smoke checks the script on a CPU)")
+    # "" = this tree's kernel; the others (--kernel-source) loaded from their files, each as its own module
+    sources = {"": sys.modules[tree_attention_mosaic.__module__], **kernel_sources(args.kernel_source)}
     t_begin = time.time()
     if args.smoke:  # wall clock of one call in interpret mode: meaningless, but every path of a device run runs
         H, c, r, plan = 8, 128, 64, SMOKE_PLAN
@@ -215,10 +225,11 @@ def mosaic_main(args):
                                    mosaic=[])
         programs = [(row["xla"], program(lambda *a: tree_mla_attention_xla(*a, scale=scale, value_dim=c)))]
         for variant in variants:
-            row["mosaic"].append(dict(variant))
-            programs.append((row["mosaic"][-1], program(lambda *a, cfg=MosaicAttentionConfig(**variant):
-                                                        tree_attention_mosaic(*a, scale=scale, value_dim=c, config=cfg,
-                                                                              interpret=interpret))))
+            for label, module in sources.items():
+                row["mosaic"].append(dict(variant, **({"source": label} if label else {})))
+                programs.append((row["mosaic"][-1], program(
+                    lambda *a, m=module, cfg=module.MosaicAttentionConfig(**variant):
+                    m.tree_attention_mosaic(*a, scale=scale, value_dim=c, config=cfg, interpret=interpret))))
         for rec, prog in programs:
             try:
                 rec.update(timed(wall_timer, prog, sets, ref0))
@@ -346,9 +357,28 @@ def passed(rec) -> bool:
     return "us" in rec and rec["rel_err"] < 2e-2
 
 
+def kernel_sources(specs: list[str]) -> dict[str, Any]:
+    """--kernel-source LABEL=FILE ...: each FILE imported as a module of its own (its absolute imports resolve in
+    this tree), by label."""
+    import importlib.util
+
+    out = {}
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not os.path.isfile(path):
+            sys.exit(f"--kernel-source {spec!r}: want LABEL=FILE with an existing FILE")
+        loader = importlib.util.spec_from_file_location(f"_kernel_source_{len(out)}", path)
+        module = importlib.util.module_from_spec(loader)
+        sys.modules[loader.name] = module  # a dataclass resolves its module by name while the file executes
+        loader.loader.exec_module(module)
+        out[label] = module
+    return out
+
+
 def best_mosaic(row) -> dict | None:
-    """The fastest Mosaic variant of a row that passed its check, or None."""
-    good = [m for m in row["mosaic"] if passed(m)]
+    """The fastest Mosaic variant of this tree's kernel (not a --kernel-source) in a row that passed its check, or
+    None."""
+    good = [m for m in row["mosaic"] if passed(m) and "source" not in m]
     return min(good, key=lambda m: m["us"]) if good else None
 
 
@@ -378,6 +408,9 @@ def mosaic_table(meta, rows) -> str:
     def variant(m):
         return f"{m.get('schedule', 'replicated')}, {m['num_splits']}"
 
+    def schedule(m):  # per-variant rows: a --kernel-source variant names its source
+        return m.get("schedule", "replicated") + (f" [{m['source']}]" if "source" in m else "")
+
     for row in rows:
         best = best_mosaic(row)
         x = row.get("xla", {}).get("us")
@@ -387,7 +420,7 @@ def mosaic_table(meta, rows) -> str:
                      f"{variant(best) if best else '-'} | {f'{best['us'] / x:.2f}' if best and x else '-'} | "
                      f"{f'{row['floor_us'] / best['us']:.0%}' if best else '-'} | "
                      f"{f'{best['rel_err']:.1e}' if best else first_failure} |")
-    if any("kernel_us" in m for row in rows for m in row["mosaic"]):
+    if any("kernel_us" in m or "source" in m for row in rows for m in row["mosaic"]):
         lines += ["", "Every Mosaic variant: us = the call (CUPTI, all its kernels), kernel us = the Mosaic kernel "
                   "alone (the rest: bit-mask build, q pad, split combine).", "",
                   "| S | T | schedule | splits | us | kernel us | wall us | rel err |",
@@ -397,11 +430,11 @@ def mosaic_table(meta, rows) -> str:
                 if "us" not in m:
                     wall = f"{m['wall_us']:.1f}" if "wall_us" in m else ""
                     what = f"error: {m['error'][:80]}" if "error" in m else "not timed"
-                    lines.append(f"| {row['S']} | {row['T']} | {m.get('schedule', 'replicated')} | {m['num_splits']} | "
+                    lines.append(f"| {row['S']} | {row['T']} | {schedule(m)} | {m['num_splits']} | "
                                  f"{what} | | {wall} | |")
                     continue
                 kernel = f"{m['kernel_us']:.1f}" if m.get("kernel_us") else "-"  # not recorded before 2026-12-04
-                lines.append(f"| {row['S']} | {row['T']} | {m.get('schedule', 'replicated')} | {m['num_splits']} | "
+                lines.append(f"| {row['S']} | {row['T']} | {schedule(m)} | {m['num_splits']} | "
                              f"{m['us']:.1f} | {kernel} | {m['wall_us']:.1f} | {m['rel_err']:.1e} |")
     return "\n".join(lines)
 

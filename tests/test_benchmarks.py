@@ -90,6 +90,23 @@ def test_tree_attention_split_sweep_and_combine_smoke_runs(tmp_path):
         assert len(r["forms"]) == 3 and all(f["rel_err"] < 1e-2 for f in r["forms"].values())
 
 
+def test_tree_attention_kernel_source_ab_smoke_run(tmp_path):
+    """--kernel-source LABEL=FILE times each variant again with the kernel module loaded from FILE (here a copy of
+    this tree's), recorded with its label; the headline stays this tree's kernel; a bad spec is refused."""
+    other = tmp_path / "other_mosaic_gpu.py"
+    other.write_text((ROOT / "pallas_kernels/tree_attention/mosaic_gpu.py").read_text())
+    _run("benchmarks/bench_tree_attention.py", "--smoke", "--shapes", "100:1", "--splits", "2",
+         "--schedules", "replicated", "--kernel-source", f"other={other}", "--out", str(tmp_path))
+    (row,) = json.loads((tmp_path / "tree_attention_mosaic_smoke.json").read_text())["rows"]
+    assert [m.get("source") for m in row["mosaic"]] == [None, "other"]
+    assert all(m["rel_err"] < 2e-2 for m in row["mosaic"])
+    assert "replicated [other]" in (tmp_path / "tree_attention_mosaic_smoke.md").read_text()
+    proc = subprocess.run([sys.executable, "benchmarks/bench_tree_attention.py", "--smoke", "--kernel-source",
+                           "nolabel", "--out", str(tmp_path)], cwd=ROOT, env=CPU, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and "want LABEL=FILE" in proc.stderr
+
+
 def test_tree_build_smoke_run(tmp_path):
     """bench_tree_build's checks and every variant run on a CPU (interpret mode); the exit status covers them."""
     _run("benchmarks/bench_tree_build.py", "--smoke", "--out", str(tmp_path))
