@@ -367,10 +367,11 @@ def kernel_sources(specs: list[str]) -> dict[str, Any]:
         label, sep, path = spec.partition("=")
         if not sep or not label or not os.path.isfile(path):
             sys.exit(f"--kernel-source {spec!r}: want LABEL=FILE with an existing FILE")
-        loader = importlib.util.spec_from_file_location(f"_kernel_source_{len(out)}", path)
-        module = importlib.util.module_from_spec(loader)
-        sys.modules[loader.name] = module  # a dataclass resolves its module by name while the file executes
-        loader.loader.exec_module(module)
+        module_spec = importlib.util.spec_from_file_location(f"_kernel_source_{len(out)}", path)
+        assert module_spec is not None and module_spec.loader is not None, path  # a .py file always has both
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_spec.name] = module  # a dataclass resolves its module by name while the file executes
+        module_spec.loader.exec_module(module)
         out[label] = module
     return out
 
