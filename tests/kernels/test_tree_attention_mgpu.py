@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import custom_calls, lower_for_h200
-from test_tree_attention import HAS_GPU, make_inputs, rel_err
+from test_tree_attention import HAS_GPU, make_inputs, numpy_tree_attention, rel_err
 
 from pallas_kernels import dispatch
 from pallas_kernels.tree_attention.mosaic_gpu import MosaicAttentionConfig, tree_attention_mosaic
@@ -71,6 +71,11 @@ CASES = [
     # shared_qk over a tree of 40 tokens (two mask words) with block_kv 128 and two warpgroups
     (1, 40, 8, 128, 16, 200, [100], MosaicAttentionConfig(block_kv=128, value_block=64, schedule="shared_qk"),
      False),
+    # lazy_rescale in both schedules, with splits (some with no prefix tile), mask words and tail tiles
+    (2, 1, 16, 128, 16, 300, [128, 299], MosaicAttentionConfig(num_splits=3, value_block=64, schedule="replicated",
+                                                               lazy_rescale=True), False),
+    (2, 40, 8, 128, 16, 300, [100, 5], MosaicAttentionConfig(num_splits=2, value_block=64, schedule="shared_qk",
+                                                             lazy_rescale=True), False),
 ]
 
 
@@ -82,6 +87,42 @@ def test_mgpu_interpret_matches_numpy(B, T, H, c, r, S_max, starts, config, chai
     assert out.shape == (B, T, H, c) and out.dtype == jnp.bfloat16
     assert not np.isnan(np.asarray(out, np.float32)).any()
     # bf16 output rounding (2^-9), bf16 probabilities in the value wgmma (split partials: bf16 too)
+    assert rel_err(out, truth) < 2e-2
+
+
+def _growing_inputs(seed, *, T, H, c, r, S_max, start, bk=64):
+    """make_inputs with the cache row j scaled by 1 + j / 4: scores grow along the cache, so each row's softmax
+    maximum passes its lazy reference by more than the slack (2 ** RESCALE_SLACK_LOG2) in later prefix tiles, not
+    only in the first (checked here: at least two such tiles). With the random caches of the other cases the
+    conditional rescale runs in the first tile only, where the accumulator is still zero, and skipping it everywhere
+    else would pass. -> (q, cache, start, tree, truth, scale)"""
+    from pallas_kernels.tree_attention.mosaic_gpu import RESCALE_SLACK_LOG2
+
+    q, cache, start_j, tree, _ = make_inputs(seed, B=1, T=T, H=H, c=c, r=r, S_max=S_max, starts=[start],
+                                             dtype=jnp.bfloat16)
+    cache = (cache.astype(jnp.float32) * (1 + jnp.arange(S_max, dtype=jnp.float32) / 4)[None, :, None]).astype(
+        jnp.bfloat16)
+    scale = 0.3 / np.sqrt(c + r)
+    truth = numpy_tree_attention(np.asarray(q.astype(jnp.float32)), np.asarray(cache.astype(jnp.float32)),
+                                 np.asarray(start_j), np.asarray(tree), scale, c)
+    logits = np.einsum("thd,sd->ths", np.asarray(q[0], np.float64), np.asarray(cache[0, :start], np.float64))
+    tile_max = logits.reshape(T * H, -1)[:, :start // bk * bk].reshape(T * H, -1, bk).max(-1)
+    ref, moves = tile_max[:, 0], 0
+    for i in range(1, tile_max.shape[1]):
+        move = (tile_max[:, i] - ref) * scale * np.log2(np.e) > RESCALE_SLACK_LOG2
+        moves += int(move.any())
+        ref = np.where(move, tile_max[:, i], ref)
+    assert moves >= 2
+    return q, cache, start_j, tree, truth, scale
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+@pytest.mark.parametrize("T,schedule", [(1, "replicated"), (5, "shared_qk"), (5, "replicated")])
+def test_mgpu_interpret_rescales_when_a_later_tile_moves_the_maximum(T, schedule, lazy):
+    """lazy_rescale's conditional rescale where the maximum moves after the first tile (`_growing_inputs`)."""
+    q, cache, start, tree, truth, _ = _growing_inputs(10, T=T, H=16, c=128, r=16, S_max=300, start=250)
+    out = _run_interpret(q, cache, start, tree, value_dim=128,
+                         config=MosaicAttentionConfig(value_block=64, schedule=schedule, lazy_rescale=lazy))
     assert rel_err(out, truth) < 2e-2
 
 
@@ -217,6 +258,20 @@ def test_mgpu_native_gpu_k2(T, S_max, start, splits, schedule):
                                            dtype=jnp.bfloat16)
     out = tree_attention_mosaic(q, cache, s, tree, scale=0.3 / np.sqrt(576), value_dim=512,
                                 config=MosaicAttentionConfig(num_splits=splits, schedule=schedule))
+    assert rel_err(out, truth) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["shared_qk", "replicated"])
+@pytest.mark.parametrize("T,splits", [(1, 4), (33, 2)])
+def test_mgpu_native_gpu_lazy_rescale(T, splits, schedule):
+    """lazy_rescale natively at K2 widths (P from registers, the accumulator carried by pl.run_state: what interpret
+    mode cannot run), on scores whose maximum moves in later tiles (`_growing_inputs`)."""
+    if not dispatch.is_hopper(jax.devices()[0]):
+        pytest.skip("the Mosaic GPU attention kernel needs a Hopper GPU (sm_90)")
+    q, cache, s, tree, truth, scale = _growing_inputs(11, T=T, H=64, c=512, r=64, S_max=1024 + 64, start=1024)
+    out = tree_attention_mosaic(q, cache, s, tree, scale=scale, value_dim=512,
+                                config=MosaicAttentionConfig(num_splits=splits, schedule=schedule, lazy_rescale=True))
     assert rel_err(out, truth) < 2e-2
 
 
