@@ -121,9 +121,6 @@ class Loop:
     spill_stores: int
     exp2: int
     opcodes: dict[str, int]  # the loop's instructions by opcode (predicates dropped), most frequent first
-    # the most instructions that one predicated forward branch inside the loop jumps over (a block without wgmmas,
-    # such as lazy_rescale's accumulator rescale): `instructions - skippable` is the path when it is not taken
-    skippable: int = 0
 
 
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -165,17 +162,8 @@ def sass_loops(sass: str) -> list[Loop]:
         ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for a, text in instrs if lo <= a <= hi)
         return dict(ops.most_common())
 
-    def skippable(lo: int, hi: int) -> int:
-        best = 0
-        for addr, text in instrs:
-            m = _BRANCH.search(text)
-            if lo <= addr <= hi and text.startswith("@") and m and (target := labels.get(m.group(1))) is not None \
-                    and addr < target <= hi and not count(addr + 1, target - 1, r"\bHGMMA\b"):
-                best = max(best, count(addr + 1, target - 1, "."))
-        return best
-
     return [Loop(lo, hi, count(lo, hi, "."), count(lo, hi, r"\bHGMMA\b"), count(lo, hi, r"\bLDL\b"),
-                 count(lo, hi, r"\bSTL\b"), count(lo, hi, r"\bMUFU\.EX2\b"), opcodes(lo, hi), skippable(lo, hi))
+                 count(lo, hi, r"\bSTL\b"), count(lo, hi, r"\bMUFU\.EX2\b"), opcodes(lo, hi))
             for lo, hi in sorted(innermost)]
 
 
@@ -331,12 +319,9 @@ def cases(only: list[str]) -> list[Case]:
         for T in (1, 33, 129):
             tuned = attention_tuned.mosaic_config(batch=1, num_tree=T, cache_rows=32768)
             other = "shared_qk" if tuned.schedule == "replicated" else "replicated"
-            variants = [tuned, dataclasses.replace(tuned, schedule=other)]
-            if T < 129:  # lazy_rescale (not yet the tuned choice: not timed), in the schedule tuned runs
-                variants.append(dataclasses.replace(tuned, lazy_rescale=True))
-            for config in variants:
-                label = f"T={T} S=32768 {config.schedule}{' lazy' if config.lazy_rescale else ''} splits=" \
-                        f"{config.num_splits}" + (" (tuned)" if config is tuned else "")
+            for config in (tuned, dataclasses.replace(tuned, schedule=other)):
+                label = f"T={T} S=32768 {config.schedule} splits={config.num_splits}" + (
+                    " (tuned)" if config is tuned else "")
                 out.append(Case("tree_attention", label, lambda T=T, config=config: _k2_attention(T, 32768, config)))
 
     def dense(k: int, n: int, m: int):
@@ -438,8 +423,7 @@ def markdown(rows: list[dict], gpu: str, tools: str = "", opcodes: int = 0, cens
              "", *([tools, ""] if tools else []),
              "Compile-time facts, not timings: registers a thread (255 is the most a thread can have), spill bytes "
              "(ptxas -v), SMEM (Mosaic's scratch), and each innermost loop holding wgmmas (HGMMA) in the SASS: its "
-             "instructions (in brackets: the most that one branch inside the loop skips, e.g. a lazy rescale), "
-             "wgmmas, exp2s, and local-memory spill loads / stores (LDL / STL) inside it.", "",
+             "instructions, wgmmas, exp2s, and local-memory spill loads / stores (LDL / STL) inside it.", "",
              "| kernel | case | regs | spill st / ld B | SMEM KiB | SASS instr "
              "| hot loops: instr, HGMMA, EX2, LDL / STL |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -447,8 +431,7 @@ def markdown(rows: list[dict], gpu: str, tools: str = "", opcodes: int = 0, cens
         if "error" in row:
             lines.append(f"| {row['kernel']} | {row['case']} | does not compile: {row['error']} | | | | |")
             continue
-        loops = "; ".join(f"{lp['instructions']}{f' ({lp['skippable']})' if lp.get('skippable') else ''}, "
-                          f"{lp['wgmma']}, {lp['exp2']}, "
+        loops = "; ".join(f"{lp['instructions']}, {lp['wgmma']}, {lp['exp2']}, "
                           f"{lp['spill_loads']} / {lp['spill_stores']}" for lp in row["loops"]) or "none"
         smem = f"{row['smem_bytes'] / 1024:.1f}" if row["smem_bytes"] is not None else "?"
         lines.append(f"| {row['kernel']} | {row['case']} | {row['registers']} | {row['spill_store_bytes']} / "

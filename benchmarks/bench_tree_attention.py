@@ -127,9 +127,6 @@ def main():
                          "commit's pallas_kernels/tree_attention/mosaic_gpu.py, e.g. from `git show "
                          "C:pallas_kernels/tree_attention/mosaic_gpu.py`), recorded with source LABEL; the headline "
                          "(best variant) stays this tree's kernel")
-    ap.add_argument("--lazy-rescale", choices=sorted(LAZY), default="off",
-                    help="time this tree's kernel with MosaicAttentionConfig.lazy_rescale off (default), on, or both "
-                         "(each variant twice)")
     ap.add_argument("--shipped", action="store_true",
                     help="the shipped pair's attention shape instead of K2's: tree_attention_shipped.{json,md}")
     ap.add_argument("--smoke", action="store_true",
@@ -161,7 +158,6 @@ MOSAIC_PLAN: Plan = {  # in the order measured (a --budget-s cut drops the last 
     (32768, 9): [dict(num_splits=n, schedule=s) for n in (16, 32) for s in _SCHEDULES],
     (4096, 9): [dict(num_splits=n, schedule=s) for n in (4, 8) for s in _SCHEDULES],
 }
-LAZY = {"off": [False], "on": [True], "both": [False, True]}  # --lazy-rescale
 MOSAIC_TARGET_US = {(32768, 1): 18, (32768, 33): 300, (32768, 129): 1100, (4096, 1): 10, (4096, 33): 45}
 # --smoke (H 8, c 128, r 64: a row width the kernel also takes natively): value_block 64 gives the two value
 # warpgroups of c = 512, so both schedules run as at K2; S_max 128 is two KV tiles, so 2 splits share a prefix tile
@@ -229,15 +225,10 @@ def mosaic_main(args):
                                    mosaic=[])
         programs = [(row["xla"], program(lambda *a: tree_mla_attention_xla(*a, scale=scale, value_dim=c)))]
         for variant in variants:
-            # this tree's kernel with each --lazy-rescale setting; another source's as it is (no such field there)
-            forms = [(dict(variant, **({"lazy_rescale": True} if lazy else {})), sources[""])
-                     for lazy in LAZY[args.lazy_rescale]]
-            forms += [(dict(variant, source=label), module) for label, module in sources.items() if label]
-            for config, module in forms:
-                row["mosaic"].append(config)
-                programs.append((config, program(
-                    lambda *a, m=module, cfg=module.MosaicAttentionConfig(
-                        **{k: v for k, v in config.items() if k != "source"}):
+            for label, module in sources.items():  # this tree's kernel (""), then each --kernel-source
+                row["mosaic"].append(dict(variant, **({"source": label} if label else {})))
+                programs.append((row["mosaic"][-1], program(
+                    lambda *a, m=module, cfg=module.MosaicAttentionConfig(**variant):
                     m.tree_attention_mosaic(*a, scale=scale, value_dim=c, config=cfg, interpret=interpret))))
         for rec, prog in programs:
             try:
@@ -415,9 +406,8 @@ def mosaic_table(meta, rows) -> str:
             return f"- ({d['wall_us']:.1f})"
         return "error" if "error" in d else "-"
 
-    def schedule(m):  # a --kernel-source variant names its source; lazy_rescale says so
-        return (m.get("schedule", "replicated") + (" lazy" if m.get("lazy_rescale") else "")
-                + (f" [{m['source']}]" if "source" in m else ""))
+    def schedule(m):  # a --kernel-source variant names its source
+        return m.get("schedule", "replicated") + (f" [{m['source']}]" if "source" in m else "")
 
     def variant(m):
         return f"{schedule(m)}, {m['num_splits']}"
@@ -431,7 +421,7 @@ def mosaic_table(meta, rows) -> str:
                      f"{variant(best) if best else '-'} | {f'{best['us'] / x:.2f}' if best and x else '-'} | "
                      f"{f'{row['floor_us'] / best['us']:.0%}' if best else '-'} | "
                      f"{f'{best['rel_err']:.1e}' if best else first_failure} |")
-    if any("kernel_us" in m or "source" in m or "lazy_rescale" in m for row in rows for m in row["mosaic"]):
+    if any("kernel_us" in m or "source" in m for row in rows for m in row["mosaic"]):
         lines += ["", "Every Mosaic variant: us = the call (CUPTI, all its kernels), kernel us = the Mosaic kernel "
                   "alone (the rest: bit-mask build, q pad, split combine).", "",
                   "| S | T | schedule | splits | us | kernel us | wall us | rel err |",

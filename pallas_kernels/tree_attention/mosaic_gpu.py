@@ -71,9 +71,6 @@ LOG2E = math.log2(math.e)
 # Finite "minus infinity": exp2(NEG - x) == 0 for any real x, and NEG - NEG == 0 never yields NaN.
 NEG = -1e30
 ROWS = 64  # query rows per CTA: one wgmma M
-# lazy_rescale: a row's softmax reference maximum moves only when a tile's scores exceed it by more than this (log2
-# units), so that most tiles skip the accumulator's rescale (FlashAttention-4's conditional rescaling): p <= 2 ** 8.
-RESCALE_SLACK_LOG2 = 8.0
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SCHEDULES = ("shared_qk", "replicated")
 
@@ -89,12 +86,7 @@ class MosaicAttentionConfig:
       and depth 2), or None: registers natively, smem in interpret mode. Replicated schedule only.
     schedule: with two value warpgroups, "shared_qk" (warpgroup 0 computes the score tile and the softmax once and
       hands P and the row rescale to warpgroup 1 through SMEM) or "replicated" (each warpgroup computes the whole
-      score tile itself, no hand-off). One warpgroup: the same kernel either way.
-    lazy_rescale: FlashAttention-4's conditional rescaling: a row's softmax reference moves only when a tile's
-      maximum passes it by more than 2 ** RESCALE_SLACK_LOG2, and the accumulator's rescale (a multiply an element,
-      128 of a warp's ~595 SASS instructions a tile at K2 widths) is skipped in a tile where no row of the
-      warpgroup moved; it costs a cross-warp reduction a tile (and, shared_qk, a flag in SMEM). Not yet timed on a
-      GPU, so off by default (docs/tree_attention.md)."""
+      score tile itself, no hand-off). One warpgroup: the same kernel either way."""
 
     block_kv: int = 64
     num_splits: int = 1
@@ -102,7 +94,6 @@ class MosaicAttentionConfig:
     value_block: int | None = None
     p_operand: str | None = None
     schedule: str = "shared_qk"
-    lazy_rescale: bool = False
 
 
 def width_problem(c: int, r: int, *, native: bool) -> str | None:
@@ -203,12 +194,10 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
     p_register = not shared and (config.p_operand or ("registers" if interpret is None else "smem")) == "registers"
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    lazy = config.lazy_rescale
-    slack = RESCALE_SLACK_LOG2 / scale_log2  # in unscaled score units (lazy_rescale)
 
     def kernel(start_ref, q_ref, cache_ref, bits_ref, *out_refs, scratch):
-        (qc_smem, qr_smem, kc_smem, kr_smem, p_smem, row_smem, moved_smem), (q_bar, kc_bar, kr_bar), consumed, \
-            sync, p_ready, p_free = scratch
+        (qc_smem, qr_smem, kc_smem, kr_smem, p_smem, row_smem), (q_bar, kc_bar, kr_bar), consumed, sync, \
+            p_ready, p_free = scratch
         # one row of float32 per query row: the rescale (shared_qk, in the loop), then warpgroup 0's final
         # denominator (shared_qk) and the log2-sum-exp staging (splits), when no warpgroup reads the rescale any more
         alpha_smem = denom_smem = lse_smem = row_smem
@@ -307,37 +296,17 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
             return pl.run_scoped(qk, plgpu.WGMMAAccumulatorRef((ROWS, bk), jnp.float32))
 
         def softmax_step(s, m, denom, visible):
-            """Online softmax of one tile of unscaled scores s: (p float32, m_new, alpha, denom_new, moved).
-
-            m is each row's reference maximum (unscaled; the scale is positive, so it commutes with the maximum).
-            Without lazy_rescale it is the running maximum and moved is None (the caller always rescales). With
-            it, m moves only where the tile's maximum exceeds it by more than `slack` (RESCALE_SLACK_LOG2 in log2
-            units): elsewhere p = exp2((s - m) * scale_log2) <= 2 ** RESCALE_SLACK_LOG2, exact in float32 and in
-            the P operand's dtype, and the output and the denominator keep the same reference, so the result is
-            the softmax all the same; `moved` (a scalar: did any row of this warpgroup move?) lets the caller skip
-            the accumulator's rescale, a multiply per accumulator element, in the tiles where no row moved (after
-            the first few tiles of a row, nearly all). The scale and log2(e) multiply inside each exp2's argument,
-            s * c - m * c, one FMA an element instead of a scaling pass."""
+            """Online softmax of one tile of unscaled scores s (m: the rows' running maximum of them; the scale is
+            positive, so it commutes with the maximum): (p float32, m_new, alpha, denom_new). The scale and log2(e)
+            multiply inside each exp2's argument, s * c - m * c, one FMA an element instead of a scaling pass."""
             if visible is not None:
                 s = jnp.where(visible, s, NEG)
-            m_tile, moved = s.max(axis=1), None
-            if lazy:
-                move = m_tile > m + slack  # NEG + slack == NEG: a row's first visible tile always moves it
-                m_new = jnp.where(move, m_tile, m)
-                # one scalar for the warpgroup's branch: a cross-warp reduction (through SMEM)
-                moved = jnp.max(move.astype(jnp.int32)) > 0
-            else:
-                m_new = jnp.maximum(m, m_tile)
+            m_new = jnp.maximum(m, s.max(axis=1))
             alpha = jnp.exp2((m - m_new) * scale_log2)
             p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new * scale_log2, s.shape, [0]))
             if visible is not None:  # a row with nothing visible yet has m_new == NEG and would get p == 1
                 p = jnp.where(visible, p, 0.0)
-            return p, m_new, alpha, denom * alpha + p.sum(axis=1), moved
-
-        def rescale(acc, alpha, moved):  # acc * alpha by rows (lazy: in the tiles where some row's reference moved)
-            if moved is None:
-                return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            return lax.cond(moved, lambda a: a * lax.broadcast_in_dim(alpha, a.shape, [0]), lambda a: a, acc)
+            return p, m_new, alpha, denom * alpha + p.sum(axis=1)
 
         def step_replicated(step, carry, masked: bool):
             acc, m, denom = carry
@@ -356,8 +325,8 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(sync)
                     plgpu.barrier_wait(sync)
-            p, m_new, alpha, denom, moved = softmax_step(scores(slot), m, denom, visible)
-            acc = rescale(acc, alpha, moved)
+            p, m_new, alpha, denom = softmax_step(scores(slot), m, denom, visible)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p16 = p.astype(dtype)
             if not p_register:
                 p_smem.at[wg][...] = p16
@@ -392,7 +361,7 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
                         for j in range(nwg):  # warpgroup 0 zeroes every chunk: it reads them all first (QK^T)
                             zero_garbage(kc_smem.at[slot, j], k0)
                         plgpu.commit_smem()
-                p, m_new, alpha, denom, moved = softmax_step(scores(slot), m, denom, visible)
+                p, m_new, alpha, denom = softmax_step(scores(slot), m, denom, visible)
 
                 @pl.when(step > 0)
                 def _():
@@ -400,8 +369,6 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
 
                 p_smem[...] = p.astype(dtype)
                 alpha_smem[...] = alpha
-                if moved is not None:  # lazy_rescale
-                    moved_smem[0] = moved.astype(jnp.int32)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(p_ready)
                 return m_new, denom
@@ -413,7 +380,7 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
                 plgpu.barrier_wait(p_ready)
 
             alpha = plgpu.load(alpha_smem, layout=row_layout, optimized=False)
-            acc = rescale(acc, alpha, moved_smem[0] != 0 if lazy else None)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             acc = _accumulate(acc, p_smem, kc_smem.at[slot, wg], interpret)
 
             @pl.when(wg != 0)
@@ -514,7 +481,6 @@ def _make_kernel(*, c: int, r: int, num_tree: int, s_max: int, scale_log2: float
             plgpu.SMEM((depth, bk, r), dtype, transforms=smem_transforms(r, dtype)),  # cache RoPE ring
             p_buf,
             plgpu.SMEM((ROWS,), jnp.float32),  # see alpha_smem
-            plgpu.SMEM((1,), jnp.int32) if shared and config.lazy_rescale else None,  # warpgroup 0's `moved`
         )
         barriers = (plgpu.Barrier(num_barriers=nwg + 1), plgpu.Barrier(num_barriers=depth * nwg),
                     plgpu.Barrier(num_barriers=depth))

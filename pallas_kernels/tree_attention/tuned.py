@@ -25,10 +25,16 @@ from pallas_kernels.tree_attention.mosaic_gpu import MosaicAttentionConfig
 #            T 33: Mosaic (shared_qk, 4 splits) 65.4 (162), XLA 67.5 (170);  T 129: Mosaic (shared_qk, 1) 181 (354),
 #            XLA 213 (376): the kernel is faster by both measures. T 1 (tree_attention_mosaic_h100_s23_t1_4096.md):
 #            XLA 20.5 (79), Mosaic 24.9 (69) at 16 splits with the 5.7 us combine of that day (two-stage: 3.4).
-# So: the Mosaic kernel at S_max >= 32768 for T = 1 and at S_max >= 4096 for T >= 33 (there the 2026-12-02 H200 wall
-# clocks that had kept XLA came after CUPTI windows of the same process, which inflate launches; the wall-clock-first
-# run above reverses them); XLA at T = 1 below S_max 32768 (CUPTI: XLA faster) and everywhere below S_max 4096 (not
-# measured); T = 2..32 was not measured (the split count for so few row tiles is untuned): XLA.
+#   T = 9 (a budget-8 verify; 2026-12-06, an H100, tree_attention_mosaic_h100_s27_t9{,_splits}.md, wall clocks first):
+#            S 32768: Mosaic (shared_qk, 32 splits) 135.6 (223), XLA 214.6 (286): faster by both measures (16 splits
+#            153.3, 64 splits 142.2); S 4096: Mosaic (shared_qk, 8 splits) 32.2 (105), XLA 39.1 (99): faster by CUPTI,
+#            slower by the wall clock.
+#   The same day, same H100 (tree_attention_mosaic_h100_s27_t129_t1_4096.md): S 4096 T 1: Mosaic (shared_qk, 32)
+#            18.4 (55), XLA 20.5 (52.5): again faster by CUPTI only, so XLA stays there.
+# So: the Mosaic kernel at S_max >= 32768 for T = 1 and T = 9 and at S_max >= 4096 for T >= 33 (there the 2026-12-02
+# H200 wall clocks that had kept XLA came after CUPTI windows of the same process, which inflate launches; the
+# wall-clock-first run above reverses them); XLA at T = 1 and T = 9 below S_max 32768 (XLA faster by one measure)
+# and everywhere below S_max 4096 (not measured); the other T in 2..32 were not measured: XLA.
 # float32: the Mosaic kernel takes bf16 / f16 only (and the Triton kernel took 1.24-44.7x XLA's float32 time,
 # tree_attention_shipped.md).
 def measured_fastest(*, num_heads: int, latent_dim: int, rope_dim: int, dtype, num_tree: int | None = None,
@@ -43,18 +49,22 @@ def measured_fastest(*, num_heads: int, latent_dim: int, rope_dim: int, dtype, n
         return ("xla",), f"not measured faster than XLA at H={num_heads}, c={latent_dim}, r={rope_dim}, {dtype}"
     if num_tree is None or cache_rows is None:
         return ("mosaic_gpu", "xla"), "per call shape, as measured"
-    if cache_rows >= 32768 and num_tree == 1:
-        return ("mosaic_gpu", "xla"), "T=1, S_max >= 32768: Mosaic measured fastest"
+    if cache_rows >= 32768 and num_tree in (1, 9):
+        return ("mosaic_gpu", "xla"), f"T={num_tree}, S_max >= 32768: Mosaic measured fastest"
     if cache_rows >= 4096 and num_tree >= 33:
         return ("mosaic_gpu", "xla"), f"T={num_tree} >= 33, S_max >= 4096: Mosaic measured fastest"
     return ("xla",), f"T={num_tree}, S_max={cache_rows}: XLA measured fastest (or no kernel measured here)"
 
 
 def mosaic_config(*, batch: int, num_tree: int, cache_rows: int) -> MosaicAttentionConfig:
-    """The Mosaic kernel's KV split count measured best at B = 1 (tree_attention_mosaic_h200.md), divided by B, and its
-    schedule: "shared_qk" (one QK^T for both value warpgroups) for T > 1, measured faster at S = 32768 (2026-12-04:
-    T = 33 300.6 vs 324.8 us at 4 splits, T = 129 1134 vs 1207 at 1 split); at T = 1 "replicated", as measured at 128
-    splits (35-36 us; shared_qk at 64 splits 39.5 vs 39.8: the same)."""
-    splits = 128 if num_tree == 1 and cache_rows >= 32768 else 32 if num_tree == 1 else 4 if num_tree <= 33 else 1
+    """The Mosaic kernel's KV split count measured best at B = 1 (tree_attention_mosaic_h200.md; T <= 9 at S = 32768:
+    the H100's tree_attention_mosaic_h100_s27_t9_splits.md, 32 of 16 / 32 / 64), divided by B, and its schedule:
+    "shared_qk" (one QK^T for both value warpgroups) for T > 1, measured faster at S = 32768 (2026-12-04: T = 33 300.6
+    vs 324.8 us at 4 splits, T = 129 1134 vs 1207 at 1 split; 2026-12-06, H100: T = 9 135.6 vs 144.5 at 32); at T = 1
+    "replicated", as measured at 128 splits (35-36 us; shared_qk at 64 splits 39.5 vs 39.8: the same)."""
+    if num_tree == 1:
+        splits = 128 if cache_rows >= 32768 else 32
+    else:
+        splits = (32 if cache_rows >= 32768 else 4) if num_tree <= 9 else 4 if num_tree <= 33 else 1
     return MosaicAttentionConfig(num_splits=max(1, -(-splits // batch)),
                                  schedule="replicated" if num_tree == 1 else "shared_qk")

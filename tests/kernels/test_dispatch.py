@@ -67,10 +67,10 @@ def test_attention_rules():
 def test_attention_auto_runs_what_measured_fastest():
     """On a GPU, auto runs the implementation measured fastest at the call shape (tree_attention.tuned.
     measured_fastest), the first of them that can run there: on an H200 K2's bf16 shape takes the Mosaic kernel at
-    S_max >= 32768 for T = 1 and at S_max >= 4096 for T >= 33, XLA elsewhere (T = 1 below S_max 32768: XLA measured
-    faster; below S_max 4096 and T 2..32: not measured); never a kernel in float32 or at an unmeasured (H, c, r); a
-    non-Hopper GPU skips the Mosaic kernel and says so; an explicit impl is obeyed; interpret mode on a CPU is
-    unchanged."""
+    S_max >= 32768 for T = 1 and 9 and at S_max >= 4096 for T >= 33, XLA elsewhere (T = 1 and 9 below S_max 32768:
+    XLA measured faster by one measure; below S_max 4096 and the other T of 2..32: not measured); never a kernel in
+    float32 or at an unmeasured (H, c, r); a non-Hopper GPU skips the Mosaic kernel and says so; an explicit impl is
+    obeyed; interpret mode on a CPU is unchanged."""
     def choose(device=H200, **kw):
         return dispatch.choose_attention(latent_dim=512, rope_dim=64, device=device, **kw)
 
@@ -85,7 +85,10 @@ def test_attention_auto_runs_what_measured_fastest():
     assert choose(**k2, num_tree=129, cache_rows=2048) == Choice(
         "xla", "T=129, S_max=2048: XLA measured fastest (or no kernel measured here)")
     assert choose(**k2, num_tree=1, cache_rows=4096 + 64).impl == "xla"
-    assert choose(**k2, num_tree=9, cache_rows=32768 + 64).impl == "xla"  # T 2..32: not measured
+    assert choose(**k2, num_tree=9, cache_rows=32768 + 64) == Choice(
+        "mosaic_gpu", "T=9, S_max >= 32768: Mosaic measured fastest")
+    assert choose(**k2, num_tree=9, cache_rows=4096 + 64).impl == "xla"  # slower by the wall clock there
+    assert choose(**k2, num_tree=17, cache_rows=32768 + 64).impl == "xla"  # not measured
     assert choose(A100, **k2, num_tree=1, cache_rows=32768 + 64) == Choice(
         "xla", "T=1, S_max >= 32768: Mosaic measured fastest; not mosaic_gpu: needs a Hopper GPU (sm_90), "
                "this is NVIDIA A100")

@@ -71,11 +71,6 @@ CASES = [
     # shared_qk over a tree of 40 tokens (two mask words) with block_kv 128 and two warpgroups
     (1, 40, 8, 128, 16, 200, [100], MosaicAttentionConfig(block_kv=128, value_block=64, schedule="shared_qk"),
      False),
-    # lazy_rescale in both schedules, with splits (some with no prefix tile), mask words and tail tiles
-    (2, 1, 16, 128, 16, 300, [128, 299], MosaicAttentionConfig(num_splits=3, value_block=64, schedule="replicated",
-                                                               lazy_rescale=True), False),
-    (2, 40, 8, 128, 16, 300, [100, 5], MosaicAttentionConfig(num_splits=2, value_block=64, schedule="shared_qk",
-                                                             lazy_rescale=True), False),
 ]
 
 
@@ -91,13 +86,11 @@ def test_mgpu_interpret_matches_numpy(B, T, H, c, r, S_max, starts, config, chai
 
 
 def _growing_inputs(seed, *, T, H, c, r, S_max, start, bk=64):
-    """make_inputs with the cache row j scaled by 1 + j / 4: scores grow along the cache, so each row's softmax
-    maximum passes its lazy reference by more than the slack (2 ** RESCALE_SLACK_LOG2) in later prefix tiles, not
-    only in the first (checked here: at least two such tiles). With the random caches of the other cases the
-    conditional rescale runs in the first tile only, where the accumulator is still zero, and skipping it everywhere
-    else would pass. -> (q, cache, start, tree, truth, scale)"""
-    from pallas_kernels.tree_attention.mosaic_gpu import RESCALE_SLACK_LOG2
-
+    """make_inputs with the cache row j scaled by 1 + j / 4: scores grow along the cache, so some row's softmax
+    maximum jumps by more than 8 in log2 units (a factor 256 on its probabilities) in at least two prefix tiles after
+    the first (checked here). With the random caches of the other cases such jumps are rare after the first tile
+    (where the accumulator is still zero), so an online-softmax rescale that were skipped, or applied to the wrong
+    rows, after the first tile could pass them. -> (q, cache, start, tree, truth, scale)"""
     q, cache, start_j, tree, _ = make_inputs(seed, B=1, T=T, H=H, c=c, r=r, S_max=S_max, starts=[start],
                                              dtype=jnp.bfloat16)
     cache = (cache.astype(jnp.float32) * (1 + jnp.arange(S_max, dtype=jnp.float32) / 4)[None, :, None]).astype(
@@ -109,20 +102,19 @@ def _growing_inputs(seed, *, T, H, c, r, S_max, start, bk=64):
     tile_max = logits.reshape(T * H, -1)[:, :start // bk * bk].reshape(T * H, -1, bk).max(-1)
     ref, moves = tile_max[:, 0], 0
     for i in range(1, tile_max.shape[1]):
-        move = (tile_max[:, i] - ref) * scale * np.log2(np.e) > RESCALE_SLACK_LOG2
+        move = (tile_max[:, i] - ref) * scale * np.log2(np.e) > 8
         moves += int(move.any())
         ref = np.where(move, tile_max[:, i], ref)
     assert moves >= 2
     return q, cache, start_j, tree, truth, scale
 
 
-@pytest.mark.parametrize("lazy", [False, True])
 @pytest.mark.parametrize("T,schedule", [(1, "replicated"), (5, "shared_qk"), (5, "replicated")])
-def test_mgpu_interpret_rescales_when_a_later_tile_moves_the_maximum(T, schedule, lazy):
-    """lazy_rescale's conditional rescale where the maximum moves after the first tile (`_growing_inputs`)."""
+def test_mgpu_interpret_rescales_when_a_later_tile_moves_the_maximum(T, schedule):
+    """The online softmax's rescale where the maximum moves after the first tile (`_growing_inputs`)."""
     q, cache, start, tree, truth, _ = _growing_inputs(10, T=T, H=16, c=128, r=16, S_max=300, start=250)
     out = _run_interpret(q, cache, start, tree, value_dim=128,
-                         config=MosaicAttentionConfig(value_block=64, schedule=schedule, lazy_rescale=lazy))
+                         config=MosaicAttentionConfig(value_block=64, schedule=schedule))
     assert rel_err(out, truth) < 2e-2
 
 
@@ -264,14 +256,14 @@ def test_mgpu_native_gpu_k2(T, S_max, start, splits, schedule):
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule", ["shared_qk", "replicated"])
 @pytest.mark.parametrize("T,splits", [(1, 4), (33, 2)])
-def test_mgpu_native_gpu_lazy_rescale(T, splits, schedule):
-    """lazy_rescale natively at K2 widths (P from registers, the accumulator carried by pl.run_state: what interpret
+def test_mgpu_native_gpu_rescales_when_a_later_tile_moves_the_maximum(T, splits, schedule):
+    """The rescale natively at K2 widths (P from registers, the accumulator carried by pl.run_state: what interpret
     mode cannot run), on scores whose maximum moves in later tiles (`_growing_inputs`)."""
     if not dispatch.is_hopper(jax.devices()[0]):
         pytest.skip("the Mosaic GPU attention kernel needs a Hopper GPU (sm_90)")
     q, cache, s, tree, truth, scale = _growing_inputs(11, T=T, H=64, c=512, r=64, S_max=1024 + 64, start=1024)
     out = tree_attention_mosaic(q, cache, s, tree, scale=scale, value_dim=512,
-                                config=MosaicAttentionConfig(num_splits=splits, schedule=schedule, lazy_rescale=True))
+                                config=MosaicAttentionConfig(num_splits=splits, schedule=schedule))
     assert rel_err(out, truth) < 2e-2
 
 
@@ -296,7 +288,7 @@ def test_mgpu_interpret_through_the_public_entry():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,S_max,start", [(1, 32768 + 64, 32700), (33, 32768 + 64, 32768)])
+@pytest.mark.parametrize("T,S_max,start", [(1, 32768 + 64, 32700), (9, 32768 + 64, 32768), (33, 32768 + 64, 32768)])
 def test_auto_runs_the_mosaic_kernel_natively_where_it_measured_fastest(T, S_max, start):
     """On an H200, tree_mla_attention's auto picks this kernel at K2 bf16 shapes where it was measured fastest, and
     its output matches the float64 truth."""
@@ -315,8 +307,9 @@ def test_auto_runs_the_mosaic_kernel_natively_where_it_measured_fastest(T, S_max
 
 
 def test_mosaic_config_follows_the_measurements():
-    """tuned.mosaic_config: shared_qk where it measured faster (T = 33 and 129 at S = 32768, 2026-12-04), replicated
-    at T = 1 (measured at 128 splits); the split counts of the B = 1 measurements, divided by the batch."""
+    """tuned.mosaic_config: shared_qk where it measured faster (T = 33 and 129 at S = 32768, 2026-12-04; T = 9 on an
+    H100, 2026-12-06), replicated at T = 1 (measured at 128 splits); the split counts of the B = 1 measurements,
+    divided by the batch."""
     from pallas_kernels.tree_attention.tuned import mosaic_config
 
     assert mosaic_config(batch=1, num_tree=33, cache_rows=32832) == MosaicAttentionConfig(num_splits=4,
@@ -325,3 +318,5 @@ def test_mosaic_config_follows_the_measurements():
     assert mosaic_config(batch=1, num_tree=1, cache_rows=32832) == MosaicAttentionConfig(num_splits=128,
                                                                                           schedule="replicated")
     assert mosaic_config(batch=8, num_tree=1, cache_rows=32832).num_splits == 16
+    assert mosaic_config(batch=1, num_tree=9, cache_rows=32832) == MosaicAttentionConfig(num_splits=32,
+                                                                                          schedule="shared_qk")
