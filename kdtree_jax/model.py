@@ -60,14 +60,15 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
     return KVCache(latent=latent, lengths=jnp.zeros((batch,), jnp.int32))
 
 
-def write_rows(latent: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
-    """latent [B, S, C] with rows [B, T, C] written at slots start[b] + t. A scatter, not
-    dynamic_update_slice (which would clamp the start and overwrite committed rows): rows that fall
-    past S are dropped; callers size S so that none do."""
+def write_rows(latent: jax.Array, rows: jax.Array, start: jax.Array, layer: int | None = None) -> jax.Array:
+    """latent [B, S, C] (or the whole cache [L, B, S, C] and a `layer`: that layer's rows) with rows [B, T, C]
+    written at slots start[b] + t. A scatter, not dynamic_update_slice (which would clamp the start and overwrite
+    committed rows): rows that fall past S are dropped; callers size S so that none do."""
     batch, steps = rows.shape[:2]
     slots = start[:, None] + jnp.arange(steps, dtype=start.dtype)[None, :]  # [B, T]
     batch_index = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, steps))
-    return latent.at[batch_index, slots].set(rows.astype(latent.dtype), mode="drop")
+    index = (batch_index, slots) if layer is None else (layer, batch_index, slots)
+    return latent.at[index].set(rows.astype(latent.dtype), mode="drop")
 
 
 @jax.tree_util.register_dataclass
@@ -198,12 +199,16 @@ class MLA(nn.Module):
     cfg: ModelConfig
     param_dtype: Any
     kernels: Kernels = Kernels()
+    layer: int | None = None  # which layer of a whole [L, B, S, c+r] cache is this one's
 
     @nn.compact
     def __call__(self, x, positions, latent_cache=None, start=None, visibility=None):
         """x [B, T, D]; positions [B, T]. Without a cache: naive causal attention over x itself.
-        With latent_cache [B, S, c+r] and start [B]: writes the T new rows at start+t, attends with
-        `visibility` [B, T, T] among the new tokens, returns (out [B, T, D], new latent_cache)."""
+        With latent_cache [B, S, c+r] (or the whole cache [L, B, S, c+r]: then this module's `layer` of it) and
+        start [B]: writes the T new rows at start+t, attends with `visibility` [B, T, T] among the new tokens,
+        returns (out [B, T, D], new latent_cache). The whole cache is written in place (a scatter of T rows into
+        the loop-carried buffer); per-layer caches stacked again after the layers would make XLA build a new
+        whole cache every forward (a concatenate and a copy, 4x the cache's bytes: tests/test_model.py)."""
         cfg = self.cfg
         linear = functools.partial(_linear, kernels=self.kernels)
         heads, nope, rope, vdim, c = (cfg.num_attention_heads, cfg.qk_nope_head_dim,
@@ -247,10 +252,10 @@ class MLA(nn.Module):
 
         # absorbed form over the latent cache
         assert start is not None  # Transformer passes start [B] whenever it passes a latent cache
-        latent_cache = write_rows(latent_cache, jnp.concatenate([c_kv, k_pe], axis=-1), start)  # rows [B, T, c+r]
         q_latent = dots.einsum("bthn,chn->bthc", q_nope, w_uk.astype(q_nope.dtype))  # [B, T, H, c]
         query = jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1)  # [B, T, H, c+r]
-        out_latent = self._attend(query, latent_cache, start, visibility)  # [B, T, H, c]
+        out_latent, latent_cache = self._write_and_attend(  # rows [B, T, c+r]; out [B, T, H, c]
+            query, jnp.concatenate([c_kv, k_pe], axis=-1), latent_cache, start, visibility)
         out = dots.einsum("bthc,chv->bthv", out_latent.astype(x.dtype), w_uv.astype(x.dtype))
         return linear(out.reshape(batch, steps, heads * vdim), w_o), latent_cache
 
@@ -261,6 +266,18 @@ class MLA(nn.Module):
         c = cfg.kv_lora_rank
         c_kv = rms_norm(kv_a[..., :c], _weight(self, "kv_a_norm"), cfg.latent_norm_eps)
         return c_kv, apply_rope(kv_a[..., c:], positions, *yarn_inv_freq(cfg))
+
+    def _write_and_attend(self, query, rows, latent_cache, start, visibility):
+        """The T new latent rows [B, T, c+r] written into the cache ([B, S, c+r], or this layer's of the whole
+        [L, B, S, c+r]), then the absorbed attention of query over this layer's cache: (out [B, T, H, c], cache)."""
+        layer = None
+        if latent_cache.ndim == 4:
+            if self.layer is None:
+                raise ValueError("a whole [L, B, S, C] latent cache needs the MLA's layer")
+            layer = self.layer
+        latent_cache = write_rows(latent_cache, rows, start, layer)
+        layer_cache = latent_cache if layer is None else latent_cache[layer]
+        return self._attend(query, layer_cache, start, visibility), latent_cache
 
     def _attend(self, query, latent_cache, start, visibility):
         """The absorbed attention over the latent cache: query [B, T, H, c+r] -> [B, T, H, c] (both forms)."""
@@ -292,8 +309,8 @@ class MLA(nn.Module):
             q, kv_a = dots.matmul(c_q, folded.q_b.astype(x.dtype)), a[..., cfg.q_lora_rank:]
         q = q.reshape(batch, steps, heads, c + rope)  # [B, T, H, c+r]: latent query, then its RoPE part
         query = jnp.concatenate([q[..., :c], apply_rope(q[..., c:], positions, inv_freq, attention_factor)], axis=-1)
-        latent_cache = write_rows(latent_cache, jnp.concatenate(self._latent(kv_a, positions), axis=-1), start)
-        out_latent = self._attend(query, latent_cache, start, visibility)  # [B, T, H, c]
+        out_latent, latent_cache = self._write_and_attend(  # [B, T, H, c]
+            query, jnp.concatenate(self._latent(kv_a, positions), axis=-1), latent_cache, start, visibility)
         out = folded.o(out_latent.astype(x.dtype).reshape(batch, steps, heads * c))
         return out, latent_cache
 
@@ -466,8 +483,8 @@ class DecoderLayer(nn.Module):
     def __call__(self, h, positions, latent_cache=None, start=None, visibility=None):
         cfg, dt = self.cfg, self.param_dtype
         normed = rms_norm(h, _weight(self, "input_norm"), cfg.rms_norm_eps)
-        attn_out, latent_cache = MLA(cfg, dt, self.kernels, name="attn")(normed, positions, latent_cache, start,
-                                                                          visibility)
+        attn_out, latent_cache = MLA(cfg, dt, self.kernels, self.layer, name="attn")(normed, positions, latent_cache,
+                                                                                      start, visibility)
         h = h + attn_out
         normed = rms_norm(h, _weight(self, "post_attn_norm"), cfg.rms_norm_eps)
         if cfg.is_moe_layer(self.layer):
@@ -492,12 +509,10 @@ class Transformer(nn.Module):
         h = sharding.constrain(jnp.take(embed, tokens, axis=0), None, None, "embed")  # [B, T, D] replicated
         if cache_latent is not None:  # the latent cache stays replicated (shared by all heads)
             cache_latent = sharding.constrain(cache_latent, None, None, None, "latent")
-        saved, new_latent = {}, []
-        for layer in range(cfg.num_hidden_layers):
-            layer_cache = None if cache_latent is None else cache_latent[layer]
-            h, layer_cache = DecoderLayer(cfg, layer, dt, self.kernels, name=f"layers_{layer}")(
-                h, positions, layer_cache, start, visibility)
-            new_latent.append(layer_cache)
+        saved = {}
+        for layer in range(cfg.num_hidden_layers):  # each layer writes its rows into the whole cache, in place
+            h, cache_latent = DecoderLayer(cfg, layer, dt, self.kernels, name=f"layers_{layer}")(
+                h, positions, cache_latent, start, visibility)
             if layer in hidden_layers:
                 saved[layer] = h
         h = rms_norm(h, _weight(self, "final_norm"), cfg.rms_norm_eps)
@@ -507,8 +522,7 @@ class Transformer(nn.Module):
             logits = _linear(h, _weight(self, "lm_head"), self.kernels)
         hidden = (jnp.stack([saved[layer] for layer in hidden_layers], axis=2) if hidden_layers
                   else jnp.zeros(h.shape[:2] + (0, cfg.hidden_size), h.dtype))
-        latent = None if cache_latent is None else sharding.constrain(jnp.stack(new_latent), None, None, None,
-                                                                       "latent")
+        latent = None if cache_latent is None else sharding.constrain(cache_latent, None, None, None, "latent")
         return logits.astype(jnp.float32), hidden, latent
 
 

@@ -1,5 +1,7 @@
 """The target model against the NumPy float64 reference (reference/model.py)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,6 +97,32 @@ def test_prefill_then_token_by_token_decode_equals_full_forward(tiny_params):
         cache = cache._replace(lengths=cache.lengths + 1)
         got.append(np.asarray(logits[0]))
     assert rel_err(np.concatenate(got), full[0]) <= 1e-5
+
+
+@pytest.mark.parametrize("folded", [False, True], ids=["separate", "folded"])
+def test_decode_loop_writes_the_cache_in_place(tiny_params, folded):
+    """A loop of cached forwards (the shape of generate's while loop, the cache donated) compiles to one in-place
+    dynamic-update-slice of the whole [L, B, S, C] cache per layer: no op that builds a new whole cache (until
+    2026-12-06 the layers' caches were sliced out and stacked again, which XLA compiled to a concatenate and a
+    copy of the whole cache every forward, 4x its bytes: at K2.6 width and S = 32768 about 9 GB a step)."""
+    params = model.fold_params(tiny_params, TINY) if folded else tiny_params
+    cache = kj.init_cache(TINY, 1, 256)
+
+    def loop(params, cache):
+        def body(i, c):
+            _, _, c = kj.forward_with_cache(params, TINY, jnp.zeros((1, 1), jnp.int32), c.lengths[:, None], c)
+            return c._replace(lengths=c.lengths + 1)
+
+        return jax.lax.fori_loop(0, 3, body, cache)
+
+    hlo = jax.jit(loop, donate_argnums=1).lower(params, cache).compile().as_text()
+    whole = "f32[{},{},{},{}]".format(*cache.latent.shape)
+    # (instruction name, opcode) of each instruction whose result is a whole cache
+    writes = [(m[1], m[2]) for m in re.finditer(r"%(\S+) = " + re.escape(whole) + r"\{[\d,]*\} ([\w-]+)\(", hlo)]
+    assert not [(n, op) for n, op in writes if op in ("concatenate", "copy") or "concatenate" in n], writes
+    assert sum("dynamic-update-slice" in n + op or "scatter" in op for n, op in writes) >= TINY.num_hidden_layers
+    latent = np.asarray(jax.jit(loop)(params, cache).latent[:, 0])  # the loop writes rows 0, 1, 2 of every layer
+    assert (np.abs(latent[:, :3]).sum(-1) > 0).all() and not latent[:, 3:].any()
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
