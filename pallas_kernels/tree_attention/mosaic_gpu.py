@@ -45,12 +45,14 @@ SMEM) and its float32 log2-sum-exp; an XLA combine (`combine_splits`) weights th
 
 Status: checked in Mosaic GPU interpret mode on CPU (tests/kernels/test_tree_attention_mgpu.py, tiny shapes, both
 schedules), its CUDA lowering at K2 shapes (c 512, r 64, H 64), and natively on an H200 (the @gpu tests of that
-file, both schedules; timed in benchmarks/results/tree_attention_mosaic_h200.md). pallas_kernels.dispatch runs it
-where it was measured fastest (tuned.measured_fastest). What jax 0.11.2's GPU interpreter cannot run, and so only
-the native tests cover: wgmma with A (P) from registers (interpret mode stages P in SMEM) and accumulating into a
-carried accumulator with pl.run_state (interpret mode adds a fresh product in registers instead, see `_accumulate`).
-Its race detector reported no race, but it also stays silent with the cross-warpgroup sync of a tail tile removed,
-so the ordering between warpgroups is reasoned (and the native tests pass), not proven.
+file, both schedules; timed in benchmarks/results/tree_attention_mosaic_h200.md), and as it stands on an H100
+(2026-12-06: the @gpu tests passed; timed in benchmarks/results/tree_attention_mosaic_h100_s27_*.md).
+pallas_kernels.dispatch runs it where it was measured fastest (tuned.measured_fastest). What jax 0.11.2's GPU
+interpreter cannot run, and so only the native tests cover: wgmma with A (P) from registers (interpret mode stages P
+in SMEM) and accumulating into a carried accumulator with pl.run_state (interpret mode adds a fresh product in
+registers instead, see `_accumulate`). Its race detector reported no race, but it also stays silent with the cross-
+warpgroup sync of a tail tile removed, so the ordering between warpgroups is reasoned (and the native tests pass),
+not proven.
 """
 
 from __future__ import annotations
