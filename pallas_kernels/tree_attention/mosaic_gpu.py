@@ -50,9 +50,9 @@ file, both schedules; timed in benchmarks/results/tree_attention_mosaic_h200.md)
 pallas_kernels.dispatch runs it where it was measured fastest (tuned.measured_fastest). What jax 0.11.2's GPU
 interpreter cannot run, and so only the native tests cover: wgmma with A (P) from registers (interpret mode stages P
 in SMEM) and accumulating into a carried accumulator with pl.run_state (interpret mode adds a fresh product in
-registers instead, see `_accumulate`). Its race detector reported no race, but it also stays silent with the cross-
-warpgroup sync of a tail tile removed, so the ordering between warpgroups is reasoned (and the native tests pass),
-not proven.
+registers instead, see `_accumulate`). Its race detector reported no race, but it also stays silent with the
+cross-warpgroup sync of a tail tile removed, so the ordering between warpgroups is reasoned (and the native tests
+pass), not proven.
 """
 
 from __future__ import annotations
