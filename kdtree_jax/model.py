@@ -208,7 +208,7 @@ class MLA(nn.Module):
         start [B]: writes the T new rows at start+t, attends with `visibility` [B, T, T] among the new tokens,
         returns (out [B, T, D], new latent_cache). The whole cache is written in place (a scatter of T rows into
         the loop-carried buffer); per-layer caches stacked again after the layers would make XLA build a new
-        whole cache every forward (a concatenate and a copy, 4x the cache's bytes: tests/test_model.py)."""
+        whole cache every forward (a concatenate and a copy, 4-6x the cache's bytes: tests/test_model.py)."""
         cfg = self.cfg
         linear = functools.partial(_linear, kernels=self.kernels)
         heads, nope, rope, vdim, c = (cfg.num_attention_heads, cfg.qk_nope_head_dim,

@@ -104,7 +104,7 @@ def test_decode_loop_writes_the_cache_in_place(tiny_params, folded):
     """A loop of cached forwards (the shape of generate's while loop, the cache donated) compiles to one in-place
     dynamic-update-slice of the whole [L, B, S, C] cache per layer: no op that builds a new whole cache (until
     2026-12-06 the layers' caches were sliced out and stacked again, which XLA compiled to a concatenate and a
-    copy of the whole cache every forward, 4x its bytes: at K2.6 width and S = 32768 about 9 GB a step)."""
+    copy of the whole cache every forward, 4-6x its bytes: at K2.6 width and S = 32768 about 9-14 GB a step)."""
     params = model.fold_params(tiny_params, TINY) if folded else tiny_params
     cache = kj.init_cache(TINY, 1, 256)
 

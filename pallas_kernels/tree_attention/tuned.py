@@ -64,7 +64,11 @@ def mosaic_config(*, batch: int, num_tree: int, cache_rows: int) -> MosaicAttent
     "replicated", as measured at 128 splits (35-36 us; shared_qk at 64 splits 39.5 vs 39.8: the same)."""
     if num_tree == 1:
         splits = 128 if cache_rows >= 32768 else 32
+    elif num_tree <= 9 and cache_rows >= 32768:
+        splits = 32
+    elif num_tree <= 33:
+        splits = 4
     else:
-        splits = (32 if cache_rows >= 32768 else 4) if num_tree <= 9 else 4 if num_tree <= 33 else 1
+        splits = 1
     return MosaicAttentionConfig(num_splits=max(1, -(-splits // batch)),
                                  schedule="replicated" if num_tree == 1 else "shared_qk")
