@@ -5,6 +5,8 @@ what runs where the kernel cannot), XLA's bf16 `jnp.dot` on a bf16 weight (4x th
 unquantized) and the memory / compute floor, in one run.
 
   python benchmarks/bench_w4a16.py --out DIR [--deadline-s 200]
+  python benchmarks/bench_w4a16.py --out DIR --shapes 7168:18432 --ms 8 --sweep bn64:bk256:s4/1 bn64:bk256:s4/4
+                                    # other tilings and split-K counts of the kernel, timed in the same run
   python benchmarks/bench_w4a16.py --plot DIR/w4a16_results.json     # the figure again (CPU is fine)
 
 Timing: benchmarks/common.py Timer (CUPTI summed kernel time of everything the jitted call launches: for the
@@ -48,6 +50,13 @@ def main():
     ap.add_argument("--iters", type=int, default=7, help="timed calls per point (median reported)")
     ap.add_argument("--deadline-s", type=float, default=200.0, help="start no new shape after this many seconds")
     ap.add_argument("--plot", metavar="JSON", help="only draw the figure from a results JSON, then exit")
+    ap.add_argument("--shapes", nargs="+", metavar="K:N", default=[f"{k}:{n}" for k, n in SHAPES],
+                    help="weight shapes K:N (default: K2.6's dense and expert-width projections, the shipped pair's)")
+    ap.add_argument("--ms", nargs="+", type=int, default=MS, help="token rows M per shape")
+    ap.add_argument("--sweep", nargs="*", default=[], metavar="TILING/SPLIT",
+                    help="more kernel variants to time at every point, each a tiling and a split-K count, e.g. "
+                         "bn64:bk256:s4/4 (tiling fields as MgpuConfig.parse: bnN block_n, bkN block_k, sN pipeline "
+                         "steps); a variant the shape cannot take is reported as failed, never timed")
     args = ap.parse_args()
     if args.plot:
         return plot(args.plot)
@@ -59,7 +68,13 @@ def main():
     from benchmarks.common import Timer, copy_bandwidth, metadata, write_results
     from pallas_kernels import dispatch
     from pallas_kernels.int4 import Int4Weight
-    from pallas_kernels.w4a16 import dense_config, w4a16_matmul, w4a16_matmul_reference, w4a16_matmul_xla
+    from pallas_kernels.w4a16 import MgpuConfig, dense_config, w4a16_matmul, w4a16_matmul_reference, w4a16_matmul_xla
+
+    shapes = [tuple(int(v) for v in text.split(":")) for text in args.shapes]
+    sweep = {}
+    for text in args.sweep:
+        tiling, _, split = text.partition("/")
+        sweep[f"sweep {text}"] = (MgpuConfig.parse(tiling), int(split or 1))
 
     if not dispatch.is_hopper(jax.devices()[0]):
         raise SystemExit("bench_w4a16 needs a Hopper GPU (the Mosaic kernel): CPU timings prove nothing")
@@ -75,7 +90,7 @@ def main():
 
     rows = []
     key = jax.random.key(0)
-    for k, n in tqdm(SHAPES, desc="shapes"):
+    for k, n in tqdm(shapes, desc="shapes"):
         if time.time() - t0 > args.deadline_s:
             print(f"deadline: skipping K={k} N={n}", flush=True)
             continue
@@ -84,7 +99,7 @@ def main():
         mosaic = jax.jit(Int4Weight.to_mosaic)(leaf)
         w_bf16 = jax.random.normal(kb, (k, n), jnp.bfloat16) * 0.02
         config, split = dense_config(k, n)
-        for m in MS:
+        for m in args.ms:
             key, kx = jax.random.split(key)
             x = jax.random.normal(kx, (m, k), jnp.bfloat16)
             want = np.asarray(jax.jit(w4a16_matmul_reference)(x.astype(jnp.float32), leaf), np.float64)
@@ -94,6 +109,9 @@ def main():
                         "kernel_no_split_us": jax.jit(lambda x, w: w4a16_matmul(x, w, impl="mosaic_gpu", split_k=1))}
             if split == 1:
                 variants.pop("kernel_no_split_us")
+            for label, (cfg, sk) in sweep.items():
+                variants[f"{label}_us"] = jax.jit(lambda x, w, cfg=cfg, sk=sk: w4a16_matmul(x, w, impl="mosaic_gpu",
+                                                                                          config=cfg, split_k=sk))
             for name, f in variants.items():
                 try:
                     got = np.asarray(f(x, mosaic).astype(jnp.float32), np.float64)
@@ -124,6 +142,13 @@ def main():
             f"**{cell(kern)}** | {cell(r.get('kernel_no_split_us'))} | {cell(r['xla_int4_us'])} | "
             f"{cell(r['xla_bf16_us'])} | {cell(kern / r['floor_us']) if kern else '-'} | "
             f"{cell(r['xla_int4_us'] / kern) + 'x faster' if kern else r.get('kernel_status', '-')} |")
+    if sweep:
+        lines += ["", "The kernel's other tilings / split-K counts (`--sweep`), microseconds and x the floor:", "",
+                  "| K x N | M | " + " | ".join(sweep) + " |", "|" + " --- |" * (2 + len(sweep))]
+        for r in rows:
+            lines.append(f"| {r['k']} x {r['n']} | {r['m']} | " + " | ".join(
+                f"{r[f'{lb}_us']:.1f} ({r[f'{lb}_us'] / r['floor_us']:.2f}x)" if r.get(f"{lb}_us")
+                else r.get(f"{lb}_status", "-") for lb in sweep) + " |")
     md = "Microseconds (CUPTI summed kernel time, median of the calls); floor at the copy bandwidth measured here.\n\n"
     written = write_results(os.path.join(args.out, "w4a16_results"), meta, {"rows": rows}, md + "\n".join(lines),
                             plot=lambda path: draw({"rows": rows, "meta": meta}, path))
@@ -144,7 +169,7 @@ def draw(data, out):
     import matplotlib.pyplot as plt  # pyright: ignore[reportMissingImports] (the bench extra)
 
     rows, meta = data["rows"], data["meta"]
-    shapes = [s for s in SHAPES if any(r["k"] == s[0] and r["n"] == s[1] for r in rows)]
+    shapes = list(dict.fromkeys((r["k"], r["n"]) for r in rows))
     fig, axes = plt.subplots(1, len(shapes), figsize=(3.4 * len(shapes), 3.6), squeeze=False)
     for ax, (k, n) in zip(axes[0], shapes, strict=True):
         rs = sorted([r for r in rows if r["k"] == k and r["n"] == n], key=lambda r: r["m"])
