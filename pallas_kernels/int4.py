@@ -11,7 +11,13 @@ File layout (compressed-tensors `pack-quantized`, what safetensors holds and `re
   (word >> 4i) & 0xF | 0x4300 is the bf16 number 128 + q + 8, so one bf16 subtraction yields q exactly.
   scale bf16|float32 [..., N, K/32]. Conversion from/to the file layout is a bit-exact reinterpretation.
 `MosaicInt4Weight` - the Mosaic GPU kernels' layout (made once at load time, never saved):
-  w_i4 jnp.int4 [..., N, K] (q itself), scale_t bf16 [..., K/32, N].
+  w_i4 jnp.int4 [..., N, K] (q itself) with the columns of every 32-column group in *lane order*
+  (`to_lane_order`), scale_t bf16 [..., K/32, N].
+  Lane order: stored column 8t + 4e + i of a group holds column 8i + 2t + e (t, i in 0..3, e in 0..1). The Mosaic
+  kernel loads a group's row as 4 threads x 8 consecutive nibbles (one 32-bit register each); the WGMMA operand
+  wants thread t to hold columns 2t and 2t + 1 of every 8-column tile i. Stored in lane order, thread t's word
+  already holds exactly those, and the pair of tile i sits in nibbles i and 4 + i, so (word >> 4i) & 0x000F000F
+  puts it in the low nibbles of the two bf16 halves: no shuffles between threads, no byte permutes.
 
 N is the output dim and K the input dim ([out, in], the PyTorch/file order); dense params store [in, out],
 so `Int4Weight.from_dense` transposes. Stacked expert weights carry a leading E axis on every array.
@@ -37,7 +43,8 @@ SCALE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 __all__ = [
     "GROUP_SIZE", "PACK_FACTOR", "QMAX", "QMIN", "SCALE_DTYPES", "Int4Weight", "MosaicInt4Weight",
-    "dequantize_int4", "is_quantized", "pack_int4", "quantize_int4", "unpack_int4",
+    "dequantize_int4", "from_lane_order", "is_quantized", "pack_int4", "quantize_int4", "to_lane_order",
+    "unpack_int4",
 ]
 
 
@@ -173,10 +180,11 @@ class Int4Weight:
         return dequantize_int4(unpack_int4(packed), scale, dtype)
 
     def to_mosaic(self) -> MosaicInt4Weight:
-        """-> the Mosaic GPU layout: int4 [..., N, K] and bf16 scales [..., K/32, N] (same bytes)."""
+        """-> the Mosaic GPU layout: int4 [..., N, K] in lane order and bf16 scales [..., K/32, N] (same bytes)."""
         shifts = jnp.arange(4, dtype=jnp.int32) * 4
         nib = (self.qweight.astype(jnp.int32)[..., None] >> shifts) & 0xF  # [..., N, K/4, 4]
-        w_i4 = (nib - 8).reshape(*self.qweight.shape[:-1], self.in_features).astype(jnp.int4)  # [..., N, K]
+        q = (nib - 8).reshape(*self.qweight.shape[:-1], self.in_features).astype(jnp.int8)  # [..., N, K]
+        w_i4 = to_lane_order(q).astype(jnp.int4)
         return MosaicInt4Weight(w_i4=w_i4, scale_t=jnp.swapaxes(self.scale.astype(jnp.bfloat16), -1, -2))
 
     # ---- the checkpoint boundary (Orbax files keep the dict format)
@@ -238,16 +246,40 @@ class MosaicInt4Weight:
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """-> dense W [..., N, K] ([out, in]) in `dtype`."""
         scale = jnp.swapaxes(self.scale_t, -1, -2)  # [..., N, K/32]
-        return dequantize_int4(self.w_i4.astype(jnp.int8), scale, dtype)
+        return dequantize_int4(self.q(), scale, dtype)
+
+    def q(self) -> jax.Array:
+        """int8 [..., N, K]: the quantized values in column order (the stored int4 is in lane order)."""
+        return from_lane_order(self.w_i4.astype(jnp.int8))
+
+    @classmethod
+    def from_q(cls, q: jax.Array, scale_t: jax.Array) -> MosaicInt4Weight:
+        """From quantized values q (integers in [-8, 7], [..., N, K] in column order) and bf16 scales [..., K/32, N]."""
+        return cls(w_i4=to_lane_order(q.astype(jnp.int8)).astype(jnp.int4), scale_t=scale_t)
 
     def to_checkpoint_layout(self) -> Int4Weight:
         """Back to the checkpoint layout (bf16 scales; bit-exact for weights that came from bf16 scales)."""
-        q = self.w_i4.astype(jnp.int32) + 8  # [..., N, K] nibbles
+        q = self.q().astype(jnp.int32) + 8  # [..., N, K] nibbles
         nib = q.reshape(*self.w_i4.shape[:-1], self.in_features // 4, 4)
         shifts = jnp.arange(4, dtype=jnp.int32) * 4
         words = jnp.sum(nib << shifts, axis=-1).astype(jnp.uint16)  # disjoint bits: a sum is an OR
         return Int4Weight(qweight=lax.bitcast_convert_type(words, jnp.int16),
                           scale=jnp.swapaxes(self.scale_t, -1, -2))
+
+
+def to_lane_order(q: jax.Array) -> jax.Array:
+    """[..., K] in column order -> lane order (module docstring): within each 32-column group, column
+    8i + 2t + e (tile i, thread t, element e) moves to 8t + 4e + i."""
+    *lead, k = q.shape
+    g = q.reshape(*lead, k // GROUP_SIZE, 4, 4, 2)  # [..., group, i, t, e]
+    return jnp.moveaxis(g, -3, -1).reshape(*lead, k)  # [..., group, t, e, i]
+
+
+def from_lane_order(q: jax.Array) -> jax.Array:
+    """The inverse of `to_lane_order`."""
+    *lead, k = q.shape
+    g = q.reshape(*lead, k // GROUP_SIZE, 4, 2, 4)  # [..., group, t, e, i]
+    return jnp.moveaxis(g, -1, -3).reshape(*lead, k)  # [..., group, i, t, e]
 
 
 def is_quantized(x: Any) -> bool:

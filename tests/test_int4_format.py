@@ -101,7 +101,11 @@ def test_leaf_round_trip_bit_exact(lead, scale_dtype):
     assert Int4Weight.is_dict(leaf.to_dict()) and Int4Weight.from_dict(leaf.to_dict()) == leaf
     mosaic = leaf.to_mosaic()
     assert isinstance(mosaic, MosaicInt4Weight) and mosaic.check() == (n, k)
-    np.testing.assert_array_equal(np.asarray(mosaic.w_i4.astype(jnp.int8)), q)
+    np.testing.assert_array_equal(np.asarray(mosaic.q()), q)
+    # stored in lane order: column 8t + 4e + i of a 32-column group holds column 8i + 2t + e (written out here)
+    p = np.arange(k)
+    t, e, i = (p % 32) // 8, (p % 8) // 4, p % 4
+    np.testing.assert_array_equal(np.asarray(mosaic.w_i4.astype(jnp.int8)), q[..., p - p % 32 + 8 * i + 2 * t + e])
     np.testing.assert_array_equal(np.asarray(jnp.swapaxes(mosaic.scale_t, -1, -2)),
                                   np.asarray(scale.astype(jnp.bfloat16)))
     if scale_dtype == jnp.bfloat16:  # bf16 scales: the way back is bit-exact

@@ -42,7 +42,10 @@ def mosaic_params(int4_params):
 def _dequant(leaf):
     """[..., N, K] float64 of either layout, written out here independently of the code under test."""
     if isinstance(leaf, MosaicInt4Weight):
-        w = np.asarray(leaf.w_i4.astype(jnp.int8), np.float64)
+        stored = np.asarray(leaf.w_i4.astype(jnp.int8), np.float64)  # lane order: column 8i + 2t + e of each
+        c = np.arange(stored.shape[-1])                               # 32-column group is at 8t + 4e + i
+        i, t, e = (c % 32) // 8, (c % 8) // 2, c % 2
+        w = stored[..., c - c % 32 + 8 * t + 4 * e + i]
         s = np.swapaxes(np.asarray(leaf.scale_t.astype(jnp.float32), np.float64), -1, -2)
     else:
         words = np.asarray(leaf.qweight).astype(np.int64) & 0xFFFF

@@ -47,7 +47,7 @@ def grouped_w4a16_mgpu_kernel(x_rows: jax.Array, w_i4: jax.Array, scale_t: jax.A
     if w_i4.shape != (num_experts, n, k) or scale_t.shape != (num_experts, k // GROUP_SIZE, n):
         raise ValueError(f"w_i4 {w_i4.shape} / scale_t {scale_t.shape} do not match E={num_experts}, N={n}, K={k}")
     block_n = config.block_n
-    tile_matmul = mosaic.make_tile_matmul(config, k, mp)
+    tile_matmul = mosaic.make_tile_matmul(config, k, mp, interpret)
 
     def kernel(e_gmem, x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
         t = lax.axis_index("t")
@@ -108,7 +108,7 @@ def grouped_gate_up_mgpu_kernel(x_rows: jax.Array, gate_w: jax.Array, gate_s: ja
         raise ValueError(f"gate {gate_w.shape} / {gate_s.shape} and up {up_w.shape} / {up_s.shape} do not match "
                          f"E={num_experts}, N={n}, K={k}")
     block_n = config.block_n
-    tile_matmul = mosaic.make_tile_matmul(config, k, mp)
+    tile_matmul = mosaic.make_tile_matmul(config, k, mp, interpret)
 
     def kernel(e_gmem, x_gmem, gw_gmem, gs_gmem, uw_gmem, us_gmem, o_gmem, o_smem, a_smem=None):
         t = lax.axis_index("t")

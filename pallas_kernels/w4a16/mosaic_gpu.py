@@ -22,12 +22,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.int4 import GROUP_SIZE
+from pallas_kernels.int4 import GROUP_SIZE, from_lane_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,9 +105,49 @@ def check_config(config: MgpuConfig, n: int, k: int, mp: int, interpret) -> None
                          "use a smaller block_k or fewer pipeline steps")
 
 
-def make_tile_matmul(config: MgpuConfig, k: int, mp: int):
-    """The shared inner loop: (w_gmem [block_n, K] int4, x_gmem [Mp, K] bf16, s_gmem [K/32, block_n] bf16,
-    a_smem or None) -> f32 [block_n, Mp] = dequant(w) @ x^T, as registers (call inside a kernel)."""
+def dequantize_lane_order(w: jax.Array) -> jax.Array:
+    """int4 [rows, cols] loaded in the WGMMA_UPCAST_4X layout from a lane-order weight (`pallas_kernels.int4`) ->
+    the same values as bf16 in the WGMMA layout, in column order (call inside a kernel; unscaled: q itself).
+
+    Each thread's 32-bit register holds 8 nibbles of one row: in lane order, nibbles i and 4 + i are the pair of
+    columns the WGMMA layout gives this thread in 8-column tile i. So tile i's bf16 pair is (word >> 4i) &
+    0x000F000F with 0x4308 xor-ed into each half (exponent of 128, sign bit flipped: the bf16 number 136 + q),
+    minus 136: one shift, one LOP3, one bf16x2 subtraction a pair, where Mosaic's own relayout + cast of
+    column-order int4 spends a shuffle, two byte permutes, a LOP3 and a subtraction (the CUTLASS int4 -> bf16
+    conversion, as Mosaic's `astype` does it, without its byte permute)."""
+    from jax._src.lib.mlir import ir  # noqa: PLC0415 (inside-the-kernel MLIR builders, only under a lowering)
+    from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
+    from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
+    from jax.experimental.mosaic.gpu import fragmented_array as fa  # noqa: PLC0415
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+                       return_type=plgpu.ShapeDtypeStruct(w.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+    def cast(_ctx, arr):
+        i32 = ir.IntegerType.get_signless(32)
+        pair_type = ir.VectorType.get((2,), ir.BF16Type.get())
+        out = np.empty(fa.WGMMA_LAYOUT.registers_shape(tuple(arr.shape)), dtype=object)
+        for idx, reg in np.ndenumerate(arr.registers):  # idx[1]: the 32-column group; the WGMMA index: 8-col tiles
+            word = mgpu_utils.bitcast(reg, i32)
+            for i in range(4):
+                src = word if i == 0 else arith.shrui(word, arith.constant(i32, 4 * i))
+                pair = llvm.inline_asm(
+                    i32, [src],
+                    "{\n.reg .b32 s<2>;\n"
+                    "lop3.b32 s0, $1, 0x000F000F, 0x43084308, 0x6a;\n"  # (src & 0x000F000F) ^ 0x43084308
+                    "mov.b32 s1, 0x43084308;\n"
+                    "sub.bf16x2 $0, s0, s1;\n}",
+                    "=r,r")
+                out[(idx[0], idx[1] * 4 + i, *idx[2:])] = mgpu_utils.bitcast(pair, pair_type)
+        return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+    return cast(w)
+
+
+def make_tile_matmul(config: MgpuConfig, k: int, mp: int, interpret=None):
+    """The shared inner loop: (w_gmem [block_n, K] int4 in lane order, x_gmem [Mp, K] bf16, s_gmem [K/32, block_n]
+    bf16, a_smem or None) -> f32 [block_n, Mp] = dequant(w) @ x^T, as registers (call inside a kernel).
+    interpret: None natively, else the GPU interpreter's parameters (the tile's lane order undone by array ops)."""
     block_n, block_k = config.block_n, config.block_k
     groups = block_k // GROUP_SIZE
     k_iters = k // block_k
@@ -116,8 +157,11 @@ def make_tile_matmul(config: MgpuConfig, k: int, mp: int):
     def tile_matmul(w_gmem, x_gmem, s_gmem, a_smem):
         def body(acc_ref):
             def step(_, w_smem, x_smem, s_smem):
-                w = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_UPCAST_4X)  # int4 [block_n, block_k]
-                w = plgpu.layout_cast(w, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
+                w = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_UPCAST_4X)  # int4 [block_n, block_k], lane order
+                if interpret is None:
+                    w = dequantize_lane_order(w)  # bf16, the WGMMA layout, column order
+                else:  # the interpreter has no inline_mgpu: the same values by array ops
+                    w = from_lane_order(w.astype(jnp.bfloat16))
                 scales = [plgpu.load(s_smem.at[g], layout=plgpu.Layout.WGMMA.reduce(1))  # bf16 [block_n] each
                           for g in range(groups)]
                 # Group g = columns [32 g, 32 g + 32): a static slice of the WGMMA tiling (8 columns per
@@ -171,7 +215,7 @@ def w4a16_matmul_mgpu_kernel(x: jax.Array, w_i4: jax.Array, scale_t: jax.Array, 
     k_chunk = k // split_k
     check_config(config, n, k_chunk, mp, interpret)
     block_n, groups = config.block_n, k_chunk // GROUP_SIZE
-    tile_matmul = make_tile_matmul(config, k_chunk, mp)
+    tile_matmul = make_tile_matmul(config, k_chunk, mp, interpret)
 
     def kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
         n_slice = pl.ds(lax.axis_index("n") * block_n, block_n)
