@@ -1,5 +1,5 @@
 """The Mosaic GPU (plgpu) W4A16 group-32 GEMM for Hopper: the tile loop y^T = dequant(W) @ x^T over one block_n
-slice of W, with W a `MosaicInt4Weight` (int4 [N, K], bf16 scales [K/32, N]), shared by the routed MoE kernel
+slice of W, with W a `MosaicInt4Weight` (int4 [N, K] in lane order, bf16 scales [K/32, N]), shared by the routed MoE kernel
 (`pallas_kernels.moe_w4a16.mosaic_gpu`), and the dense GEMM on it (`w4a16_matmul_mgpu_kernel`: the model's INT4
 dense linears, chosen by `pallas_kernels.dispatch.choose_linear`).
 
@@ -7,10 +7,11 @@ dense linears, chosen by `pallas_kernels.dispatch.choose_linear`).
 narrow wgmma N dimension (M padded to a multiple of 8), so tiny decode batches waste no tensor-core rows.
 Grid: one CTA (one warpgroup) per block_n rows of W; inside it emit_pipeline streams, per K step, an int4
 [block_n, block_k] weight tile, a bf16 [Mp, block_k] activation tile and the bf16 [block_k/32, block_n]
-scales into SMEM with TMA. The warpgroup loads the int4 tile with the WGMMA_UPCAST_4X layout, casts
-int4 -> bf16 (Mosaic's fast PRMT cast), multiplies each 32-column group (a static register slice) by its
-scale row broadcast along K, and issues wgmma with A from registers (or, for
-GPU interpret mode, staged through SMEM) and B = the transposed activation tile, accumulating f32.
+scales into SMEM with TMA. The warpgroup loads the int4 tile with the WGMMA_UPCAST_4X layout (a 32-bit word of 8
+nibbles a thread), turns it into bf16 in the WGMMA layout with no data movement between threads
+(`dequantize_lane_order`: the weight's lane order puts each thread's WGMMA pairs in its own word), multiplies each
+32-column group (a static register slice) by its scale row broadcast along K, and issues wgmma with A from
+registers (or, for GPU interpret mode, staged through SMEM) and B = the transposed activation tile, accumulating f32.
 block_k >= 64 because the smallest TMA swizzle Mosaic accepts is 32 B (= 64 int4).
 
 Dense split-K: a weight with few block_n slices (N = 2048 is 32 CTAs on 132 SMs) also splits K over a second
