@@ -159,12 +159,13 @@ def test_attention_streaming_loop_stays_lean(compiled):
 @AOT
 def test_w4a16_tile_loop_fits_four_ctas_an_sm_without_spills(compiled):
     """The W4A16 tile loop (dense GEMM and the grouped MoE): no spills, at most 128 registers a thread (4 CTAs of
-    one warpgroup fit an SM's 64 K registers), and at most 500 instructions a 256-column step (418-483 on
-    2026-12-05)."""
+    one warpgroup fit an SM's 64 K registers), and at most 400 instructions a 256-column step: 322-387 with the
+    lane-order cast (2026-12-06), 418-483 with Mosaic's relayout and cast of column-order int4 (2026-12-05), which
+    fails here."""
     for row in compiled["w4a16"] + compiled["moe"]:
         assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0, row["case"]
         assert row["registers"] <= 128, (row["case"], row["registers"])
-        assert all(loop["instructions"] <= 500 and loop["wgmma"] == 16 for loop in row["loops"]), row["case"]
+        assert all(loop["instructions"] <= 400 and loop["wgmma"] == 16 for loop in row["loops"]), row["case"]
 
 
 @pytest.mark.slow
