@@ -423,7 +423,10 @@ def test_mgpu_grouped_moe_lowers_for_cuda_at_k26_shapes():
     experts = {"gate": layout(I, D), "up": layout(I, D), "down": layout(D, I)}
     for T in (1, 33):
         args = (S((T, D), jnp.bfloat16), experts, S((T, 8), jnp.int32), S((T, 8), jnp.float32))
-        text = lower_for_h200(grouped_moe_w4a16_mgpu, *args)
+        text = lower_for_h200(functools.partial(grouped_moe_w4a16_mgpu, fused_gate_up=False), *args)
         assert custom_calls(text).count("mosaic_gpu_v2") == 3  # gate, up, down
         fused = lower_for_h200(functools.partial(grouped_moe_w4a16_mgpu, fused_gate_up=True), *args)
         assert custom_calls(fused).count("mosaic_gpu_v2") == 2  # gate + up with SwiGLU, down
+        # by default gate and up share a launch at T = 1 only (the AR step: measured faster there)
+        default = lower_for_h200(grouped_moe_w4a16_mgpu, *args)
+        assert custom_calls(default).count("mosaic_gpu_v2") == (2 if T == 1 else 3), T
