@@ -252,11 +252,6 @@ class MosaicInt4Weight:
         """int8 [..., N, K]: the quantized values in column order (the stored int4 is in lane order)."""
         return from_lane_order(self.w_i4.astype(jnp.int8))
 
-    @classmethod
-    def from_q(cls, q: jax.Array, scale_t: jax.Array) -> MosaicInt4Weight:
-        """From quantized values q (integers in [-8, 7], [..., N, K] in column order) and bf16 scales [..., K/32, N]."""
-        return cls(w_i4=to_lane_order(q.astype(jnp.int8)).astype(jnp.int4), scale_t=scale_t)
-
     def to_checkpoint_layout(self) -> Int4Weight:
         """Back to the checkpoint layout (bf16 scales; bit-exact for weights that came from bf16 scales)."""
         q = self.q().astype(jnp.int32) + 8  # [..., N, K] nibbles

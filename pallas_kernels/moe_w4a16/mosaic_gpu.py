@@ -7,8 +7,9 @@ T > 1: the shared device-side grouping (`grouping.group_assignments`: assignment
 block_m-row tiles, a tile -> expert table, -1 for unused tiles); T = 1 (a decode step): one tile per choice,
 no sort. Then three launches of `grouped_w4a16_mgpu_kernel` (gate, up, down; tokens are the wgmma N
 dimension, so block_m = 8 wastes nothing at decode sizes) with the SwiGLU, the combine weights and the
-per-token sum in XLA between them; or, with `fused_gate_up` (the default at T = 1), two: `grouped_gate_up_mgpu_kernel` runs a
-tile's gate and up products in one CTA and applies the SwiGLU in its epilogue, then the down launch.
+per-token sum in XLA between them; or, with `fused_gate_up` (the default at T = 1), two:
+`grouped_gate_up_mgpu_kernel` runs a tile's gate and up products in one CTA and applies the SwiGLU in its epilogue,
+then the down launch.
 Roundings follow the Triton path (gate/up/down outputs rounded to bf16). Status and numbers: docs/w4a16_mgpu.md.
 """
 

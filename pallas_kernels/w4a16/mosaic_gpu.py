@@ -1,7 +1,7 @@
 """The Mosaic GPU (plgpu) W4A16 group-32 GEMM for Hopper: the tile loop y^T = dequant(W) @ x^T over one block_n
-slice of W, with W a `MosaicInt4Weight` (int4 [N, K] in lane order, bf16 scales [K/32, N]), shared by the routed MoE kernel
-(`pallas_kernels.moe_w4a16.mosaic_gpu`), and the dense GEMM on it (`w4a16_matmul_mgpu_kernel`: the model's INT4
-dense linears, chosen by `pallas_kernels.dispatch.choose_linear`).
+slice of W, with W a `MosaicInt4Weight` (int4 [N, K] in lane order, bf16 scales [K/32, N]), shared by the routed
+MoE kernel (`pallas_kernels.moe_w4a16.mosaic_gpu`), and the dense GEMM on it (`w4a16_matmul_mgpu_kernel`: the
+model's INT4 dense linears, chosen by `pallas_kernels.dispatch.choose_linear`).
 
 "Swap AB": the weights are the wgmma A operand (block_n output features per CTA) and the tokens are the
 narrow wgmma N dimension (M padded to a multiple of 8), so tiny decode batches waste no tensor-core rows.
@@ -23,8 +23,8 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -116,11 +116,11 @@ def dequantize_lane_order(w: jax.Array) -> jax.Array:
     minus 136: one shift, one LOP3, one bf16x2 subtraction a pair, where Mosaic's own relayout + cast of
     column-order int4 spends a shuffle, two byte permutes, a LOP3 and a subtraction (the CUTLASS int4 -> bf16
     conversion, as Mosaic's `astype` does it, without its byte permute)."""
-    from jax._src.lib.mlir import ir  # noqa: PLC0415 (inside-the-kernel MLIR builders, only under a lowering)
-    from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
-    from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
+    from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415 (inside-the-kernel builders, only when lowering)
     from jax.experimental.mosaic.gpu import fragmented_array as fa  # noqa: PLC0415
     from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
+    from jaxlib.mlir import ir  # noqa: PLC0415
+    from jaxlib.mlir.dialects import arith, llvm  # noqa: PLC0415
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
                        return_type=plgpu.ShapeDtypeStruct(w.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA))
@@ -142,7 +142,7 @@ def dequantize_lane_order(w: jax.Array) -> jax.Array:
                 out[(idx[0], idx[1] * 4 + i, *idx[2:])] = mgpu_utils.bitcast(pair, pair_type)
         return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
-    return cast(w)
+    return cast(w)  # pyright: ignore[reportCallIssue] (inline_mgpu's wrapper passes the launch context itself)
 
 
 def make_tile_matmul(config: MgpuConfig, k: int, mp: int, interpret=None):
