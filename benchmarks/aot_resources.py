@@ -373,8 +373,9 @@ def launches(hlo: str) -> list[str]:
 def census_cases() -> list[Case]:
     """Whole engine calls, with their XLA glue: the tree attention as the dispatcher runs it on Hopper
     (`tree_attention_mosaic` with the tuned split count and schedule: mask words, the kernel, the split combine; the
-    entry point itself refuses the CPU that compiles) at T = 1 / 33, S = 32768, and the routed MoE of one K2.6 layer
-    (E 384, top-8, 7168 -> 2048 -> 7168) at T = 1, in three launches and with gate / up fused."""
+    entry point itself refuses the CPU that compiles) at T = 1 / 33, S = 32768, the routed MoE of one K2.6 layer
+    (E 384, top-8, 7168 -> 2048 -> 7168) at T = 1, in three launches and with gate / up fused, and XLA's attention
+    (what runs at T = 1, S = 4096) over one layer of a whole two-layer cache, as the model calls it."""
     import jax
     import jax.numpy as jnp
 
@@ -403,6 +404,18 @@ def census_cases() -> list[Case]:
     for fused in (False, True):
         out.append(Case("routed MoE call", f"T=1, {'gate+up fused' if fused else 'three launches'}",
                         lambda fused=fused: moe(1, fused)))
+
+    def xla_attention(T: int, rows: int):  # XLA's form over one layer of the engine's whole [L, B, S, C] cache
+        from pallas_kernels.tree_attention.reference import tree_mla_attention_xla
+
+        def fn(q, cache, start, mask):
+            return tree_mla_attention_xla(q, cache[1], start, mask, scale=0.04, value_dim=512)
+
+        return fn, (S((1, T, 64, 576), jnp.bfloat16), S((2, 1, rows, 576), jnp.bfloat16),
+                    S((1,), jnp.int32), S((1, T, T), jnp.bool_))
+
+    # 4096 cache rows exactly: at other counts (4160) XLA also pads the value GEMM's operand for its split-K
+    out.append(Case("attention call", "XLA, T=1 S=4096, layer 1 of 2", lambda: xla_attention(1, 4096)))
     return out
 
 

@@ -184,6 +184,11 @@ def test_decode_calls_launch_no_more_glue(compiled):
     assert count(t1, "custom-call mosaic_gpu_v2") == 1 and count(t1, "fusion") <= 3, t1
     t33 = calls[("attention call", "T=33 S=32768")]
     assert count(t33, "custom-call mosaic_gpu_v2") == 1 and count(t33, "fusion") <= 4, t33
+    # XLA's attention over one layer of the whole cache: one masked copy of the layer (the slice and the garbage-row
+    # zeroing in one fusion), the score GEMM, the softmax, the value GEMM, its split-K sum; 6 before 2026-12-06,
+    # when the value GEMM's operand was zeroed separately (a second cache-sized copy)
+    xla = calls[("attention call", "XLA, T=1 S=4096, layer 1 of 2")]
+    assert count(xla, "fusion") <= 5 and count(xla, "custom-call") == 0, xla
     for case, kernels in (("T=1, three launches", 3), ("T=1, gate+up fused", 2)):
         moe = calls[("routed MoE call", case)]
         assert count(moe, "custom-call mosaic_gpu_v2") == kernels and count(moe, "fusion") <= 4, (case, moe)

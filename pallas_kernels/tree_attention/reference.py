@@ -21,15 +21,17 @@ def _masked_attention(q, cache, start, tree_mask, *, scale: float, value_dim: in
         tree_mask, jnp.broadcast_to(jnp.clip(offset, 0, T - 1)[:, None, :], (B, T, S_max)), axis=2)
     visible = (offset < 0)[:, None, :] | (in_tree[:, None, :] & tree_visible)  # [B, T, S_max]
     dot = dict(precision=precision, preferred_element_type=jnp.float32)
-    # Garbage rows may hold NaN/Inf. Their scores are replaced by -inf below whatever they are, so the score einsum
-    # reads the cache as it is; 0 * NaN would poison the value sum, so the value einsum reads them zeroed (its own
-    # select on its own slice: a separate operand XLA can fuse into that einsum, no masked copy of the cache).
-    scores = jnp.einsum("bthd,bsd->bths", q.astype(compute_dtype), cache.astype(compute_dtype), **dot) * scale
+    # Garbage rows (past start + T) may hold NaN/Inf, and 0 * NaN would poison the value sum: both einsums read one
+    # copy of the cache with those rows zeroed (their scores become -inf below whatever they are). XLA makes that
+    # copy in one fusion, which also absorbs the slice of this layer out of the engine's whole [L, B, S, C] cache;
+    # zeroing only the value einsum's operand costs a second cache-sized copy, as neither GEMM fuses the slice or
+    # the select (deviceless H100 compile, S = 4096, T = 1: 2 copies before 2026-12-06, 1 since).
+    rows_ok = (offset < T)[:, :, None]  # [B, S_max, 1]
+    cache = jnp.where(rows_ok, cache.astype(compute_dtype), jnp.zeros((), compute_dtype))
+    scores = jnp.einsum("bthd,bsd->bths", q.astype(compute_dtype), cache, **dot) * scale
     scores = jnp.where(visible[:, :, None, :], scores, -jnp.inf)  # [B, T, H, S_max]
     probs = jax.nn.softmax(scores, axis=-1).astype(compute_dtype)
-    rows_ok = (offset < T)[:, :, None]  # [B, S_max, 1]
-    values = jnp.where(rows_ok, cache[..., :value_dim].astype(compute_dtype), jnp.zeros((), compute_dtype))
-    out = jnp.einsum("bths,bsc->bthc", probs, values, **dot)
+    out = jnp.einsum("bths,bsc->bthc", probs, cache[..., :value_dim], **dot)
     return out.astype(q.dtype)
 
 
