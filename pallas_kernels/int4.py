@@ -181,11 +181,9 @@ class Int4Weight:
 
     def to_mosaic(self) -> MosaicInt4Weight:
         """-> the Mosaic GPU layout: int4 [..., N, K] in lane order and bf16 scales [..., K/32, N] (same bytes)."""
-        shifts = jnp.arange(4, dtype=jnp.int32) * 4
-        nib = (self.qweight.astype(jnp.int32)[..., None] >> shifts) & 0xF  # [..., N, K/4, 4]
-        q = (nib - 8).reshape(*self.qweight.shape[:-1], self.in_features).astype(jnp.int8)  # [..., N, K]
-        w_i4 = to_lane_order(q).astype(jnp.int4)
-        return MosaicInt4Weight(w_i4=w_i4, scale_t=jnp.swapaxes(self.scale.astype(jnp.bfloat16), -1, -2))
+        q = unpack_int4(self.to_compressed()[0])  # int8 [..., N, K]
+        return MosaicInt4Weight(w_i4=to_lane_order(q).astype(jnp.int4),
+                                scale_t=jnp.swapaxes(self.scale.astype(jnp.bfloat16), -1, -2))
 
     # ---- the checkpoint boundary (Orbax files keep the dict format)
     def to_dict(self) -> dict[str, Any]:
@@ -254,12 +252,7 @@ class MosaicInt4Weight:
 
     def to_checkpoint_layout(self) -> Int4Weight:
         """Back to the checkpoint layout (bf16 scales; bit-exact for weights that came from bf16 scales)."""
-        q = self.q().astype(jnp.int32) + 8  # [..., N, K] nibbles
-        nib = q.reshape(*self.w_i4.shape[:-1], self.in_features // 4, 4)
-        shifts = jnp.arange(4, dtype=jnp.int32) * 4
-        words = jnp.sum(nib << shifts, axis=-1).astype(jnp.uint16)  # disjoint bits: a sum is an OR
-        return Int4Weight(qweight=lax.bitcast_convert_type(words, jnp.int16),
-                          scale=jnp.swapaxes(self.scale_t, -1, -2))
+        return Int4Weight.from_compressed(pack_int4(self.q()), jnp.swapaxes(self.scale_t, -1, -2))
 
 
 def to_lane_order(q: jax.Array) -> jax.Array:

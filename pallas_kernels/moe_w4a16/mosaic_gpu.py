@@ -144,10 +144,10 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
     (`grouped_gate_up_mgpu_kernel`), two launches instead of three; None (default): at T = 1 only, where it
     measured faster (H200 2026-12-03: 84.6 vs 85.8 us; H100 2026-12-06, lane-order cast: 87.2 vs 90.6 us), not at
     T >= 9 (H200: +0.5%; H100: -1.9%: within run-to-run noise, docs/w4a16_mgpu.md)."""
-    if fused_gate_up is None:
-        fused_gate_up = x.shape[0] == 1
     if x.ndim != 2 or x.dtype != jnp.bfloat16:
         raise ValueError(f"x must be bf16 [T, D], got {x.dtype} {x.shape}")
+    if fused_gate_up is None:
+        fused_gate_up = x.shape[0] == 1
     if block_m % 8 or not 8 <= block_m <= 256:
         raise ValueError(f"block_m={block_m} must be a multiple of 8 in [8, 256] (the wgmma N dimension)")
     (gate_w, gate_s), (up_w, up_s), (down_w, down_s) = ((experts_mgpu[n].w_i4, experts_mgpu[n].scale_t)
