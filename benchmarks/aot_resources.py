@@ -325,14 +325,16 @@ def cases(only: list[str]) -> list[Case]:
                 out.append(Case("tree_attention", label, lambda T=T, config=config: _k2_attention(T, 32768, config)))
 
     def dense(k: int, n: int, m: int):
-        config, split = dense_config(k, n)
+        config, split, whole = dense_config(k, n)
         args = (S((m, k), jnp.bfloat16), S((n, k), jnp.int4), S((k // GROUP_SIZE, n), jnp.bfloat16))
-        return (lambda x, w, s: w4a16_matmul_mgpu_kernel(x, w, s, config=config, split_k=split)), args
+        return (lambda x, w, s: w4a16_matmul_mgpu_kernel(x, w, s, config=config, split_k=split,
+                                                         whole_tiles=whole)), args
 
     if "w4a16" in only:
         for k, n in ((7168, 18432), (18432, 7168), (7168, 2048), (2048, 7168)):
-            config, split = dense_config(k, n)
-            out.append(Case("w4a16", f"K={k} N={n} M=8 block_k={config.block_k} split_k={split}",
+            config, split, whole = dense_config(k, n)
+            out.append(Case("w4a16", f"K={k} N={n} M=8 block_k={config.block_k} split_k={split}"
+                            + (f" whole_tiles={whole}" if whole else ""),
                             lambda k=k, n=n: dense(k, n, 8)))
 
     def grouped(k: int, n: int, tiles: int, fused: bool):

@@ -5,8 +5,8 @@ what runs where the kernel cannot), XLA's bf16 `jnp.dot` on a bf16 weight (4x th
 unquantized) and the memory / compute floor, in one run.
 
   python benchmarks/bench_w4a16.py --out DIR [--deadline-s 200]
-  python benchmarks/bench_w4a16.py --out DIR --shapes 7168:18432 --ms 8 --sweep bn64:bk256:s4/1 bn64:bk256:s4/4
-                                    # other tilings and split-K counts of the kernel, timed in the same run
+  python benchmarks/bench_w4a16.py --out DIR --shapes 7168:18432 --ms 8 --sweep bn64:bk256:s4/1 bn64:bk256:s4/7/264
+                                    # other tilings, split-K counts and whole slices of the kernel, in the same run
   python benchmarks/bench_w4a16.py --plot DIR/w4a16_results.json     # the figure again (CPU is fine)
 
 Timing: benchmarks/common.py Timer (CUPTI summed kernel time of everything the jitted call launches: for the
@@ -53,10 +53,12 @@ def main():
     ap.add_argument("--shapes", nargs="+", metavar="K:N", default=[f"{k}:{n}" for k, n in SHAPES],
                     help="weight shapes K:N (default: K2.6's dense and expert-width projections, the shipped pair's)")
     ap.add_argument("--ms", nargs="+", type=int, default=MS, help="token rows M per shape")
-    ap.add_argument("--sweep", nargs="*", default=[], metavar="TILING/SPLIT",
-                    help="more kernel variants to time at every point, each a tiling and a split-K count, e.g. "
-                         "bn64:bk256:s4/4 (tiling fields as MgpuConfig.parse: bnN block_n, bkN block_k, sN pipeline "
-                         "steps); a variant the shape cannot take is reported as failed, never timed")
+    ap.add_argument("--sweep", nargs="*", default=[], metavar="TILING/SPLIT[/WHOLE]",
+                    help="more kernel variants to time at every point, each a tiling, a split-K count and optionally "
+                         "how many N slices run whole-K (default 0: every slice split), e.g. bn64:bk256:s4/4 or "
+                         "bn64:bk256:s4/7/264 (tiling fields as MgpuConfig.parse: bnN block_n, bkN block_k, sN "
+                         "pipeline steps; w4a16_matmul_mgpu_kernel's split_k / whole_tiles); a variant the shape "
+                         "cannot take is reported as failed, never timed")
     args = ap.parse_args()
     if args.plot:
         return plot(args.plot)
@@ -73,8 +75,9 @@ def main():
     shapes = [tuple(int(v) for v in text.split(":")) for text in args.shapes]
     sweep = {}
     for text in args.sweep:
-        tiling, _, split = text.partition("/")
-        sweep[f"sweep {text}"] = (MgpuConfig.parse(tiling), int(split or 1))
+        tiling, _, rest = text.partition("/")
+        split, _, whole = rest.partition("/")
+        sweep[f"sweep {text}"] = (MgpuConfig.parse(tiling), int(split or 1), int(whole or 0))
 
     if not dispatch.is_hopper(jax.devices()[0]):
         raise SystemExit("bench_w4a16 needs a Hopper GPU (the Mosaic kernel): CPU timings prove nothing")
@@ -98,20 +101,21 @@ def main():
         leaf = Int4Weight.from_dense(jax.random.normal(kw, (k, n), jnp.float32))  # [N, K/4] words, bf16 scales
         mosaic = jax.jit(Int4Weight.to_mosaic)(leaf)
         w_bf16 = jax.random.normal(kb, (k, n), jnp.bfloat16) * 0.02
-        config, split = dense_config(k, n)
+        config, split, whole = dense_config(k, n)
         for m in args.ms:
             key, kx = jax.random.split(key)
             x = jax.random.normal(kx, (m, k), jnp.bfloat16)
             want = np.asarray(jax.jit(w4a16_matmul_reference)(x.astype(jnp.float32), leaf), np.float64)
             row = {"k": k, "n": n, "m": m, "tiling": f"bn{config.block_n}:bk{config.block_k}:s"
-                   f"{config.max_concurrent_steps}", "split_k": split, "floor_us": floor_us(m, k, n, copy_bps)}
+                   f"{config.max_concurrent_steps}", "split_k": split, "whole_tiles": whole,
+                   "floor_us": floor_us(m, k, n, copy_bps)}
             variants = {"kernel_us": jax.jit(lambda x, w: w4a16_matmul(x, w, impl="mosaic_gpu")),
                         "kernel_no_split_us": jax.jit(lambda x, w: w4a16_matmul(x, w, impl="mosaic_gpu", split_k=1))}
-            if split == 1:
+            if split == 1 and whole in (0, n // 64):
                 variants.pop("kernel_no_split_us")
-            for label, (cfg, sk) in sweep.items():
-                variants[f"{label}_us"] = jax.jit(lambda x, w, cfg=cfg, sk=sk: w4a16_matmul(x, w, impl="mosaic_gpu",
-                                                                                          config=cfg, split_k=sk))
+            for label, (cfg, sk, wt) in sweep.items():
+                variants[f"{label}_us"] = jax.jit(lambda x, w, cfg=cfg, sk=sk, wt=wt: w4a16_matmul(
+                    x, w, impl="mosaic_gpu", config=cfg, split_k=sk, whole_tiles=wt))
             for name, f in variants.items():
                 try:
                     got = np.asarray(f(x, mosaic).astype(jnp.float32), np.float64)
@@ -133,12 +137,13 @@ def main():
     def cell(v):
         return f"{v:.1f}" if isinstance(v, float) else "-" if v is None else str(v)
 
-    lines = ["| K x N | M | tiling, split-K | floor | **Mosaic kernel** | kernel, no split | XLA INT4 (bf16 dequant "
-             "+ dot) | XLA bf16 dot | kernel / floor | kernel vs XLA INT4 |", "|" + " --- |" * 10]
+    lines = ["| K x N | M | tiling, split-K, whole slices | floor | **Mosaic kernel** | kernel, no split | XLA INT4 "
+             "(bf16 dequant + dot) | XLA bf16 dot | kernel / floor | kernel vs XLA INT4 |", "|" + " --- |" * 10]
     for r in rows:
         kern = r.get("kernel_us")
         lines.append(
-            f"| {r['k']} x {r['n']} | {r['m']} | {r['tiling']}, {r['split_k']} | {cell(r['floor_us'])} | "
+            f"| {r['k']} x {r['n']} | {r['m']} | {r['tiling']}, {r['split_k']}, {r.get('whole_tiles', 0)} | "
+            f"{cell(r['floor_us'])} | "
             f"**{cell(kern)}** | {cell(r.get('kernel_no_split_us'))} | {cell(r['xla_int4_us'])} | "
             f"{cell(r['xla_bf16_us'])} | {cell(kern / r['floor_us']) if kern else '-'} | "
             f"{cell(r['xla_int4_us'] / kern) + 'x faster' if kern else r.get('kernel_status', '-')} |")

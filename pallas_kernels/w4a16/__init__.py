@@ -46,26 +46,30 @@ def _check(x: jax.Array, w) -> tuple[int, int, int]:
 
 
 def w4a16_matmul(x: jax.Array, w: Int4Weight | MosaicInt4Weight, *, impl: str = "auto", interpret=False,
-                 config: MgpuConfig | None = None, split_k: int | None = None) -> jax.Array:
+                 config: MgpuConfig | None = None, split_k: int | None = None,
+                 whole_tiles: int | None = None) -> jax.Array:
     """x [M, K] bf16|f32 @ dequant(W)^T -> [M, N] in x.dtype (float32 accumulation).
 
     impl: "auto" | "mosaic_gpu" | "xla" (pallas_kernels.dispatch.choose_linear; an explicit kernel that cannot run
     here raises KernelUnavailableError, never a fallback). interpret: run the Mosaic kernel in Mosaic GPU interpret
     mode (True or an InterpretGPUParams; tests: the default tiling then stages the dequantized tile in SMEM, the
-    only form the interpreter simulates). config / split_k: the Mosaic tiling (default: tuned.dense_config)."""
+    only form the interpreter simulates). config / split_k / whole_tiles: the Mosaic tiling and work split
+    (`mosaic_gpu.w4a16_matmul_mgpu_kernel`; default: tuned.dense_config; split_k given alone means whole_tiles 0)."""
     m, k, n = _check(x, w)
     choice = dispatch.choose_linear(w, impl=impl, interpret=bool(interpret), rows=m, act_dtype=x.dtype)
     if choice.impl == "xla":
         return w4a16_matmul_xla(x, w)
     assert isinstance(w, MosaicInt4Weight)  # choose_linear runs the kernel on the Mosaic layout only
-    tuned_config, tuned_split = dense_config(k, n)
+    tuned_config, tuned_split, tuned_whole = dense_config(k, n)
     if config is None:
         config = tuned_config if not interpret else MgpuConfig(block_n=tuned_config.block_n,
                                                                block_k=tuned_config.block_k, a_operand="smem")
     mp = -(-m // 8) * 8
     x_p = jnp.pad(x, ((0, mp - m), (0, 0)))  # [Mp, K]
     interp = gpu_interpret_params() if interpret is True else (interpret or None)
-    partials = w4a16_matmul_mgpu_kernel(x_p, w.w_i4, w.scale_t, config=config,
-                                        split_k=tuned_split if split_k is None else split_k,
-                                        interpret=interp)  # [split, N, Mp] f32
-    return partials.sum(0)[:, :m].T.astype(x.dtype)  # [M, N]
+    if split_k is None:
+        split_k = tuned_split
+        whole_tiles = tuned_whole if whole_tiles is None else whole_tiles
+    y_t = w4a16_matmul_mgpu_kernel(x_p, w.w_i4, w.scale_t, config=config, split_k=split_k,
+                                   whole_tiles=whole_tiles or 0, interpret=interp)  # [N, Mp] f32
+    return y_t[:, :m].T.astype(x.dtype)  # [M, N]

@@ -14,8 +14,10 @@ nibbles a thread), turns it into bf16 in the WGMMA layout with no data movement 
 registers (or, for GPU interpret mode, staged through SMEM) and B = the transposed activation tile, accumulating f32.
 block_k >= 64 because the smallest TMA swizzle Mosaic accepts is 32 B (= 64 int4).
 
-Dense split-K: a weight with few block_n slices (N = 2048 is 32 CTAs on 132 SMs) also splits K over a second
-grid axis; each CTA writes its float32 partial [block_n, Mp] and XLA sums the split_k partials.
+Dense split-K: a weight with few block_n slices (N = 2048 is 32 CTAs on 132 SMs) also splits K; each CTA writes
+its float32 partial [block_n, Mp] and XLA sums the split_k partials. A weight with more slices than SMs but not a
+multiple of them (N = 18432: 288 slices, 2.18 an SM) runs whole-K CTAs for the slices that divide evenly (264) and
+split-K CTAs for the rest, in the same launch (`whole_tiles`).
 """
 
 from __future__ import annotations
@@ -205,38 +207,72 @@ def scratch_types(config: MgpuConfig, mp: int) -> dict:
 
 
 def w4a16_matmul_mgpu_kernel(x: jax.Array, w_i4: jax.Array, scale_t: jax.Array, *, config: MgpuConfig = MgpuConfig(),
-                             split_k: int = 1, interpret=None) -> jax.Array:
-    """The dense GEMM: x bf16 [Mp, K] (Mp % 8 == 0), w_i4 int4 [N, K], scale_t bf16 [K/32, N] -> float32 partial
-    sums [split_k, N, Mp] (y^T = their sum). Grid (N / block_n, split_k): CTA (j, s) streams K columns
-    [s K/split_k, (s + 1) K/split_k) of its block_n weight rows."""
+                             split_k: int = 1, whole_tiles: int = 0, interpret=None) -> jax.Array:
+    """The dense GEMM: x bf16 [Mp, K] (Mp % 8 == 0), w_i4 int4 [N, K], scale_t bf16 [K/32, N] -> y^T float32 [N, Mp].
+
+    One launch, one CTA per work item: the first `whole_tiles` block_n slices of W each stream the whole K (one CTA
+    a slice), the other slices are split into split_k K chunks (one CTA a chunk, writing a float32 partial
+    [block_n, Mp] that XLA sums after the launch). CTA p < whole_tiles takes slice p; CTA whole_tiles + q takes
+    chunk q // rest of slice whole_tiles + q % rest (rest = N / block_n - whole_tiles). whole_tiles = 0 is plain
+    split-K; whole_tiles = N / block_n (split_k 1) no split. Mixing the two evens out the SMs' work where the
+    slices alone do not divide over them (tuned.dense_config)."""
     mp, k = x.shape
     n = w_i4.shape[0]
-    if split_k < 1 or k % split_k:
-        raise ValueError(f"split_k={split_k} must be a positive divisor of K={k}")
+    if n % config.block_n:
+        raise ValueError(f"N={n} must be divisible by block_n={config.block_n}")
+    tiles = n // config.block_n
+    if not 0 <= whole_tiles <= tiles:
+        raise ValueError(f"whole_tiles={whole_tiles} must be in [0, {tiles}] (N / block_n)")
+    rest = tiles - whole_tiles
+    if split_k < 1 or k % split_k or (rest == 0 and split_k != 1):
+        raise ValueError(f"split_k={split_k} must be a positive divisor of K={k}, and 1 when no slice is split")
     k_chunk = k // split_k
     check_config(config, n, k_chunk, mp, interpret)
+    if whole_tiles:
+        check_config(config, n, k, mp, interpret)
     block_n, groups = config.block_n, k_chunk // GROUP_SIZE
-    tile_matmul = make_tile_matmul(config, k_chunk, mp, interpret)
+    whole_matmul = make_tile_matmul(config, k, mp, interpret) if whole_tiles else None
+    chunk_matmul = make_tile_matmul(config, k_chunk, mp, interpret) if rest else None
+    out_types = ([jax.ShapeDtypeStruct((whole_tiles * block_n, mp), jnp.float32)] if whole_tiles else []) + (
+        [jax.ShapeDtypeStruct((split_k, rest * block_n, mp), jnp.float32)] if rest else [])
 
-    def kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
-        n_slice = pl.ds(lax.axis_index("n") * block_n, block_n)
-        split = lax.axis_index("k")
-        k_slice = pl.ds(split * k_chunk, k_chunk)
-        o_smem[...] = tile_matmul(w_gmem.at[n_slice, k_slice], x_gmem.at[:, k_slice],
-                                  s_gmem.at[pl.ds(split * groups, groups), n_slice], a_smem)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[split, n_slice])
-        plgpu.wait_smem_to_gmem(0)
+    def kernel(x_gmem, w_gmem, s_gmem, *outs, o_smem, a_smem=None):
+        p = lax.axis_index("p")
+
+        def store(value, o_gmem_tile):
+            o_smem[...] = value
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem_tile)
+            plgpu.wait_smem_to_gmem(0)
+
+        if whole_matmul is not None:
+            @pl.when(p < whole_tiles)
+            def _(whole_matmul=whole_matmul):
+                n_slice = pl.ds(p * block_n, block_n)
+                store(whole_matmul(w_gmem.at[n_slice], x_gmem, s_gmem.at[:, n_slice], a_smem), outs[0].at[n_slice])
+
+        if chunk_matmul is not None:
+            @pl.when(p >= whole_tiles)
+            def _(chunk_matmul=chunk_matmul):
+                q = p - whole_tiles
+                tile, split = q % rest, q // rest
+                n_slice = pl.ds((whole_tiles + tile) * block_n, block_n)
+                k_slice = pl.ds(split * k_chunk, k_chunk)
+                store(chunk_matmul(w_gmem.at[n_slice, k_slice], x_gmem.at[:, k_slice],
+                                   s_gmem.at[pl.ds(split * groups, groups), n_slice], a_smem),
+                      outs[-1].at[split, pl.ds(tile * block_n, block_n)])
 
     f = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((split_k, n, mp), jnp.float32),
-        grid=(n // block_n, split_k),
-        grid_names=("n", "k"),
+        out_type=tuple(out_types),
+        grid=(whole_tiles + rest * split_k,),
+        grid_names=("p",),
         scratch_types=scratch_types(config, mp),
         interpret=interpret,
     )
-    return f(x, w_i4, scale_t)
+    outs = f(x, w_i4, scale_t)
+    pieces = ([outs[0]] if whole_tiles else []) + ([outs[-1].sum(0)] if rest else [])
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=0)  # [N, Mp]
 
 
 def gpu_interpret_params(**kwargs):

@@ -1,21 +1,27 @@
 """Tiling of the dense Mosaic GPU W4A16 GEMM (`mosaic_gpu.w4a16_matmul_mgpu_kernel`) and where XLA runs instead,
-from H200 measurements (benchmarks/bench_w4a16.py; docs/int4.md has the table).
+from H100 / H200 measurements (benchmarks/bench_w4a16.py; docs/w4a16_mgpu.md has the tables).
 """
 
 from __future__ import annotations
 
 from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig
 
-NUM_SMS = 132  # H200
+NUM_SMS = 132  # H100 and H200
 
 
-def dense_config(k: int, n: int) -> tuple[MgpuConfig, int]:
-    """(tiling, split_k) for a [N, K] weight: block_n 64 (the wgmma M), and the fewest K splits (a divisor of
-    K / 64) that give at least NUM_SMS CTAs, each still streaming whole 64-column steps; block_k the deepest of
-    256 / 128 / 64 that divides a split, 4 pipeline steps (block_k 256 measured fastest at 7168 x 18432, M <= 16:
-    docs/w4a16_mgpu.md)."""
+def dense_config(k: int, n: int) -> tuple[MgpuConfig, int, int]:
+    """(tiling, split_k, whole_tiles) for a [N, K] weight: block_n 64 (the wgmma M) and 4 pipeline steps.
+
+    The SMs should get equal work. With fewer 64-wide N slices than SMs, every slice splits K into the fewest chunks
+    (a divisor of K / 64) that make at least NUM_SMS CTAs (whole_tiles 0). With more slices than SMs, the largest
+    multiple of NUM_SMS of them run whole (whole_tiles) and the remainder splits K the same way, so that no SM gets
+    a whole slice more than another (at 7168 x 18432: 264 whole + 24 x 7 chunks, against 288 whole slices = 2.18
+    an SM, where 24 SMs ran 3). block_k: the deepest of 256 / 128 / 64 that divides a chunk (256 measured fastest
+    at 7168 x 18432, M <= 16: docs/w4a16_mgpu.md)."""
     tiles = n // 64
     steps = k // 64
-    split = next((s for s in range(1, steps + 1) if steps % s == 0 and tiles * s >= NUM_SMS), steps)
+    whole = tiles - tiles % NUM_SMS
+    rest = tiles - whole
+    split = next((s for s in range(1, steps + 1) if steps % s == 0 and rest * s >= NUM_SMS), steps) if rest else 1
     chunk = k // split
-    return MgpuConfig(block_n=64, block_k=next(bk for bk in (256, 128, 64) if chunk % bk == 0)), split
+    return MgpuConfig(block_n=64, block_k=next(bk for bk in (256, 128, 64) if chunk % bk == 0)), split, whole

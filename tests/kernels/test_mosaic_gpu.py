@@ -46,24 +46,28 @@ def _rel_err(got, want):
     return np.max(np.abs(np.asarray(got.astype(jnp.float32), np.float64) - want)) / np.max(np.abs(want))
 
 
-# (M, N, K, config, split_k): padded M (5 -> 8, 1 -> 8), 2 N tiles x 2 K steps with 4 groups per step, block_n
-# 128; split-K: 2 and 4 K chunks (each its own scale rows), with 2 N tiles.
+# (M, N, K, config, split_k, whole_tiles): padded M (5 -> 8, 1 -> 8), 2 N tiles x 2 K steps with 4 groups per
+# step, block_n 128; split-K: 2 and 4 K chunks (each its own scale rows), with 2 N tiles; mixed: of 3 N tiles the
+# first 1 or 2 whole, the rest in 2 or 4 K chunks (two pipelines of different lengths in one launch).
 INTERPRET_CASES = [
-    (5, 64, 64, MgpuConfig(a_operand="smem"), 1),
-    (16, 128, 256, MgpuConfig(block_n=64, block_k=128, max_concurrent_steps=2, a_operand="smem"), 1),
-    (1, 128, 128, MgpuConfig(block_n=128, block_k=64, a_operand="smem"), 1),
-    (3, 128, 256, MgpuConfig(block_n=64, block_k=64, max_concurrent_steps=2, a_operand="smem"), 2),
-    (9, 64, 256, MgpuConfig(a_operand="smem"), 4),
+    (5, 64, 64, MgpuConfig(a_operand="smem"), 1, 0),
+    (16, 128, 256, MgpuConfig(block_n=64, block_k=128, max_concurrent_steps=2, a_operand="smem"), 1, 0),
+    (1, 128, 128, MgpuConfig(block_n=128, block_k=64, a_operand="smem"), 1, 0),
+    (3, 128, 256, MgpuConfig(block_n=64, block_k=64, max_concurrent_steps=2, a_operand="smem"), 2, 0),
+    (9, 64, 256, MgpuConfig(a_operand="smem"), 4, 0),
+    (2, 192, 256, MgpuConfig(a_operand="smem"), 2, 2),
+    (8, 192, 256, MgpuConfig(block_k=64, max_concurrent_steps=2, a_operand="smem"), 4, 1),
 ]
 
 
-@pytest.mark.parametrize("m,n,k,cfg,split_k", INTERPRET_CASES)
-def test_interpret_matches_reference(m, n, k, cfg, split_k):
+@pytest.mark.parametrize("m,n,k,cfg,split_k,whole_tiles", INTERPRET_CASES)
+def test_interpret_matches_reference(m, n, k, cfg, split_k, whole_tiles):
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
     x, leaf, want = _problem(m, n, k, seed=m + n + k)
     got = jax.block_until_ready(  # the interpreter runs at execution (async dispatch): wait before asking
-        w4a16_matmul_mgpu(x, leaf, interpret=gpu_interpret_params(detect_races=True), config=cfg, split_k=split_k))
+        w4a16_matmul_mgpu(x, leaf, interpret=gpu_interpret_params(detect_races=True), config=cfg, split_k=split_k,
+                          whole_tiles=whole_tiles))
     assert got.shape == (m, n) and got.dtype == jnp.bfloat16
     assert not get_races().races_found
     # bf16 dequantized weights (2^-9 relative) and a bf16 output bound the error.
@@ -74,7 +78,7 @@ def test_interpret_default_config_and_f32_scales():
     """interpret=True picks a_operand="smem" and the tuned split (here K / 64 = 2 chunks: one 64-wide N tile is far
     from 132 CTAs); float32 scales are rounded to bf16 by the layout conversion."""
     x, leaf, want = _problem(3, 64, 128, seed=7, scale_dtype=jnp.float32)
-    assert dense_config(128, 64) == (MgpuConfig(block_n=64, block_k=64), 2)
+    assert dense_config(128, 64) == (MgpuConfig(block_n=64, block_k=64), 2, 0)
     assert _rel_err(w4a16_matmul_mgpu(x, leaf, interpret=True), want) < 1e-2
 
 
@@ -90,26 +94,30 @@ def test_shared_memory_is_checked_up_front():
 
 
 def test_dense_tiling_rule():
-    """The fewest K splits that fill the H200's 132 SMs with 64-wide N tiles, and the deepest block_k per split."""
-    assert dense_config(7168, 18432) == (MgpuConfig(block_n=64, block_k=256), 1)  # 288 CTAs already
-    assert dense_config(7168, 2048) == (MgpuConfig(block_n=64, block_k=256), 7)  # 32 tiles x 7: 1024-wide chunks
-    assert dense_config(2048, 7168) == (MgpuConfig(block_n=64, block_k=256), 2)  # 112 x 2
-    assert dense_config(384, 1024) == (MgpuConfig(block_n=64, block_k=64), 6)  # never fills: one step a split
+    """Equal work for the 132 SMs: the fewest K splits that make 132 CTAs of the 64-wide N slices that do not divide
+    over the SMs, the others whole; the deepest block_k per chunk."""
+    # 288 slices: 264 whole (2 an SM) + the other 24 in 7 chunks of 1024 (168 CTAs), not 288 whole (24 SMs with 3)
+    assert dense_config(7168, 18432) == (MgpuConfig(block_n=64, block_k=256), 7, 264)
+    assert dense_config(7168, 2048) == (MgpuConfig(block_n=64, block_k=256), 7, 0)  # 32 tiles x 7: 1024-wide chunks
+    assert dense_config(2048, 7168) == (MgpuConfig(block_n=64, block_k=256), 2, 0)  # 112 x 2
+    assert dense_config(384, 1024) == (MgpuConfig(block_n=64, block_k=64), 6, 0)  # never fills: one step a split
+    assert dense_config(7168, 132 * 2 * 64) == (MgpuConfig(block_n=64, block_k=256), 1, 264)  # divides: all whole
 
 
 def test_lowers_for_cuda_at_k2_shapes():
     """Mosaic GPU lowering (layouts, int4 upcast, register-A wgmma) runs on CPU against an abstract H200."""
-    for m, n, k, cfg, split in [(8, 7168, 2048, MgpuConfig(), 1),
-                                (16, 2048, 7168, MgpuConfig(block_n=128, block_k=128), 1),
-                                (64, 512, 7168, MgpuConfig(a_operand="smem"), 1),
-                                (8, 2048, 7168, *dense_config(7168, 2048))]:  # split-K 7
+    for m, n, k, cfg, split, whole in [(8, 7168, 2048, MgpuConfig(), 1, 0),
+                                       (16, 2048, 7168, MgpuConfig(block_n=128, block_k=128), 1, 0),
+                                       (64, 512, 7168, MgpuConfig(a_operand="smem"), 1, 0),
+                                       (8, 2048, 7168, *dense_config(7168, 2048)),  # split-K 7
+                                       (8, 18432, 7168, *dense_config(7168, 18432))]:  # 264 whole + 24 x 7
         args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.int4),
                 jax.ShapeDtypeStruct((k // 32, n), jnp.bfloat16))
-        f = lambda x, w, s, cfg=cfg, split=split: w4a16_matmul_mgpu_kernel(x, w, s, config=cfg,  # noqa: E731
-                                                                            split_k=split)
+        f = lambda x, w, s, cfg=cfg, split=split, whole=whole: w4a16_matmul_mgpu_kernel(  # noqa: E731
+            x, w, s, config=cfg, split_k=split, whole_tiles=whole)
         with abstract_h200():
-            assert jax.eval_shape(f, *args).shape == (split, n, m)
-        assert set(custom_calls(lower_for_h200(f, *args))) == {"mosaic_gpu_v2"}
+            assert jax.eval_shape(f, *args).shape == (n, m)
+        assert custom_calls(lower_for_h200(f, *args)) == ["mosaic_gpu_v2"]  # one launch, however the work splits
 
 
 @pytest.mark.gpu
@@ -150,6 +158,10 @@ def test_value_errors():
         w4a16_matmul_mgpu(x, leaf, interpret=True, config=MgpuConfig(block_k=32, a_operand="smem"))
     with pytest.raises(ValueError, match="N=64 must be divisible by block_n=128"):
         w4a16_matmul_mgpu(x, leaf, interpret=True, config=MgpuConfig(block_n=128, a_operand="smem"))
+    with pytest.raises(ValueError, match=r"whole_tiles=2 must be in \[0, 1\]"):
+        w4a16_matmul_mgpu(x, leaf, interpret=True, split_k=1, whole_tiles=2)
+    with pytest.raises(ValueError, match="1 when no slice is split"):
+        w4a16_matmul_mgpu(x, leaf, interpret=True, split_k=2, whole_tiles=1)
     with pytest.raises(dispatch.KernelUnavailableError, match="needs bf16 activations, the model runs in float32"):
         w4a16_matmul_mgpu(x.astype(jnp.float32), leaf, interpret=True)
     with pytest.raises(dispatch.KernelUnavailableError, match="300 rows > 64"):
