@@ -14,14 +14,20 @@ def dense_config(k: int, n: int) -> tuple[MgpuConfig, int, int]:
 
     The SMs should get equal work. With fewer 64-wide N slices than SMs, every slice splits K into the fewest chunks
     (a divisor of K / 64) that make at least NUM_SMS CTAs (whole_tiles 0). With more slices than SMs, the largest
-    multiple of NUM_SMS of them run whole (whole_tiles) and the remainder splits K the same way, so that no SM gets
-    a whole slice more than another (at 7168 x 18432: 264 whole + 24 x 7 chunks, against 288 whole slices = 2.18
-    an SM, where 24 SMs ran 3). block_k: the deepest of 256 / 128 / 64 that divides a chunk (256 measured fastest
-    at 7168 x 18432, M <= 16: docs/w4a16_mgpu.md)."""
+    multiple of NUM_SMS of them run whole (whole_tiles) and the remainder splits K into the most chunks that still
+    give no SM two of them (rest x split <= NUM_SMS). At 7168 x 18432 (H100, 2026-12-06, M = 8): 264 whole + 24 x 4
+    chunks 30.3 us, against 33.6 for 288 whole slices (2.18 an SM: 24 SMs ran 3), 35.3 for 24 x 7 chunks, 34.6 for
+    24 x 14 (docs/w4a16_mgpu.md). block_k: the deepest of 256 / 128 / 64 that divides a chunk (256 measured fastest
+    at 7168 x 18432, M <= 16)."""
     tiles = n // 64
     steps = k // 64
     whole = tiles - tiles % NUM_SMS
     rest = tiles - whole
-    split = next((s for s in range(1, steps + 1) if steps % s == 0 and rest * s >= NUM_SMS), steps) if rest else 1
+    if not rest:
+        split = 1
+    elif whole:
+        split = max(s for s in range(1, steps + 1) if steps % s == 0 and rest * s <= NUM_SMS)
+    else:
+        split = next((s for s in range(1, steps + 1) if steps % s == 0 and rest * s >= NUM_SMS), steps)
     chunk = k // split
     return MgpuConfig(block_n=64, block_k=next(bk for bk in (256, 128, 64) if chunk % bk == 0)), split, whole

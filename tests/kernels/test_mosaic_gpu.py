@@ -94,10 +94,13 @@ def test_shared_memory_is_checked_up_front():
 
 
 def test_dense_tiling_rule():
-    """Equal work for the 132 SMs: the fewest K splits that make 132 CTAs of the 64-wide N slices that do not divide
-    over the SMs, the others whole; the deepest block_k per chunk."""
-    # 288 slices: 264 whole (2 an SM) + the other 24 in 7 chunks of 1024 (168 CTAs), not 288 whole (24 SMs with 3)
-    assert dense_config(7168, 18432) == (MgpuConfig(block_n=64, block_k=256), 7, 264)
+    """Equal work for the 132 SMs: fewer 64-wide N slices than SMs split K into the fewest chunks that make 132 CTAs;
+    of more, a multiple of 132 run whole and the rest split K into the most chunks that give no SM two; the deepest
+    block_k per chunk."""
+    # 288 slices: 264 whole (2 an SM) + the other 24 in 4 chunks of 1792 (96 CTAs: no SM gets two), not 288 whole
+    # (24 SMs with 3)
+    assert dense_config(7168, 18432) == (MgpuConfig(block_n=64, block_k=256), 4, 264)
+    assert dense_config(7168, 140 * 64) == (MgpuConfig(block_n=64, block_k=64), 16, 132)  # 8 x 16 = 128 <= 132
     assert dense_config(7168, 2048) == (MgpuConfig(block_n=64, block_k=256), 7, 0)  # 32 tiles x 7: 1024-wide chunks
     assert dense_config(2048, 7168) == (MgpuConfig(block_n=64, block_k=256), 2, 0)  # 112 x 2
     assert dense_config(384, 1024) == (MgpuConfig(block_n=64, block_k=64), 6, 0)  # never fills: one step a split
@@ -110,7 +113,7 @@ def test_lowers_for_cuda_at_k2_shapes():
                                        (16, 2048, 7168, MgpuConfig(block_n=128, block_k=128), 1, 0),
                                        (64, 512, 7168, MgpuConfig(a_operand="smem"), 1, 0),
                                        (8, 2048, 7168, *dense_config(7168, 2048)),  # split-K 7
-                                       (8, 18432, 7168, *dense_config(7168, 18432))]:  # 264 whole + 24 x 7
+                                       (8, 18432, 7168, *dense_config(7168, 18432))]:  # 264 whole + 24 x 4
         args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.int4),
                 jax.ShapeDtypeStruct((k // 32, n), jnp.bfloat16))
         f = lambda x, w, s, cfg=cfg, split=split, whole=whole: w4a16_matmul_mgpu_kernel(  # noqa: E731
