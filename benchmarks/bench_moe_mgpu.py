@@ -11,8 +11,10 @@ random INT4 made on the device straight in the kernel layout; each token routes 
 experts. Timing: benchmarks/common.py Timer (CUPTI summed kernel time, one window per iteration, median), the
 whole routed MoE including its XLA grouping and glue; the floor is the touched experts' INT4 + bf16-scale bytes
 at the copy bandwidth measured in this run (benchmarks/cost_model.py). Issue 7's T = 1 target counts the shared
-expert too: its bf16 XLA time and bytes are measured and added in the "layer" columns. A variant that fails to
-compile or disagrees with the reference is reported, never timed.
+expert too: its bf16 XLA time and bytes are measured and added in the "layer" columns. With --loop-calls N (default
+20) each variant is also timed by wall clock inside one jitted loop of N dependent calls (`common.loop_wall_us`: the
+per-call cost in a decode loop, launch gaps included, no dispatch), before any CUPTI window: issue 20's T = 1 target
+asks for both. A variant that fails to compile or disagrees with the reference is reported, never timed.
 Writes DIR/moe_mgpu.json and DIR/moe_mgpu.md with the run's metadata.
 """
 
@@ -35,6 +37,8 @@ def main():
                          "and up in one launch), e.g. bn64:bk256:s4,bn64:bk256:s4+fused,bn64:bk256:s4/bn64:bk128:s6")
     ap.add_argument("--iters", type=int, default=7, help="timed iterations per point (median reported)")
     ap.add_argument("--deadline-s", type=float, default=400.0, help="start no new T after this many seconds")
+    ap.add_argument("--loop-calls", type=int, default=20,
+                    help="calls in the jitted loop of the wall-clock column (0: no wall clock in a loop)")
     args = ap.parse_args()
 
     import jax
@@ -42,7 +46,7 @@ def main():
     import numpy as np
 
     import kdtree_jax as kj
-    from benchmarks.common import Timer, copy_bandwidth, metadata, write_results
+    from benchmarks.common import Timer, copy_bandwidth, loop_wall_us, metadata, write_results
     from benchmarks.cost_model import BF16_BYTES, CostModel
     from pallas_kernels.int4 import MosaicInt4Weight
     from pallas_kernels.moe_w4a16 import grouped_moe_w4a16_mgpu, grouped_moe_w4a16_reference
@@ -70,9 +74,6 @@ def main():
         timing = timer(f, *a)
         return timing.out, timing.device_s, [(name[:60], s * 1e6) for name, s in timing.kernels]
 
-    bandwidth = copy_bandwidth(timer)
-    model = CostModel.from_config(cfg, bandwidth=bandwidth)
-    meta["copy_TBps"] = bandwidth / 1e12
 
     @jax.jit
     def make_experts(key):
@@ -89,7 +90,6 @@ def main():
     shared = jax.jit(lambda k: [jax.random.normal(kk, shp, jnp.bfloat16) * 0.02 for kk, shp in zip(
         jax.random.split(k, 3), [(d, inter), (d, inter), (inter, d)], strict=True)])(jax.random.key(2))
     shared_fn = jax.jit(lambda x, w: (jax.nn.silu(x @ w[0]) * (x @ w[1])) @ w[2])
-    shared_floor = 3 * d * inter * BF16_BYTES / bandwidth
     def token_reference(ex, x_t, ids_t, w_t):  # one token: its k experts dequantized, [k, N, K] f32
         chosen = jax.tree.map(lambda a: a[ids_t], ex)
         return grouped_moe_w4a16_reference(x_t[None].astype(jnp.float32), chosen,
@@ -100,16 +100,33 @@ def main():
         x, ex, ids, w, config_up=up, config_down=down, fused_gate_up=fused))
         for name, (up, down, fused) in variants.items()}
 
+    def routing(t):  # the same random tokens and routing for the loop walls and the CUPTI rows
+        kx, kr, kw = jax.random.split(jax.random.key(100 + t), 3)
+        x = jax.random.normal(kx, (t, d), jnp.bfloat16)
+        ids = jax.lax.top_k(jax.random.uniform(kr, (t, e)), top_k)[1].astype(jnp.int32)  # distinct per token
+        w = jax.random.uniform(kw, (t, top_k), jnp.float32, 0.1, 1.0)
+        return x, ids, w / jnp.sum(w, -1, keepdims=True) * cfg.routed_scaling_factor
+
+    walls = {}  # (T, variant) -> seconds a call in a jitted loop; before the first CUPTI window (it inflates walls)
+    for t in ts if args.loop_calls else ():
+        for name, fn in fns.items():
+            try:
+                x, ids, w = routing(t)
+                walls[t, name] = loop_wall_us(fn, (x, experts, ids, w), args.loop_calls) * 1e-6
+            except Exception as exc:  # noqa: BLE001 - reported with the variant's CUPTI row below
+                print(f"T={t} {name}: loop wall failed: {type(exc).__name__}", flush=True)
+    bandwidth = copy_bandwidth(timer)
+    model = CostModel.from_config(cfg, bandwidth=bandwidth)
+    meta["copy_TBps"] = bandwidth / 1e12
+    meta["loop_calls"] = args.loop_calls
+    shared_floor = 3 * d * inter * BF16_BYTES / bandwidth
+
     rows = []
     for t in ts:
         if time.time() - t_start > args.deadline_s:
             print(f"deadline: skipping T={t} and later", flush=True)
             break
-        kx, kr, kw = jax.random.split(jax.random.key(100 + t), 3)
-        x = jax.random.normal(kx, (t, d), jnp.bfloat16)
-        ids = jax.lax.top_k(jax.random.uniform(kr, (t, e)), top_k)[1].astype(jnp.int32)  # distinct per token
-        w = jax.random.uniform(kw, (t, top_k), jnp.float32, 0.1, 1.0)
-        w = w / jnp.sum(w, -1, keepdims=True) * cfg.routed_scaling_factor
+        x, ids, w = routing(t)
         touched = int(np.unique(np.asarray(ids)).size)
         want = reference(x, experts, ids, w)
         _, shared_s, _ = measure(shared_fn, x, shared)
@@ -120,7 +137,8 @@ def main():
                 got, sec, kernels = measure(fn, x, experts, ids, w)
                 got, ref = got.astype(jnp.float32), want
                 err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
-                row["variants"][name] = ({"s": sec, "rel_err": err, "kernels": kernels} if err < 3e-2
+                row["variants"][name] = ({"s": sec, "rel_err": err, "kernels": kernels,
+                                          "loop_wall_s": walls.get((t, name))} if err < 3e-2
                                          else {"error": f"WRONG (rel err {err:.2e})"})
             except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the run
                 row["variants"][name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
@@ -140,15 +158,18 @@ def summarize(meta, rows, names) -> str:
     md = [f"# Mosaic GPU grouped INT4 MoE, one K2.6 layer ({meta['device']})", "",
           f"{meta['date']}, JAX {meta['jax']}; {meta['timing']}; copy bandwidth {meta['copy_TBps']:.2f} TB/s. "
           "Microseconds, routed experts with their grouping and glue; floor = touched experts' INT4 + scale "
-          "bytes. layer = routed + the shared expert (bf16 XLA), against routed + shared bytes.", "",
-          "| T | touched | floor | " + " | ".join(f"{n} | x floor" for n in names) + " | shared (floor) | "
+          "bytes. layer = routed + the shared expert (bf16 XLA), against routed + shared bytes. [loop ...]: wall "
+          f"clock a call inside one jitted loop of {meta.get('loop_calls', 0)} calls (launch gaps included), x floor.",
+          "", "| T | touched | floor | " + " | ".join(f"{n} | x floor" for n in names) + " | shared (floor) | "
           "best layer x floor |", "|---" * (4 + 2 * len(names) + 1) + "|"]
     for r in rows:
         cells, best = [], None
         for n in names:
             v = r["variants"].get(n, {"error": "not run"})
             if "s" in v:
-                cells += [us(v["s"]), f"{v['s'] / r['floor_s']:.2f}"]
+                loop = (f" [loop {us(v['loop_wall_s'])}, {v['loop_wall_s'] / r['floor_s']:.2f}x]"
+                        if v.get("loop_wall_s") else "")
+                cells += [us(v["s"]) + loop, f"{v['s'] / r['floor_s']:.2f}"]
                 best = v["s"] if best is None else min(best, v["s"])
             else:
                 cells += [v["error"][:40], "-"]
