@@ -74,7 +74,6 @@ def main():
         timing = timer(f, *a)
         return timing.out, timing.device_s, [(name[:60], s * 1e6) for name, s in timing.kernels]
 
-
     @jax.jit
     def make_experts(key):
         def leaf(k, n_out, k_in):
