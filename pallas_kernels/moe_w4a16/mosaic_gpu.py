@@ -32,14 +32,16 @@ from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig, gpu_interpret_params
 
 
 def grouped_w4a16_mgpu_kernel(x_rows: jax.Array, w_i4: jax.Array, scale_t: jax.Array, tile_expert: jax.Array, *,
-                              config: MgpuConfig = MgpuConfig(), interpret=None) -> jax.Array:
+                              tile_weight: jax.Array | None = None, config: MgpuConfig = MgpuConfig(),
+                              interpret=None) -> jax.Array:
     """Grouped (per-tile expert) W4A16: x_rows bf16 [R * Mp, K] (row tile t = rows [t Mp, (t + 1) Mp)),
     w_i4 int4 [E, N, K], scale_t bf16 [E, K/32, N], tile_expert int32 [R] (the expert of each row tile,
     -1 = unused) -> y^T f32 [R, N, Mp], tile t = dequant(W[tile_expert[t]]) @ x_tile^T.
 
     Grid (R, N / block_n): a CTA reads its tile's expert id from global memory and skips the tile when it
-    is -1, so untouched experts and unused tiles cost no weight bytes. The output of an unused tile is
-    NOT written (undefined): mask it with tile_expert >= 0."""
+    is -1, so untouched experts and unused tiles cost no weight bytes. tile_weight (float32 [R], optional): a
+    tile whose weight is 0 is unused too (the decode path passes the routing weights as they are, so no XLA
+    launch has to build the table). The output of an unused tile is NOT written (undefined): mask it."""
     (r,), (rows, k), (num_experts, n, _) = tile_expert.shape, x_rows.shape, w_i4.shape
     if rows % r:
         raise ValueError(f"x_rows has {rows} rows, not a multiple of the {r} row tiles")
@@ -50,17 +52,34 @@ def grouped_w4a16_mgpu_kernel(x_rows: jax.Array, w_i4: jax.Array, scale_t: jax.A
     block_n = config.block_n
     tile_matmul = mosaic.make_tile_matmul(config, k, mp, interpret)
 
-    def kernel(e_gmem, x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
+    def kernel(e_gmem, tw_gmem, x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
         t = lax.axis_index("t")
         n_slice = pl.ds(lax.axis_index("n") * block_n, block_n)
-        expert = e_gmem[t]
+        expert = _tile_expert(e_gmem, tw_gmem, t)
 
         @pl.when(expert >= 0)
         def _():
             _store_tile(tile_matmul(w_gmem.at[expert, n_slice], x_gmem.at[pl.ds(t * mp, mp)],
                                     s_gmem.at[expert, :, n_slice], a_smem), o_smem, o_gmem.at[t, n_slice])
 
-    return _grouped_launch(kernel, r, n, mp, config, interpret)(tile_expert.astype(jnp.int32), x_rows, w_i4, scale_t)
+    return _grouped_launch(kernel, r, n, mp, config, interpret)(*_tile_table(tile_expert, tile_weight), x_rows, w_i4,
+                                                                scale_t)
+
+
+def _tile_table(tile_expert: jax.Array, tile_weight: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """The kernels' first two operands: the tile -> expert table (int32 [R]) and the tiles' weights (float32 [R];
+    all ones when not given: then only -1 marks an unused tile)."""
+    r = tile_expert.shape[0]
+    if tile_weight is None:
+        tile_weight = jnp.ones((r,), jnp.float32)
+    if tile_weight.shape != (r,):
+        raise ValueError(f"tile_weight {tile_weight.shape} must be [R] = [{r}], one weight a row tile")
+    return tile_expert.astype(jnp.int32), tile_weight.astype(jnp.float32)
+
+
+def _tile_expert(e_gmem, tw_gmem, t):
+    """Inside a grouped kernel: row tile t's expert, -1 when the tile is unused (-1 in the table or weight 0)."""
+    return jnp.where(tw_gmem[t] != 0, e_gmem[t], -1)
 
 
 def _store_tile(value, o_smem, o_gmem_tile) -> None:
@@ -89,16 +108,16 @@ def _bf16(v):
 
 
 def grouped_gate_up_mgpu_kernel(x_rows: jax.Array, gate_w: jax.Array, gate_s: jax.Array, up_w: jax.Array,
-                                up_s: jax.Array, tile_expert: jax.Array, *, config: MgpuConfig = MgpuConfig(),
-                                interpret=None) -> jax.Array:
+                                up_s: jax.Array, tile_expert: jax.Array, *, tile_weight: jax.Array | None = None,
+                                config: MgpuConfig = MgpuConfig(), interpret=None) -> jax.Array:
     """The gate and up launches in one, SwiGLU in the epilogue: x_rows bf16 [R * Mp, K], gate_w / up_w int4
     [E, N, K], gate_s / up_s bf16 [E, K/32, N], tile_expert int32 [R] (-1 = unused) -> h^T f32 [R, N, Mp]
     with h = bf16(bf16(silu(bf16(g))) * bf16(u)), g / u the tile's gate / up products (values exactly
     representable in bf16; the same roundings as the three-launch path's XLA SwiGLU).
 
     Grid (R, N / block_n) as `grouped_w4a16_mgpu_kernel`: a CTA streams its expert's gate tile, then its up
-    tile, through the same pipeline, with the token tile read twice from L2; an unused tile's output is NOT
-    written (mask it with tile_expert >= 0)."""
+    tile, through the same pipeline, with the token tile read twice from L2; tile_weight and unused tiles as in
+    `grouped_w4a16_mgpu_kernel` (an unused tile's output is NOT written: mask it)."""
     (r,), (rows, k), (num_experts, n, _) = tile_expert.shape, x_rows.shape, gate_w.shape
     if rows % r:
         raise ValueError(f"x_rows has {rows} rows, not a multiple of the {r} row tiles")
@@ -111,10 +130,10 @@ def grouped_gate_up_mgpu_kernel(x_rows: jax.Array, gate_w: jax.Array, gate_s: ja
     block_n = config.block_n
     tile_matmul = mosaic.make_tile_matmul(config, k, mp, interpret)
 
-    def kernel(e_gmem, x_gmem, gw_gmem, gs_gmem, uw_gmem, us_gmem, o_gmem, o_smem, a_smem=None):
+    def kernel(e_gmem, tw_gmem, x_gmem, gw_gmem, gs_gmem, uw_gmem, us_gmem, o_gmem, o_smem, a_smem=None):
         t = lax.axis_index("t")
         n_slice = pl.ds(lax.axis_index("n") * block_n, block_n)
-        expert = e_gmem[t]
+        expert = _tile_expert(e_gmem, tw_gmem, t)
 
         @pl.when(expert >= 0)
         def _():
@@ -123,8 +142,8 @@ def grouped_gate_up_mgpu_kernel(x_rows: jax.Array, gate_w: jax.Array, gate_s: ja
             u = _bf16(tile_matmul(uw_gmem.at[expert, n_slice], x_tile, us_gmem.at[expert, :, n_slice], a_smem))
             _store_tile(_bf16(_bf16(g / (1.0 + jnp.exp(-g))) * u), o_smem, o_gmem.at[t, n_slice])
 
-    return _grouped_launch(kernel, r, n, mp, config, interpret)(tile_expert.astype(jnp.int32), x_rows, gate_w,
-                                                                gate_s, up_w, up_s)
+    return _grouped_launch(kernel, r, n, mp, config, interpret)(*_tile_table(tile_expert, tile_weight), x_rows,
+                                                                gate_w, gate_s, up_w, up_s)
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "config_up", "config_down", "interpret", "out_dtype",
@@ -164,17 +183,19 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
         raise ValueError(f"expert_ids {expert_ids.shape} and weights {weights.shape} must both be [T, k], "
                          f"T={x.shape[0]}")
 
-    def swiglu_tiles(x_rows, tile_expert):  # [R bm, D] rows -> [R, D, bm] f32 down outputs (0: unused tiles)
-        used = (tile_expert >= 0)[:, None, None]  # unused tiles' outputs are never written: mask them
+    def swiglu_tiles(x_rows, tile_expert, tile_weight=None):  # [R bm, D] rows -> [R, D, bm] f32 (0: unused tiles)
+        used = tile_expert >= 0 if tile_weight is None else tile_weight != 0
+        used = used[:, None, None]  # unused tiles' outputs are never written: mask them
         rows = x_rows.shape[0]
 
         def run(rows_in, w, s, config):  # -> [R, N, block_m] f32
-            y_t = grouped_w4a16_mgpu_kernel(rows_in, w, s, tile_expert, config=config, interpret=interpret)
+            y_t = grouped_w4a16_mgpu_kernel(rows_in, w, s, tile_expert, tile_weight=tile_weight, config=config,
+                                            interpret=interpret)
             return jnp.where(used, y_t, 0.0)
 
         if fused_gate_up:
-            h_t = grouped_gate_up_mgpu_kernel(x_rows, gate_w, gate_s, up_w, up_s, tile_expert, config=config_up,
-                                              interpret=interpret)
+            h_t = grouped_gate_up_mgpu_kernel(x_rows, gate_w, gate_s, up_w, up_s, tile_expert, tile_weight=tile_weight,
+                                              config=config_up, interpret=interpret)
             h = jnp.where(used, h_t, 0.0).astype(jnp.bfloat16)  # [R, I, bm]: exact, the kernel rounded to bf16
         else:
             g = _bf16(run(x_rows, gate_w, gate_s, config_up))  # [R, I, bm]
@@ -186,11 +207,11 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
     if x.shape[0] == 1:
         # Decode (T = 1): one tile per choice, the token in its row 0; no sort, no scatter, no gathers (the
         # general grouping below costs more small XLA kernels than the bytes of 8 experts take to stream).
-        # A zero-weight choice (another shard's expert) gets tile -1: never read.
+        # A zero-weight choice (another shard's expert) is an unused tile: the kernels read the routing weights
+        # themselves (tile_weight), so no XLA launch builds a tile table.
         top_k = expert_ids.shape[1]
-        tile_expert = jnp.where(weights[0] != 0, expert_ids[0], -1).astype(jnp.int32)  # [k]
         x_rows = jnp.zeros((top_k, block_m, hidden), jnp.bfloat16).at[:, 0].set(x[0]).reshape(top_k * block_m, hidden)
-        y = swiglu_tiles(x_rows, tile_expert)[:, :, 0]  # [k, D]
+        y = swiglu_tiles(x_rows, expert_ids[0], weights[0].astype(jnp.float32))[:, :, 0]  # [k, D]
         return jnp.sum(y * weights[0].astype(jnp.float32)[:, None], axis=0, keepdims=True).astype(out_dtype)
 
     grp = group_assignments(expert_ids, weights, num_experts, block_m)

@@ -382,10 +382,11 @@ def test_mgpu_grouped_moe_interpret_matches_numpy(T, E, k, crowd, zero, fused):
     assert _rel(got, _numpy_moe(x, dense, ids, weights)) < 3e-2  # bf16 x, gate/up, hidden, down
 
 
-@pytest.mark.parametrize("block_k", [64, 128])
-def test_mgpu_grouped_kernel_skips_unused_tiles_and_reuses_experts(block_k):
+@pytest.mark.parametrize("block_k,weighted", [(64, False), (128, False), (64, True)])
+def test_mgpu_grouped_kernel_skips_unused_tiles_and_reuses_experts(block_k, weighted):
     """grouped_w4a16_mgpu_kernel: tile t = expert tile_expert[t]; -1 tiles are skipped (never written).
-    block_k 128: 4 scale groups per pipeline step, each its own register slice."""
+    block_k 128: 4 scale groups per pipeline step, each its own register slice. weighted: the routing weights
+    given as tile_weight (the decode path's form) also mark tile 2 unused (weight 0)."""
     from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_w4a16_mgpu_kernel
     from pallas_kernels.w4a16 import w4a16_matmul_reference
     from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig
@@ -397,15 +398,17 @@ def test_mgpu_grouped_kernel_skips_unused_tiles_and_reuses_experts(block_k):
     x_rows = jnp.asarray(rng.standard_normal((4 * 8, 128)), jnp.bfloat16)
     mosaic = leaf.to_mosaic()
     w, s = mosaic.w_i4, mosaic.scale_t
+    tile_weight = jnp.asarray([0.5, 1.0, 0.0, 2.0], jnp.float32) if weighted else None
+    unused = (np.asarray(tile_expert) < 0) | (np.asarray(tile_weight) == 0 if weighted else False)
     try:
         y_t = jax.block_until_ready(grouped_w4a16_mgpu_kernel(  # finish before the finally resets the interpreter
-            x_rows, w, s, tile_expert, interpret=_mgpu_interpret(),
+            x_rows, w, s, tile_expert, tile_weight=tile_weight, interpret=_mgpu_interpret(),
             config=MgpuConfig(block_n=64, block_k=block_k, a_operand="smem")))
     finally:
         _reset_mgpu_interpreter()
     assert y_t.shape == (4, 64, 8)
     for t, e in enumerate(np.asarray(tile_expert)):
-        if e < 0:
+        if unused[t]:
             continue
         want = w4a16_matmul_reference(x_rows[t * 8:(t + 1) * 8].astype(jnp.float32),
                                       jax.tree.map(lambda a, e=e: a[e], leaf))  # [8, 64]
