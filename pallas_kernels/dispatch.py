@@ -115,6 +115,17 @@ def is_hopper(device) -> bool:
     return is_gpu(device) and str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
+HOPPER_SMS = 132  # H100 SXM and H200; an H100 PCIe has 114
+
+
+def sm_count(device=None) -> int:
+    """The device's streaming multiprocessors (`core_count` of a GPU device), HOPPER_SMS where there is no GPU (CPU
+    tests, interpret mode, a deviceless compile for an abstract H100 / H200): what the kernels' work plans divide."""
+    device = device if device is not None else default_device()
+    count = getattr(device, "core_count", None) if is_gpu(device) else None
+    return int(count) if count else HOPPER_SMS
+
+
 def _device_name(device) -> str:
     return getattr(device, "device_kind", None) or getattr(device, "platform", "?")
 

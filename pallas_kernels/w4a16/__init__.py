@@ -60,7 +60,7 @@ def w4a16_matmul(x: jax.Array, w: Int4Weight | MosaicInt4Weight, *, impl: str = 
     if choice.impl == "xla":
         return w4a16_matmul_xla(x, w)
     assert isinstance(w, MosaicInt4Weight)  # choose_linear runs the kernel on the Mosaic layout only
-    tuned_config, tuned_split, tuned_whole = dense_config(k, n)
+    tuned_config, tuned_split, tuned_whole = dense_config(k, n, dispatch.sm_count())
     if config is None:
         config = tuned_config if not interpret else MgpuConfig(block_n=tuned_config.block_n,
                                                                block_k=tuned_config.block_k, a_operand="smem")

@@ -101,6 +101,9 @@ def test_dense_tiling_rule():
     # (24 SMs with 3)
     assert dense_config(7168, 18432) == (MgpuConfig(block_n=64, block_k=256), 4, 264)
     assert dense_config(7168, 140 * 64) == (MgpuConfig(block_n=64, block_k=64), 16, 132)  # 8 x 16 = 128 <= 132
+    # an H100 PCIe's 114 SMs: 228 whole + 60 x 1 (60 x 2 would give some SMs two chunks)
+    assert dense_config(7168, 18432, num_sms=114) == (MgpuConfig(block_n=64, block_k=256), 1, 228)
+    assert dispatch.sm_count() == 132  # no GPU here: the Hopper SXM count the plans are tuned for
     assert dense_config(7168, 2048) == (MgpuConfig(block_n=64, block_k=256), 7, 0)  # 32 tiles x 7: 1024-wide chunks
     assert dense_config(2048, 7168) == (MgpuConfig(block_n=64, block_k=256), 2, 0)  # 112 x 2
     assert dense_config(384, 1024) == (MgpuConfig(block_n=64, block_k=64), 6, 0)  # never fills: one step a split
