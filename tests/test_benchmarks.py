@@ -4,6 +4,7 @@ results it describes). The measurements themselves only come from the GPU."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -350,3 +351,21 @@ def test_moe_mgpu_table_shows_the_loop_wall_clock():
     md = summarize(meta, [row], ["a", "b"])
     assert "| 1 | 8 | 60.0 | 80.0 [loop 90.0, 1.50x] | 1.33 | 85.0 | 1.42 |" in md
     assert "one jitted loop of 20 calls" in md
+
+
+def test_gpu_targets_script_names_only_options_its_benchmarks_take():
+    """benchmarks/gpu_targets.sh (issue 20's measurements in one call on a GPU) is valid bash, and every option it
+    passes to a benchmark is one that benchmark's --help lists: a renamed option fails here, not on the device."""
+    script = ROOT / "benchmarks" / "gpu_targets.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text().replace("\\\n", " ")
+    calls = re.findall(r"\$PY (benchmarks/\w+\.py)([^\n]*)", text)
+    assert {c[0] for c in calls} == {"benchmarks/bench_tree_attention.py", "benchmarks/bench_w4a16.py",
+                                     "benchmarks/bench_moe_mgpu.py", "benchmarks/bench_k26_slice.py"}
+    helps = {}
+    for path, args in calls:
+        if path not in helps:
+            helps[path] = subprocess.run([sys.executable, path, "--help"], cwd=ROOT, env=CPU, capture_output=True,
+                                         text=True, timeout=300).stdout
+        for option in re.findall(r"(--[a-z][a-z0-9-]*)", args):
+            assert re.search(re.escape(option) + r"(?![\w-])", helps[path]), (path, option)

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Issue 20's targets in one call on a Hopper GPU (an H200 is the targets' device), from the repo root:
+#
+#   OUT=DIR [LIMIT_S=560] [BENCH_GIT_COMMIT=SHA] bash benchmarks/gpu_targets.sh
+#
+# One after the other, each in the time left (a step not started with 20 s or less left is logged as skipped), each
+# writing its results files (benchmarks/README.md: json + md + png with the run's record) into a folder under OUT:
+#   attn_t1/      tree attention, S = 32768, T = 1: the tuned kernel (replicated schedule, 128 splits) vs XLA vs floor
+#   attn_t33/     tree attention, S = 32768 and 4096, T = 33 (shared_qk, 4 splits)
+#   attn_t129/    tree attention, S = 32768, T = 129 (shared_qk, 1 split)
+#   w4a16/        dense W4A16 at K2.6's four shapes, M = 1 / 8 / 16, the tuned plan vs one without split, XLA, floor
+#   moe/          routed MoE, one K2.6 layer, T = 1 / 9 / 33, three launches and gate + up fused, CUPTI and the wall
+#                 clock in a jitted loop
+#   k26/          the K2.6 layer slice (one MoE layer), T = 1 / 9 / 33 at S = 4096 / 32768, the AR step's extrapolation
+# and OUT/targets.log: each step's start, end and exit status. Pass the commit as BENCH_GIT_COMMIT where the
+# tree's git metadata is not the commit's (a copied working tree). Exits 0 when every step ran and passed.
+set -uo pipefail
+: "${OUT:?set OUT to the output folder}"
+LIMIT_S=${LIMIT_S:-560}
+PY=${PYTHON:-python3}
+export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+end=$(( $(date +%s) + LIMIT_S ))
+left() { echo $(( end - $(date +%s) )); }
+log="$OUT/targets.log"
+: > "$log"
+status=0
+step() {  # NAME CAP_S CMD...: CMD with stdout/stderr in OUT/NAME.log, for at most CAP_S seconds or the time left
+    local name=$1 cap=$2 t rc; shift 2
+    t=$(left); (( t > cap )) && t=$cap
+    if (( t <= 20 )); then
+        echo "$name: skipped (no time left)" | tee -a "$log"; (( status == 0 )) && status=124; return
+    fi
+    echo "$name: start, ${t}s at most" | tee -a "$log"
+    timeout "$t" "$@" > "$OUT/$name.log" 2>&1
+    rc=$?; (( rc != 0 && status == 0 )) && status=$rc
+    echo "$name: rc=$rc" | tee -a "$log"
+}
+step attn_t1 60 $PY benchmarks/bench_tree_attention.py --out "$OUT/attn_t1" --budget-s 5 --shapes 32768:1 \
+    --splits 128 --schedules replicated
+step attn_t33 70 $PY benchmarks/bench_tree_attention.py --out "$OUT/attn_t33" --budget-s 30 --shapes 32768:33 4096:33 \
+    --splits 4 --schedules shared_qk
+step attn_t129 60 $PY benchmarks/bench_tree_attention.py --out "$OUT/attn_t129" --budget-s 5 --shapes 32768:129 \
+    --splits 1 --schedules shared_qk
+step w4a16 110 $PY benchmarks/bench_w4a16.py --out "$OUT/w4a16" --deadline-s 70 --shapes 7168:18432 7168:2048 \
+    18432:7168 2048:7168 --ms 1 8 16
+step moe 110 $PY benchmarks/bench_moe_mgpu.py --out "$OUT/moe" --ts 1,9,33 \
+    --variants bn64:bk256:s4,bn64:bk256:s4+fused --loop-calls 20 --deadline-s 70
+step k26 150 $PY benchmarks/bench_k26_slice.py --out "$OUT/k26" --layers 1 --ts 1,9,33 --ss 4096,32768 \
+    --no-baselines --deadline-s 100
+exit "$status"
