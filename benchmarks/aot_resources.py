@@ -24,6 +24,7 @@ the CUDA tools are looked for. Writes DIR/aot_resources_<gpu>.{json,md}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import glob
 import os
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -218,6 +220,7 @@ class Case:
     kernel: str  # tree_attention | w4a16 | moe
     name: str
     build: Callable  # () -> (fn, abstract args without sharding)
+    donate: tuple[int, ...] = ()  # arguments the compiled call may update in place (an engine's latent cache)
 
 
 def compile_for(case: Case, device):
@@ -227,8 +230,8 @@ def compile_for(case: Case, device):
 
     fn, args = case.build()
     sharding = SingleDeviceSharding(device)
-    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
-    return jax.jit(fn).trace(*args).lower().compile()
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
+    return jax.jit(fn, donate_argnums=case.donate).trace(*args).lower().compile()
 
 
 def compile_case(case: Case, device, dump_dir: Path, ptxas: str, nvdisasm: str) -> dict:
@@ -376,8 +379,10 @@ def census_cases() -> list[Case]:
     """Whole engine calls, with their XLA glue: the tree attention as the dispatcher runs it on Hopper
     (`tree_attention_mosaic` with the tuned split count and schedule: mask words, the kernel, the split combine; the
     entry point itself refuses the CPU that compiles) at T = 1 / 33, S = 32768, the routed MoE of one K2.6 layer
-    (E 384, top-8, 7168 -> 2048 -> 7168) at T = 1, in three launches and with gate / up fused, and XLA's attention
-    (what runs at T = 1, S = 4096) over one layer of a whole two-layer cache, as the model calls it."""
+    (E 384, top-8, 7168 -> 2048 -> 7168) at T = 1, in three launches and with gate / up fused, XLA's attention
+    (what runs at T = 1, S = 4096) over one layer of a whole two-layer cache, as the model calls it, and a whole K2.6
+    MoE decoder layer at T = 1, S = 4096 as the engine runs it on Hopper (the model traced with the dispatcher's
+    choices for an H100: `_dispatching_for_hopper`)."""
     import jax
     import jax.numpy as jnp
 
@@ -418,7 +423,54 @@ def census_cases() -> list[Case]:
 
     # 4096 cache rows exactly: at other counts (4160) XLA also pads the value GEMM's operand for its split-K
     out.append(Case("attention call", "XLA, T=1 S=4096, layer 1 of 2", lambda: xla_attention(1, 4096)))
+    out.append(Case("decoder layer", "K2.6 MoE layer, T=1 S=4096, as the engine runs it on Hopper",
+                    lambda: _k26_layer(1, 4096), donate=(3,)))
     return out
+
+
+_HOPPER = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H100 80GB HBM3",
+                                core_count=132)  # what the dispatcher asks of a device, for choices made while tracing
+
+
+@contextlib.contextmanager
+def _dispatching_for_hopper():
+    """While a function is traced on this GPU-less machine: the dispatcher's default device is a Hopper GPU, so the
+    model makes the choices it makes on one (the Mosaic MoE, the tuned attention, the GPU weight layouts)."""
+    from pallas_kernels import dispatch
+
+    saved = dispatch.default_device
+    dispatch.default_device = lambda: _HOPPER
+    try:
+        yield
+    finally:
+        dispatch.default_device = saved
+
+
+def _k26_layer(T: int, rows: int):
+    """One K2.6 MoE decoder layer (the model's `DecoderLayer`, bf16, INT4 routed experts) on its params as
+    `kj.prepare_params` lays them out for a Hopper GPU, writing its T rows into a one-layer latent cache of `rows`
+    rows (donated: written in place, as in the engine's loop)."""
+    import jax
+    import jax.numpy as jnp
+
+    import kdtree_jax as kj
+    from kdtree_jax.model import DecoderLayer
+
+    cfg = kj.ModelConfig.kimi_k26().replace(num_hidden_layers=1, first_k_dense_replace=0)
+    kernels = kj.Kernels()
+    with _dispatching_for_hopper():
+        params = jax.eval_shape(lambda k: kj.prepare_params(kj.quantize(kj.init_params(cfg, k, jnp.bfloat16), cfg),
+                                                            cfg, kernels, device=_HOPPER), jax.random.key(0))
+
+    def fn(layer_params, h, positions, cache, start, visibility):
+        with _dispatching_for_hopper():
+            return DecoderLayer(cfg, 0, jnp.bfloat16, kernels).apply({"params": layer_params}, h, positions, cache,
+                                                                     start, visibility)
+
+    S = jax.ShapeDtypeStruct
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    return fn, (params["layers_0"], S((1, T, cfg.hidden_size), jnp.bfloat16), S((1, T), jnp.int32),
+                S((1, 1, rows, width), jnp.bfloat16), S((1,), jnp.int32), S((1, T, T), jnp.bool_))
 
 
 def compile_launches(case: Case, device) -> dict:

@@ -193,3 +193,8 @@ def test_decode_calls_launch_no_more_glue(compiled):
     for case, kernels in (("T=1, three launches", 3), ("T=1, gate+up fused", 2)):
         moe = calls[("routed MoE call", case)]
         assert count(moe, "custom-call mosaic_gpu_v2") == kernels and count(moe, "fusion") <= 3, (case, moe)
+    # a whole K2.6 MoE decoder layer at T = 1, S = 4096 as the engine runs it on Hopper (2026-12-06: 41 launches, the
+    # two Mosaic MoE kernels and 39 XLA fusions: norms, bf16 projections, RoPE, the cache row write, XLA's attention,
+    # the router and top-k, the shared expert, the MoE's pad and transpose; the weighted sum fused into the residual)
+    layer = calls[("decoder layer", "K2.6 MoE layer, T=1 S=4096, as the engine runs it on Hopper")]
+    assert count(layer, "custom-call mosaic_gpu_v2") == 2 and len(layer) <= 41, layer
