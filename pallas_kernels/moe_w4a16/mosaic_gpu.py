@@ -59,7 +59,7 @@ def grouped_w4a16_mgpu_kernel(x_rows: jax.Array, w_i4: jax.Array, scale_t: jax.A
 
         @pl.when(expert >= 0)
         def _():
-            _store_tile(tile_matmul(w_gmem.at[expert, n_slice], x_gmem.at[pl.ds(t * mp, mp)],
+            mosaic.store_tile(tile_matmul(w_gmem.at[expert, n_slice], x_gmem.at[pl.ds(t * mp, mp)],
                                     s_gmem.at[expert, :, n_slice], a_smem), o_smem, o_gmem.at[t, n_slice])
 
     return _grouped_launch(kernel, r, n, mp, config, interpret)(*_tile_table(tile_expert, tile_weight), x_rows, w_i4,
@@ -80,14 +80,6 @@ def _tile_table(tile_expert: jax.Array, tile_weight: jax.Array | None) -> tuple[
 def _tile_expert(e_gmem, tw_gmem, t):
     """Inside a grouped kernel: row tile t's expert, -1 when the tile is unused (-1 in the table or weight 0)."""
     return jnp.where(tw_gmem[t] != 0, e_gmem[t], -1)
-
-
-def _store_tile(value, o_smem, o_gmem_tile) -> None:
-    """A CTA's f32 [block_n, Mp] result through SMEM to its tile of the output."""
-    o_smem[...] = value
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem_tile)
-    plgpu.wait_smem_to_gmem(0)
 
 
 def _grouped_launch(kernel, r: int, n: int, mp: int, config: MgpuConfig, interpret):
@@ -140,7 +132,7 @@ def grouped_gate_up_mgpu_kernel(x_rows: jax.Array, gate_w: jax.Array, gate_s: ja
             x_tile = x_gmem.at[pl.ds(t * mp, mp)]
             g = _bf16(tile_matmul(gw_gmem.at[expert, n_slice], x_tile, gs_gmem.at[expert, :, n_slice], a_smem))
             u = _bf16(tile_matmul(uw_gmem.at[expert, n_slice], x_tile, us_gmem.at[expert, :, n_slice], a_smem))
-            _store_tile(_bf16(_bf16(g / (1.0 + jnp.exp(-g))) * u), o_smem, o_gmem.at[t, n_slice])
+            mosaic.store_tile(_bf16(_bf16(g / (1.0 + jnp.exp(-g))) * u), o_smem, o_gmem.at[t, n_slice])
 
     return _grouped_launch(kernel, r, n, mp, config, interpret)(*_tile_table(tile_expert, tile_weight), x_rows,
                                                                 gate_w, gate_s, up_w, up_s)

@@ -198,6 +198,15 @@ def make_tile_matmul(config: MgpuConfig, k: int, mp: int, interpret=None):
     return tile_matmul
 
 
+def store_tile(value, o_smem, o_gmem_tile) -> None:
+    """A CTA's f32 [block_n, Mp] result through SMEM (`scratch_types`' o_smem) to its tile of the output (call inside
+    a kernel; the dense GEMM and the grouped MoE kernels)."""
+    o_smem[...] = value
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem_tile)
+    plgpu.wait_smem_to_gmem(0)
+
+
 def scratch_types(config: MgpuConfig, mp: int) -> dict:
     scratch = dict(o_smem=plgpu.SMEM((config.block_n, mp), jnp.float32))  # [block_n, Mp]
     if config.a_operand == "smem":
@@ -239,17 +248,12 @@ def w4a16_matmul_mgpu_kernel(x: jax.Array, w_i4: jax.Array, scale_t: jax.Array, 
     def kernel(x_gmem, w_gmem, s_gmem, *outs, o_smem, a_smem=None):
         p = lax.axis_index("p")
 
-        def store(value, o_gmem_tile):
-            o_smem[...] = value
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem_tile)
-            plgpu.wait_smem_to_gmem(0)
-
         if whole_matmul is not None:
             @pl.when(p < whole_tiles)
             def _(whole_matmul=whole_matmul):
                 n_slice = pl.ds(p * block_n, block_n)
-                store(whole_matmul(w_gmem.at[n_slice], x_gmem, s_gmem.at[:, n_slice], a_smem), outs[0].at[n_slice])
+                store_tile(whole_matmul(w_gmem.at[n_slice], x_gmem, s_gmem.at[:, n_slice], a_smem), o_smem,
+                           outs[0].at[n_slice])
 
         if chunk_matmul is not None:
             @pl.when(p >= whole_tiles)
@@ -258,9 +262,9 @@ def w4a16_matmul_mgpu_kernel(x: jax.Array, w_i4: jax.Array, scale_t: jax.Array, 
                 tile, split = q % rest, q // rest
                 n_slice = pl.ds((whole_tiles + tile) * block_n, block_n)
                 k_slice = pl.ds(split * k_chunk, k_chunk)
-                store(chunk_matmul(w_gmem.at[n_slice, k_slice], x_gmem.at[:, k_slice],
-                                   s_gmem.at[pl.ds(split * groups, groups), n_slice], a_smem),
-                      outs[-1].at[split, pl.ds(tile * block_n, block_n)])
+                store_tile(chunk_matmul(w_gmem.at[n_slice, k_slice], x_gmem.at[:, k_slice],
+                                        s_gmem.at[pl.ds(split * groups, groups), n_slice], a_smem),
+                           o_smem, outs[-1].at[split, pl.ds(tile * block_n, block_n)])
 
     f = plgpu.kernel(
         kernel,
