@@ -108,9 +108,9 @@ def main():
 
     walls = {}  # (T, variant) -> seconds a call in a jitted loop; before the first CUPTI window (it inflates walls)
     for t in ts if args.loop_calls else ():
+        x, ids, w = routing(t)
         for name, fn in fns.items():
             try:
-                x, ids, w = routing(t)
                 walls[t, name] = loop_wall_us(fn, (x, experts, ids, w), args.loop_calls) * 1e-6
             except Exception as exc:  # noqa: BLE001 - reported with the variant's CUPTI row below
                 print(f"T={t} {name}: loop wall failed: {type(exc).__name__}", flush=True)
