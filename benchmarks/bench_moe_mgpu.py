@@ -14,7 +14,9 @@ at the copy bandwidth measured in this run (benchmarks/cost_model.py). Issue 7's
 expert too: its bf16 XLA time and bytes are measured and added in the "layer" columns. With --loop-calls N (default
 20) each variant is also timed by wall clock inside one jitted loop of N dependent calls (`common.loop_wall_us`: the
 per-call cost in a decode loop, launch gaps included, no dispatch), before any CUPTI window: issue 20's T = 1 target
-asks for both. A variant that fails to compile or disagrees with the reference is reported, never timed.
+asks for both. --timeline adds the device's own timeline of that loop (`common.loop_timeline`: per call the span,
+the busy time and the gaps, and one call's launches with the idle time before each), also before any CUPTI window.
+A variant that fails to compile or disagrees with the reference is reported, never timed.
 Writes DIR/moe_mgpu.json and DIR/moe_mgpu.md with the run's metadata.
 """
 
@@ -39,6 +41,9 @@ def main():
     ap.add_argument("--deadline-s", type=float, default=400.0, help="start no new T after this many seconds")
     ap.add_argument("--loop-calls", type=int, default=20,
                     help="calls in the jitted loop of the wall-clock column (0: no wall clock in a loop)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also profile that loop (jax's profiler): per call span, busy time, gaps, and one call's "
+                         "launches with the idle time before each")
     args = ap.parse_args()
 
     import jax
@@ -46,7 +51,7 @@ def main():
     import numpy as np
 
     import kdtree_jax as kj
-    from benchmarks.common import Timer, copy_bandwidth, loop_wall_us, metadata, write_results
+    from benchmarks.common import Timer, copy_bandwidth, loop_timeline, loop_wall_us, metadata, write_results
     from benchmarks.cost_model import BF16_BYTES, CostModel
     from pallas_kernels.int4 import MosaicInt4Weight
     from pallas_kernels.moe_w4a16 import grouped_moe_w4a16_mgpu, grouped_moe_w4a16_reference
@@ -114,6 +119,16 @@ def main():
                 walls[t, name] = loop_wall_us(fn, (x, experts, ids, w), args.loop_calls) * 1e-6
             except Exception as exc:  # noqa: BLE001 - reported with the variant's CUPTI row below
                 print(f"T={t} {name}: loop wall failed: {type(exc).__name__}", flush=True)
+    timelines = {}  # (T, variant) -> common.loop_timeline
+    for t in ts if args.timeline and args.loop_calls else ():
+        x, ids, w = routing(t)
+        for name, fn in fns.items():
+            try:
+                timelines[t, name] = loop_timeline(fn, (x, experts, ids, w), args.loop_calls)
+                print(f"T={t} {name} timeline: " + str({k: v for k, v in timelines[t, name].items()
+                                                        if k.endswith("per_call")}), flush=True)
+            except Exception as exc:  # noqa: BLE001 - the other measurements still run
+                print(f"T={t} {name}: timeline failed: {type(exc).__name__}: {exc}"[:2000], flush=True)
     bandwidth = copy_bandwidth(timer)
     model = CostModel.from_config(cfg, bandwidth=bandwidth)
     meta["copy_TBps"] = bandwidth / 1e12
@@ -137,7 +152,8 @@ def main():
                 got, ref = got.astype(jnp.float32), want
                 err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
                 row["variants"][name] = ({"s": sec, "rel_err": err, "kernels": kernels,
-                                          "loop_wall_s": walls.get((t, name))} if err < 3e-2
+                                          "loop_wall_s": walls.get((t, name)),
+                                          "timeline": timelines.get((t, name))} if err < 3e-2
                                          else {"error": f"WRONG (rel err {err:.2e})"})
             except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the run
                 row["variants"][name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
@@ -181,6 +197,18 @@ def summarize(meta, rows, names) -> str:
             v = r["variants"].get(n, {})
             if "kernels" in v:
                 md.append(f"- T={r['T']} {n}: " + ", ".join(f"{k} {t:.1f}" for k, t in v["kernels"]))
+    for r in rows:
+        for n in names:
+            tl = r["variants"].get(n, {}).get("timeline")
+            if not tl:
+                continue
+            md += ["", f"Timeline, T={r['T']} {n} (profiler, a jitted loop of {tl['calls']} calls, before any CUPTI "
+                   f"window): per call span {tl['span_us_per_call']:.1f} us = busy {tl['busy_us_per_call']:.1f} + "
+                   f"gaps {tl['gap_us_per_call']:.1f}; {tl['events_per_call']:g} device events a call.", "",
+                   "| event (one call) | idle before (us) | us |", "|---|---|---|"]
+            for ev in tl.get("middle_call", tl.get("first_events", [])):
+                gap = "-" if ev["gap_before_us"] is None else f"{ev['gap_before_us']:.1f}"
+                md.append(f"| `{ev['name'][:70]}` | {gap} | {ev['us']:.1f} |")
     return "\n".join(md) + "\n"
 
 

@@ -194,11 +194,8 @@ class Timer:
         return Timing(out, statistics.median(walls), median, runs[(len(runs) - 1) // 2])
 
 
-def loop_wall_us(fn: Callable, args: tuple, calls: int, repeats: int = 5) -> float:
-    """Microseconds per call of fn(*args) inside one jitted fori_loop of `calls` dependent calls (each call's first
-    argument takes a negligible term of the previous output: x + 1e-30 * y, or of its sum when the shapes differ, so
-    XLA can neither hoist nor drop a call), median of `repeats` timed loops after a compile: the per-call cost as
-    inside a decode loop, without the dispatch. Take it before any CUPTI window (Timer)."""
+def _dependent_loop(fn: Callable, calls: int) -> Callable:
+    """jit(one fori_loop of `calls` calls of fn), each call's first argument nudged by the last output (below)."""
     import jax
     import jax.numpy as jnp
 
@@ -208,7 +205,17 @@ def loop_wall_us(fn: Callable, args: tuple, calls: int, repeats: int = 5) -> flo
         nudge = y if y.shape == x.shape else jnp.sum(y)
         return (x + (nudge * 1e-30).astype(x.dtype), *carry[1:])
 
-    loop = jax.jit(lambda *a: jax.lax.fori_loop(0, calls, body, a)[0])
+    return jax.jit(lambda *a: jax.lax.fori_loop(0, calls, body, a)[0])
+
+
+def loop_wall_us(fn: Callable, args: tuple, calls: int, repeats: int = 5) -> float:
+    """Microseconds per call of fn(*args) inside one jitted fori_loop of `calls` dependent calls (each call's first
+    argument takes a negligible term of the previous output: x + 1e-30 * y, or of its sum when the shapes differ, so
+    XLA can neither hoist nor drop a call), median of `repeats` timed loops after a compile: the per-call cost as
+    inside a decode loop, without the dispatch. Take it before any CUPTI window (Timer)."""
+    import jax
+
+    loop = _dependent_loop(fn, calls)
     jax.block_until_ready(loop(*args))
     walls = []
     for _ in range(repeats):
@@ -216,6 +223,63 @@ def loop_wall_us(fn: Callable, args: tuple, calls: int, repeats: int = 5) -> flo
         jax.block_until_ready(loop(*args))
         walls.append(time.perf_counter() - start)
     return statistics.median(walls) / calls * 1e6
+
+
+def loop_timeline(fn: Callable, args: tuple, calls: int) -> dict:
+    """The device's own timeline of one jitted loop of `calls` dependent calls of fn(*args) (the loop loop_wall_us
+    times), from a profiler session (jax.profiler's XSpace: the GPU plane's stream lines, kernels and copies with their
+    device timestamps): `summarize_timeline` of its events. Where the per-call wall clock of a loop exceeds the
+    summed kernel time, this says whether the difference is gaps between launches (and before which) or inside
+    them. Take it before any CUPTI window (the profiler and CUPTI share the device's activity API)."""
+    import jax
+    from jax._src.lib import _profile_data, _profiler  # pyright: ignore[reportAttributeAccessIssue] (private, untyped)
+
+    loop = _dependent_loop(fn, calls)
+    jax.block_until_ready(loop(*args))
+    session = _profiler.ProfilerSession(_profiler.ProfileOptions())
+    try:
+        jax.block_until_ready(loop(*args))
+    finally:
+        space = _profile_data.ProfileData.from_serialized_xspace(session.stop())
+    events, seen = [], []
+    for plane in space.planes:
+        seen.append(f"{plane.name}: {[line.name for line in plane.lines]}")
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if line.name.startswith("Stream"):
+                events += [(event.name, event.start_ns, event.duration_ns) for event in line.events]
+    if not events:
+        raise RuntimeError("loop_timeline: the profile has no GPU stream events; planes and lines: " + "; ".join(seen))
+    return summarize_timeline(events, calls)
+
+
+def summarize_timeline(events: list[tuple[str, float, float]], calls: int) -> dict:
+    """(name, start ns, duration ns) events of `calls` loop iterations -> per call: span (first start to last end),
+    busy (union of the events' intervals), gaps (span - busy), events; and the middle call's events in order with
+    the idle time before each (when the events divide evenly over the calls, else the first events)."""
+    if calls < 1 or not events:
+        raise ValueError(f"summarize_timeline: need events and calls >= 1, got {len(events)} events, calls={calls}")
+    events = sorted(events, key=lambda ev: ev[1])
+    busy, cur_start, cur_end = 0.0, events[0][1], events[0][1] + events[0][2]
+    for _, start, dur in events[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start = start
+        cur_end = max(cur_end, start + dur)
+    busy += cur_end - cur_start
+    span = max(start + dur for _, start, dur in events) - events[0][1]
+    per = len(events) // calls if len(events) % calls == 0 else 0
+    first = per * (calls // 2) if per else 0
+    shown = events[first:first + per] if per else events[:min(len(events), 24)]
+    rows, prev_end = [], max((start + dur for _, start, dur in events[:first]), default=None)
+    for name, start, dur in shown:
+        rows.append({"name": name[:80], "gap_before_us": None if prev_end is None else (start - prev_end) / 1e3,
+                     "us": dur / 1e3})
+        prev_end = max(prev_end or 0.0, start + dur)
+    return {"calls": calls, "events": len(events), "events_per_call": len(events) / calls,
+            "span_us_per_call": span / 1e3 / calls, "busy_us_per_call": busy / 1e3 / calls,
+            "gap_us_per_call": (span - busy) / 1e3 / calls, "middle_call" if per else "first_events": rows}
 
 
 def copy_bandwidth(timer: Timer, elements: int = 512 * 1024 * 1024) -> float:

@@ -128,6 +128,30 @@ def test_loop_wall_feeds_each_call_the_last_output_and_times_per_call():
     assert 0 < matvec < 1e6 and 0 < same < 1e6
 
 
+def test_summarize_timeline_splits_span_into_busy_and_gaps():
+    """Three calls of two launches each (ns): per call span, busy (overlapping events counted once) and gaps, and the
+    middle call's launches with the idle time before each (its first measured from the previous call's end)."""
+    events = []
+    for c in range(3):
+        base = c * 10_000
+        events += [("pad", base, 1_000), ("mosaic_kernel", base + 3_000, 5_000), ("overlap", base + 7_000, 500)]
+    tl = common.summarize_timeline(events[::-1], calls=3)  # any order in
+    assert tl["events_per_call"] == 3 and tl["span_us_per_call"] == pytest.approx(28.0 / 3)
+    assert tl["busy_us_per_call"] == pytest.approx(6.0) and tl["gap_us_per_call"] == pytest.approx(28.0 / 3 - 6.0)
+    assert [(e["name"], e["gap_before_us"], e["us"]) for e in tl["middle_call"]] == [
+        ("pad", 2.0, 1.0), ("mosaic_kernel", 2.0, 5.0), ("overlap", -1.0, 0.5)]
+    uneven = common.summarize_timeline(events[:-1], calls=3)
+    assert "middle_call" not in uneven and uneven["first_events"][0]["gap_before_us"] is None
+    with pytest.raises(ValueError, match="need events"):
+        common.summarize_timeline([], calls=3)
+
+
+def test_loop_timeline_says_loudly_when_no_gpu_events_exist():
+    """On a CPU the profile has no GPU stream: an error naming the planes it saw, never an empty timeline."""
+    with pytest.raises(RuntimeError, match="no GPU stream events; planes and lines: .*host"):
+        common.loop_timeline(lambda x, w: x @ w, (jnp.ones((2, 64)), jnp.ones((64, 8))), calls=3)
+
+
 def test_copy_bandwidth_on_cpu_is_positive_and_finite(capsys):
     bandwidth = common.copy_bandwidth(common.Timer(2), elements=1 << 16)
     assert 0 < bandwidth < float("inf") and "copy bandwidth" in capsys.readouterr().out

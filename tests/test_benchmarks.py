@@ -351,6 +351,13 @@ def test_moe_mgpu_table_shows_the_loop_wall_clock():
     md = summarize(meta, [row], ["a", "b"])
     assert "| 1 | 8 | 60.0 | 80.0 [loop 90.0, 1.50x] | 1.33 | 85.0 | 1.42 |" in md
     assert "one jitted loop of 20 calls" in md
+    assert "Timeline" not in md  # none taken
+    row["variants"]["a"]["timeline"] = {"calls": 20, "span_us_per_call": 90.0, "busy_us_per_call": 80.0,
+                                        "gap_us_per_call": 10.0, "events_per_call": 2.0,
+                                        "middle_call": [{"name": "pad", "gap_before_us": 3.0, "us": 1.0},
+                                                        {"name": "mosaic", "gap_before_us": 6.0, "us": 79.0}]}
+    md = summarize(meta, [row], ["a", "b"])
+    assert "span 90.0 us = busy 80.0 + gaps 10.0" in md and "| `mosaic` | 6.0 | 79.0 |" in md
 
 
 def test_gpu_targets_script_names_only_options_its_benchmarks_take():

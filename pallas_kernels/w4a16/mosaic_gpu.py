@@ -216,7 +216,8 @@ def scratch_types(config: MgpuConfig, mp: int) -> dict:
 
 
 def w4a16_matmul_mgpu_kernel(x: jax.Array, w_i4: jax.Array, scale_t: jax.Array, *, config: MgpuConfig = MgpuConfig(),
-                             split_k: int = 1, whole_tiles: int = 0, interpret=None) -> jax.Array:
+                             split_k: int = 1, whole_tiles: int = 0, lead_split: int = 1,
+                             interpret=None) -> jax.Array:
     """The dense GEMM: x bf16 [Mp, K] (Mp % 8 == 0), w_i4 int4 [N, K], scale_t bf16 [K/32, N] -> y^T float32 [N, Mp].
 
     One launch, one CTA per work item: the first `whole_tiles` block_n slices of W each stream the whole K (one CTA
@@ -224,7 +225,9 @@ def w4a16_matmul_mgpu_kernel(x: jax.Array, w_i4: jax.Array, scale_t: jax.Array, 
     [block_n, Mp] that XLA sums after the launch). CTA p < whole_tiles takes slice p; CTA whole_tiles + q takes
     chunk q // rest of slice whole_tiles + q % rest (rest = N / block_n - whole_tiles). whole_tiles = 0 is plain
     split-K; whole_tiles = N / block_n (split_k 1) no split. Mixing the two evens out the SMs' work where the
-    slices alone do not divide over them (tuned.dense_config)."""
+    slices alone do not divide over them (tuned.dense_config). lead_split > 1 splits the first whole_tiles slices'
+    K too, into lead_split chunks (CTA p < whole_tiles * lead_split: chunk p // whole_tiles of slice p % whole_tiles;
+    the other CTAs as above, numbered from whole_tiles * lead_split): more, shorter CTAs a slice."""
     mp, k = x.shape
     n = w_i4.shape[0]
     if n % config.block_n:
@@ -235,47 +238,43 @@ def w4a16_matmul_mgpu_kernel(x: jax.Array, w_i4: jax.Array, scale_t: jax.Array, 
     rest = tiles - whole_tiles
     if split_k < 1 or k % split_k or (rest == 0 and split_k != 1):
         raise ValueError(f"split_k={split_k} must be a positive divisor of K={k}, and 1 when no slice is split")
-    k_chunk = k // split_k
-    check_config(config, n, k_chunk, mp, interpret)
-    if whole_tiles:
-        check_config(config, n, k, mp, interpret)
-    block_n, groups = config.block_n, k_chunk // GROUP_SIZE
-    whole_matmul = make_tile_matmul(config, k, mp, interpret) if whole_tiles else None
-    chunk_matmul = make_tile_matmul(config, k_chunk, mp, interpret) if rest else None
-    out_types = ([jax.ShapeDtypeStruct((whole_tiles * block_n, mp), jnp.float32)] if whole_tiles else []) + (
-        [jax.ShapeDtypeStruct((split_k, rest * block_n, mp), jnp.float32)] if rest else [])
+    if lead_split < 1 or k % lead_split or (whole_tiles == 0 and lead_split != 1):
+        raise ValueError(f"lead_split={lead_split} must be a positive divisor of K={k}, and 1 without whole_tiles")
+    block_n = config.block_n
+    # Two groups of slices, each (first slice, slices, K chunks): CTAs [start, start + slices * chunks) of the grid.
+    parts = [(0, whole_tiles, lead_split), (whole_tiles, rest, split_k)]
+    parts = [part for part in parts if part[1]]
+    for _, _, chunks in parts:
+        check_config(config, n, k // chunks, mp, interpret)
+    out_types = tuple(jax.ShapeDtypeStruct((chunks, slices * block_n, mp), jnp.float32) for _, slices, chunks in parts)
+    matmuls = [make_tile_matmul(config, k // chunks, mp, interpret) for _, _, chunks in parts]
 
     def kernel(x_gmem, w_gmem, s_gmem, *outs, o_smem, a_smem=None):
         p = lax.axis_index("p")
-
-        if whole_matmul is not None:
-            @pl.when(p < whole_tiles)
-            def _(whole_matmul=whole_matmul):
-                n_slice = pl.ds(p * block_n, block_n)
-                store_tile(whole_matmul(w_gmem.at[n_slice], x_gmem, s_gmem.at[:, n_slice], a_smem), o_smem,
-                           outs[0].at[n_slice])
-
-        if chunk_matmul is not None:
-            @pl.when(p >= whole_tiles)
-            def _(chunk_matmul=chunk_matmul):
-                q = p - whole_tiles
-                tile, split = q % rest, q // rest
-                n_slice = pl.ds((whole_tiles + tile) * block_n, block_n)
+        start = 0
+        for (first, slices, chunks), matmul, out in zip(parts, matmuls, outs, strict=True):
+            @pl.when((p >= start) & (p < start + slices * chunks))
+            def _(first=first, slices=slices, chunks=chunks, matmul=matmul, out=out, start=start):
+                q = p - start
+                tile, split = q % slices, q // slices
+                k_chunk = k // chunks
+                n_slice = pl.ds((first + tile) * block_n, block_n)
                 k_slice = pl.ds(split * k_chunk, k_chunk)
-                store_tile(chunk_matmul(w_gmem.at[n_slice, k_slice], x_gmem.at[:, k_slice],
-                                        s_gmem.at[pl.ds(split * groups, groups), n_slice], a_smem),
-                           o_smem, outs[-1].at[split, pl.ds(tile * block_n, block_n)])
+                groups = k_chunk // GROUP_SIZE
+                store_tile(matmul(w_gmem.at[n_slice, k_slice], x_gmem.at[:, k_slice],
+                                  s_gmem.at[pl.ds(split * groups, groups), n_slice], a_smem),
+                           o_smem, out.at[split, pl.ds(tile * block_n, block_n)])
+            start += slices * chunks
 
     f = plgpu.kernel(
         kernel,
-        out_type=tuple(out_types),
-        grid=(whole_tiles + rest * split_k,),
+        out_type=out_types,
+        grid=(sum(slices * chunks for _, slices, chunks in parts),),
         grid_names=("p",),
         scratch_types=scratch_types(config, mp),
         interpret=interpret,
     )
-    outs = f(x, w_i4, scale_t)
-    pieces = ([outs[0]] if whole_tiles else []) + ([outs[-1].sum(0)] if rest else [])
+    pieces = [out[0] if out.shape[0] == 1 else out.sum(0) for out in f(x, w_i4, scale_t)]
     return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=0)  # [N, Mp]
 
 
