@@ -14,8 +14,10 @@ at the copy bandwidth measured in this run (benchmarks/cost_model.py). Issue 7's
 expert too: its bf16 XLA time and bytes are measured and added in the "layer" columns. With --loop-calls N (default
 20) each variant is also timed by wall clock inside one jitted loop of N dependent calls (`common.loop_wall_us`: the
 per-call cost in a decode loop, launch gaps included, no dispatch), before any CUPTI window: issue 20's T = 1 target
-asks for both. --timeline adds the device's own timeline of that loop (`common.loop_timeline`: per call the span,
-the busy time and the gaps, and one call's launches with the idle time before each), also before any CUPTI window.
+asks for both. --timeline runs instead the device's own timeline of that loop (`common.loop_timeline`: per call
+the span, the busy time and the gaps, and one call's launches with the idle time before each) beside its wall clock,
+and no CUPTI window (jax's profiler and CUPTI's windows cannot share a process: Mosaic's CUPTI profiler then aborts
+on dropped activity records, H100, 2026-12-06); it writes DIR/moe_mgpu_timeline.json/.md.
 A variant that fails to compile or disagrees with the reference is reported, never timed.
 Writes DIR/moe_mgpu.json and DIR/moe_mgpu.md with the run's metadata.
 """
@@ -42,8 +44,8 @@ def main():
     ap.add_argument("--loop-calls", type=int, default=20,
                     help="calls in the jitted loop of the wall-clock column (0: no wall clock in a loop)")
     ap.add_argument("--timeline", action="store_true",
-                    help="also profile that loop (jax's profiler): per call span, busy time, gaps, and one call's "
-                         "launches with the idle time before each")
+                    help="instead of the CUPTI rows, profile that loop (jax's profiler): per call span, busy time, "
+                         "gaps, and one call's launches with the idle time before each (moe_mgpu_timeline.json/.md)")
     args = ap.parse_args()
 
     import jax
@@ -119,16 +121,25 @@ def main():
                 walls[t, name] = loop_wall_us(fn, (x, experts, ids, w), args.loop_calls) * 1e-6
             except Exception as exc:  # noqa: BLE001 - reported with the variant's CUPTI row below
                 print(f"T={t} {name}: loop wall failed: {type(exc).__name__}", flush=True)
-    timelines = {}  # (T, variant) -> common.loop_timeline
-    for t in ts if args.timeline and args.loop_calls else ():
-        x, ids, w = routing(t)
-        for name, fn in fns.items():
-            try:
-                timelines[t, name] = loop_timeline(fn, (x, experts, ids, w), args.loop_calls)
-                print(f"T={t} {name} timeline: " + str({k: v for k, v in timelines[t, name].items()
-                                                        if k.endswith("per_call")}), flush=True)
-            except Exception as exc:  # noqa: BLE001 - the other measurements still run
-                print(f"T={t} {name}: timeline failed: {type(exc).__name__}: {exc}"[:2000], flush=True)
+    if args.timeline:
+        if not args.loop_calls:
+            raise SystemExit("--timeline profiles the loop of --loop-calls calls: give it a positive count")
+        rows = []
+        for t in ts:
+            x, ids, w = routing(t)
+            for name, fn in fns.items():
+                row = {"T": t, "variant": name, "loop_wall_s": walls.get((t, name))}
+                try:
+                    row["timeline"] = loop_timeline(fn, (x, experts, ids, w), args.loop_calls)
+                except Exception as exc:  # noqa: BLE001 - the other variants still run
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+                rows.append(row)
+        meta["loop_calls"] = args.loop_calls
+        markdown = summarize_timelines(meta, rows)
+        write_results(os.path.join(args.out, "moe_mgpu_timeline"), meta, {"rows": rows, "markdown": markdown},
+                      markdown)
+        print(markdown, flush=True)
+        return
     bandwidth = copy_bandwidth(timer)
     model = CostModel.from_config(cfg, bandwidth=bandwidth)
     meta["copy_TBps"] = bandwidth / 1e12
@@ -152,8 +163,7 @@ def main():
                 got, ref = got.astype(jnp.float32), want
                 err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
                 row["variants"][name] = ({"s": sec, "rel_err": err, "kernels": kernels,
-                                          "loop_wall_s": walls.get((t, name)),
-                                          "timeline": timelines.get((t, name))} if err < 3e-2
+                                          "loop_wall_s": walls.get((t, name))} if err < 3e-2
                                          else {"error": f"WRONG (rel err {err:.2e})"})
             except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the run
                 row["variants"][name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
@@ -197,18 +207,35 @@ def summarize(meta, rows, names) -> str:
             v = r["variants"].get(n, {})
             if "kernels" in v:
                 md.append(f"- T={r['T']} {n}: " + ", ".join(f"{k} {t:.1f}" for k, t in v["kernels"]))
+    return "\n".join(md) + "\n"
+
+
+def summarize_timelines(meta, rows) -> str:
+    """--timeline's report: per (T, variant) the loop's marginal wall clock a call, the device timeline's span / busy /
+    gaps a call, and one call's launches with the idle time before each."""
+    md = [f"# Mosaic GPU grouped INT4 MoE in a jitted loop: the device's timeline ({meta['device']})", "",
+          f"{meta['date']}, JAX {meta['jax']}; one K2.6 layer's routed experts; a jitted loop of "
+          f"{meta['loop_calls']} dependent calls profiled with jax's profiler (device timestamps), no CUPTI window "
+          "in this process. wall: the marginal wall clock a call (common.loop_wall_us). Microseconds.", "",
+          "| T | variant | wall a call | span a call | busy | gaps | device events a call |", "|---" * 7 + "|"]
     for r in rows:
-        for n in names:
-            tl = r["variants"].get(n, {}).get("timeline")
-            if not tl:
-                continue
-            md += ["", f"Timeline, T={r['T']} {n} (profiler, a jitted loop of {tl['calls']} calls, before any CUPTI "
-                   f"window): per call span {tl['span_us_per_call']:.1f} us = busy {tl['busy_us_per_call']:.1f} + "
-                   f"gaps {tl['gap_us_per_call']:.1f}; {tl['events_per_call']:g} device events a call.", "",
-                   "| event (one call) | idle before (us) | us |", "|---|---|---|"]
-            for ev in tl.get("middle_call", tl.get("first_events", [])):
-                gap = "-" if ev["gap_before_us"] is None else f"{ev['gap_before_us']:.1f}"
-                md.append(f"| `{ev['name'][:70]}` | {gap} | {ev['us']:.1f} |")
+        tl, wall = r.get("timeline"), r.get("loop_wall_s")
+        wall_cell = f"{wall * 1e6:.1f}" if wall else "-"
+        if tl is None:
+            md.append(f"| {r['T']} | {r['variant']} | {wall_cell} | {r.get('error', 'not run')[:60]} | | | |")
+            continue
+        md.append(f"| {r['T']} | {r['variant']} | {wall_cell} | {tl['span_us_per_call']:.1f} | "
+                  f"{tl['busy_us_per_call']:.1f} | {tl['gap_us_per_call']:.1f} | {tl['events_per_call']:g} |")
+    for r in rows:
+        tl = r.get("timeline")
+        if not tl:
+            continue
+        md += ["", f"T={r['T']} {r['variant']}, one call ("
+               + ("the middle call" if "middle_call" in tl else "the first events: no repeating call found") + "):",
+               "", "| event | idle before (us) | us |", "|---|---|---|"]
+        for ev in tl.get("middle_call", tl.get("first_events", [])):
+            gap = "-" if ev["gap_before_us"] is None else f"{ev['gap_before_us']:.1f}"
+            md.append(f"| `{ev['name'][:70]}` | {gap} | {ev['us']:.1f} |")
     return "\n".join(md) + "\n"
 
 

@@ -53,13 +53,12 @@ def main():
     ap.add_argument("--shapes", nargs="+", metavar="K:N", default=[f"{k}:{n}" for k, n in SHAPES],
                     help="weight shapes K:N (default: K2.6's dense and expert-width projections, the shipped pair's)")
     ap.add_argument("--ms", nargs="+", type=int, default=MS, help="token rows M per shape")
-    ap.add_argument("--sweep", nargs="*", default=[], metavar="TILING/SPLIT[/WHOLE[/LEAD]]",
+    ap.add_argument("--sweep", nargs="*", default=[], metavar="TILING/SPLIT[/WHOLE]",
                     help="more kernel variants to time at every point, each a tiling, a split-K count and optionally "
-                         "how many N slices run whole-K (default 0: every slice split) and those slices' own K split "
-                         "(default 1), e.g. bn64:bk256:s4/4, bn64:bk256:s4/7/264 or bn64:bk256:s4/4/264/2 (tiling "
-                         "fields as MgpuConfig.parse: bnN block_n, bkN block_k, sN pipeline steps; "
-                         "w4a16_matmul_mgpu_kernel's split_k / whole_tiles / lead_split); a variant the shape cannot "
-                         "take is reported as failed, never timed")
+                         "how many N slices run whole-K (default 0: every slice split), e.g. bn64:bk256:s4/4 or "
+                         "bn64:bk256:s4/7/264 (tiling fields as MgpuConfig.parse: bnN block_n, bkN block_k, sN "
+                         "pipeline steps; w4a16_matmul_mgpu_kernel's split_k / whole_tiles); a variant the shape "
+                         "cannot take is reported as failed, never timed")
     args = ap.parse_args()
     if args.plot:
         return plot(args.plot)
@@ -77,9 +76,8 @@ def main():
     sweep = {}
     for text in args.sweep:
         tiling, _, rest = text.partition("/")
-        split, _, rest = rest.partition("/")
-        whole, _, lead = rest.partition("/")
-        sweep[f"sweep {text}"] = (MgpuConfig.parse(tiling), int(split or 1), int(whole or 0), int(lead or 1))
+        split, _, whole = rest.partition("/")
+        sweep[f"sweep {text}"] = (MgpuConfig.parse(tiling), int(split or 1), int(whole or 0))
 
     if not dispatch.is_hopper(jax.devices()[0]):
         raise SystemExit("bench_w4a16 needs a Hopper GPU (the Mosaic kernel): CPU timings prove nothing")
@@ -115,9 +113,9 @@ def main():
                         "kernel_no_split_us": jax.jit(lambda x, w: w4a16_matmul(x, w, impl="mosaic_gpu", split_k=1))}
             if split == 1 and whole in (0, n // 64):
                 variants.pop("kernel_no_split_us")
-            for label, (cfg, sk, wt, ls) in sweep.items():
-                variants[f"{label}_us"] = jax.jit(lambda x, w, cfg=cfg, sk=sk, wt=wt, ls=ls: w4a16_matmul(
-                    x, w, impl="mosaic_gpu", config=cfg, split_k=sk, whole_tiles=wt, lead_split=ls))
+            for label, (cfg, sk, wt) in sweep.items():
+                variants[f"{label}_us"] = jax.jit(lambda x, w, cfg=cfg, sk=sk, wt=wt: w4a16_matmul(
+                    x, w, impl="mosaic_gpu", config=cfg, split_k=sk, whole_tiles=wt))
             for name, f in variants.items():
                 try:
                     got = np.asarray(f(x, mosaic).astype(jnp.float32), np.float64)

@@ -209,20 +209,28 @@ def _dependent_loop(fn: Callable, calls: int) -> Callable:
 
 
 def loop_wall_us(fn: Callable, args: tuple, calls: int, repeats: int = 5) -> float:
-    """Microseconds per call of fn(*args) inside one jitted fori_loop of `calls` dependent calls (each call's first
-    argument takes a negligible term of the previous output: x + 1e-30 * y, or of its sum when the shapes differ, so
-    XLA can neither hoist nor drop a call), median of `repeats` timed loops after a compile: the per-call cost as
-    inside a decode loop, without the dispatch. Take it before any CUPTI window (Timer)."""
+    """Microseconds per call of fn(*args) in a jitted fori_loop of dependent calls (each call's first argument takes
+    a negligible term of the previous output: x + 1e-30 * y, or of its sum when the shapes differ, so XLA can
+    neither hoist nor drop a call): the marginal cost, (wall(2 calls) - wall(calls)) / calls, the medians of
+    `repeats` timed loops each after a compile, so the loop's own fixed cost (the executable's launch, the wait for
+    its end) is not spread over the calls: the per-call cost inside a decode loop. Raises where the longer loop was
+    not slower (the calls too cheap for the clock's noise). Take it before any CUPTI window (Timer)."""
     import jax
 
-    loop = _dependent_loop(fn, calls)
-    jax.block_until_ready(loop(*args))
-    walls = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    medians = []
+    for n in (calls, 2 * calls):
+        loop = _dependent_loop(fn, n)
         jax.block_until_ready(loop(*args))
-        walls.append(time.perf_counter() - start)
-    return statistics.median(walls) / calls * 1e6
+        walls = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(loop(*args))
+            walls.append(time.perf_counter() - start)
+        medians.append(statistics.median(walls))
+    if medians[1] <= medians[0]:
+        raise RuntimeError(f"loop_wall_us: {2 * calls} calls took no longer than {calls} ({medians[1] * 1e6:.1f} vs "
+                           f"{medians[0] * 1e6:.1f} us): too noisy to give a per-call time; use more calls")
+    return (medians[1] - medians[0]) / calls * 1e6
 
 
 def loop_timeline(fn: Callable, args: tuple, calls: int) -> dict:
@@ -257,7 +265,7 @@ def loop_timeline(fn: Callable, args: tuple, calls: int) -> dict:
 def summarize_timeline(events: list[tuple[str, float, float]], calls: int) -> dict:
     """(name, start ns, duration ns) events of `calls` loop iterations -> per call: span (first start to last end),
     busy (union of the events' intervals), gaps (span - busy), events; and the middle call's events in order with
-    the idle time before each (when the events divide evenly over the calls, else the first events)."""
+    the idle time before each (when most calls launch the same named events, else the first events)."""
     if calls < 1 or not events:
         raise ValueError(f"summarize_timeline: need events and calls >= 1, got {len(events)} events, calls={calls}")
     events = sorted(events, key=lambda ev: ev[1])
@@ -269,8 +277,17 @@ def summarize_timeline(events: list[tuple[str, float, float]], calls: int) -> di
         cur_end = max(cur_end, start + dur)
     busy += cur_end - cur_start
     span = max(start + dur for _, start, dur in events) - events[0][1]
-    per = len(events) // calls if len(events) % calls == 0 else 0
-    first = per * (calls // 2) if per else 0
+    # A call's launches repeat `calls` times; the loop may add a few events before or after them (copies in and
+    # out): take the offset whose calls most often launch what the middle call launches, by name.
+    per, offset, repeats = len(events) // calls, 0, 0
+    names = [name for name, _, _ in events]
+    for o in range(len(events) - per * calls + 1) if per else ():
+        mid = names[o + per * (calls // 2):o + per * (calls // 2 + 1)]
+        score = sum(names[o + per * j:o + per * (j + 1)] == mid for j in range(calls))
+        if score > repeats:
+            offset, repeats = o, score
+    per = per if repeats * 2 > calls else 0  # no repeating call found: show the first events instead
+    first = offset + per * (calls // 2) if per else 0
     shown = events[first:first + per] if per else events[:min(len(events), 24)]
     rows, prev_end = [], max((start + dur for _, start, dur in events[:first]), default=None)
     for name, start, dur in shown:

@@ -10,7 +10,8 @@
 #   attn_t129/    tree attention, S = 32768, T = 129 (shared_qk, 1 split)
 #   w4a16/        dense W4A16 at K2.6's four shapes, M = 1 / 8 / 16, the tuned plan vs one without split, XLA, floor
 #   moe/          routed MoE, one K2.6 layer, T = 1 / 9 / 33, three launches and gate + up fused, CUPTI and the wall
-#                 clock in a jitted loop and that loop's device timeline
+#                 clock in a jitted loop
+#   moe_timeline/ that loop's device timeline at T = 1 and 9 (span, busy, gaps, one call's launches; no CUPTI)
 #   k26/          the K2.6 layer slice (one MoE layer), T = 1 / 9 / 33 at S = 4096 / 32768, the AR step's extrapolation
 # and OUT/targets.log: each step's start, end and exit status. Pass the commit as BENCH_GIT_COMMIT where the
 # tree's git metadata is not the commit's (a copied working tree). Exits 0 when every step ran and passed.
@@ -44,7 +45,9 @@ step attn_t129 60 $PY benchmarks/bench_tree_attention.py --out "$OUT/attn_t129" 
 step w4a16 110 $PY benchmarks/bench_w4a16.py --out "$OUT/w4a16" --deadline-s 70 --shapes 7168:18432 7168:2048 \
     18432:7168 2048:7168 --ms 1 8 16
 step moe 110 $PY benchmarks/bench_moe_mgpu.py --out "$OUT/moe" --ts 1,9,33 \
-    --variants bn64:bk256:s4,bn64:bk256:s4+fused --loop-calls 20 --timeline --deadline-s 70
+    --variants bn64:bk256:s4,bn64:bk256:s4+fused --loop-calls 20 --deadline-s 70
+step moe_timeline 80 $PY benchmarks/bench_moe_mgpu.py --out "$OUT/moe_timeline" --ts 1,9 \
+    --variants bn64:bk256:s4,bn64:bk256:s4+fused --loop-calls 20 --timeline
 step k26 150 $PY benchmarks/bench_k26_slice.py --out "$OUT/k26" --layers 1 --ts 1,9,33 --ss 4096,32768 \
     --no-baselines --deadline-s 100
 exit "$status"

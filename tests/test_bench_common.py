@@ -121,11 +121,13 @@ def test_timer_on_cpu_returns_positive_wall_times_and_the_output():
 
 
 def test_loop_wall_feeds_each_call_the_last_output_and_times_per_call():
-    """loop_wall_us: positive, finite per-call microseconds of a fori_loop whose calls depend on each other, for an
-    output shaped like the first argument (fed back elementwise) and for another shape (fed back through its sum)."""
-    matvec = common.loop_wall_us(lambda x, w: x @ w, (jnp.ones((2, 64)), jnp.ones((64, 8))), calls=20)
-    same = common.loop_wall_us(lambda x, w: x * w, (jnp.ones((2, 64)), jnp.ones((2, 64))), calls=20)
+    """loop_wall_us: positive, finite marginal per-call microseconds of a fori_loop whose calls depend on each other,
+    for an output shaped like the first argument (fed back elementwise) and for another shape (fed back through its
+    sum); more work a call costs more."""
+    matvec = common.loop_wall_us(lambda x, w: x @ w, (jnp.ones((256, 256)), jnp.ones((256, 8))), calls=40)
+    same = common.loop_wall_us(lambda x, w: x @ w, (jnp.ones((256, 256)), jnp.ones((256, 256))), calls=40)
     assert 0 < matvec < 1e6 and 0 < same < 1e6
+    assert same > matvec  # a 256-wide product per call costs more than an 8-wide one
 
 
 def test_summarize_timeline_splits_span_into_busy_and_gaps():

@@ -351,13 +351,21 @@ def test_moe_mgpu_table_shows_the_loop_wall_clock():
     md = summarize(meta, [row], ["a", "b"])
     assert "| 1 | 8 | 60.0 | 80.0 [loop 90.0, 1.50x] | 1.33 | 85.0 | 1.42 |" in md
     assert "one jitted loop of 20 calls" in md
-    assert "Timeline" not in md  # none taken
-    row["variants"]["a"]["timeline"] = {"calls": 20, "span_us_per_call": 90.0, "busy_us_per_call": 80.0,
-                                        "gap_us_per_call": 10.0, "events_per_call": 2.0,
-                                        "middle_call": [{"name": "pad", "gap_before_us": 3.0, "us": 1.0},
-                                                        {"name": "mosaic", "gap_before_us": 6.0, "us": 79.0}]}
-    md = summarize(meta, [row], ["a", "b"])
-    assert "span 90.0 us = busy 80.0 + gaps 10.0" in md and "| `mosaic` | 6.0 | 79.0 |" in md
+
+
+def test_moe_mgpu_timeline_report():
+    """--timeline's report: the marginal wall clock a call beside the device timeline's span / busy / gaps, one call's
+    launches with the idle time before each, and a failed variant's error in its row."""
+    from benchmarks.bench_moe_mgpu import summarize_timelines
+
+    meta = {"device": "GPU", "date": "today", "jax": "0.11.2", "loop_calls": 20}
+    tl = {"calls": 20, "span_us_per_call": 90.0, "busy_us_per_call": 80.0, "gap_us_per_call": 10.0,
+          "events_per_call": 2.0, "middle_call": [{"name": "pad", "gap_before_us": 3.0, "us": 1.0},
+                                                  {"name": "mosaic", "gap_before_us": 6.0, "us": 79.0}]}
+    md = summarize_timelines(meta, [{"T": 1, "variant": "a", "loop_wall_s": 91e-6, "timeline": tl},
+                                    {"T": 1, "variant": "b", "loop_wall_s": None, "error": "RuntimeError: boom"}])
+    assert "| 1 | a | 91.0 | 90.0 | 80.0 | 10.0 | 2 |" in md and "| `mosaic` | 6.0 | 79.0 |" in md
+    assert "| 1 | b | - | RuntimeError: boom |" in md and "the middle call" in md
 
 
 def test_gpu_targets_script_names_only_options_its_benchmarks_take():

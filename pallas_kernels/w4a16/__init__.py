@@ -47,13 +47,13 @@ def _check(x: jax.Array, w) -> tuple[int, int, int]:
 
 def w4a16_matmul(x: jax.Array, w: Int4Weight | MosaicInt4Weight, *, impl: str = "auto", interpret=False,
                  config: MgpuConfig | None = None, split_k: int | None = None,
-                 whole_tiles: int | None = None, lead_split: int = 1) -> jax.Array:
+                 whole_tiles: int | None = None) -> jax.Array:
     """x [M, K] bf16|f32 @ dequant(W)^T -> [M, N] in x.dtype (float32 accumulation).
 
     impl: "auto" | "mosaic_gpu" | "xla" (pallas_kernels.dispatch.choose_linear; an explicit kernel that cannot run
     here raises KernelUnavailableError, never a fallback). interpret: run the Mosaic kernel in Mosaic GPU interpret
     mode (True or an InterpretGPUParams; tests: the default tiling then stages the dequantized tile in SMEM, the
-    only form the interpreter simulates). config / split_k / whole_tiles / lead_split: the Mosaic tiling and work split
+    only form the interpreter simulates). config / split_k / whole_tiles: the Mosaic tiling and work split
     (`mosaic_gpu.w4a16_matmul_mgpu_kernel`; default: tuned.dense_config; split_k given alone means whole_tiles 0)."""
     m, k, n = _check(x, w)
     choice = dispatch.choose_linear(w, impl=impl, interpret=bool(interpret), rows=m, act_dtype=x.dtype)
@@ -71,6 +71,5 @@ def w4a16_matmul(x: jax.Array, w: Int4Weight | MosaicInt4Weight, *, impl: str = 
         split_k = tuned_split
         whole_tiles = tuned_whole if whole_tiles is None else whole_tiles
     y_t = w4a16_matmul_mgpu_kernel(x_p, w.w_i4, w.scale_t, config=config, split_k=split_k,
-                                   whole_tiles=whole_tiles or 0, lead_split=lead_split,
-                                   interpret=interp)  # [N, Mp] f32
+                                   whole_tiles=whole_tiles or 0, interpret=interp)  # [N, Mp] f32
     return y_t[:, :m].T.astype(x.dtype)  # [M, N]

@@ -216,8 +216,7 @@ def scratch_types(config: MgpuConfig, mp: int) -> dict:
 
 
 def w4a16_matmul_mgpu_kernel(x: jax.Array, w_i4: jax.Array, scale_t: jax.Array, *, config: MgpuConfig = MgpuConfig(),
-                             split_k: int = 1, whole_tiles: int = 0, lead_split: int = 1,
-                             interpret=None) -> jax.Array:
+                             split_k: int = 1, whole_tiles: int = 0, interpret=None) -> jax.Array:
     """The dense GEMM: x bf16 [Mp, K] (Mp % 8 == 0), w_i4 int4 [N, K], scale_t bf16 [K/32, N] -> y^T float32 [N, Mp].
 
     One launch, one CTA per work item: the first `whole_tiles` block_n slices of W each stream the whole K (one CTA
@@ -225,9 +224,8 @@ def w4a16_matmul_mgpu_kernel(x: jax.Array, w_i4: jax.Array, scale_t: jax.Array, 
     [block_n, Mp] that XLA sums after the launch). CTA p < whole_tiles takes slice p; CTA whole_tiles + q takes
     chunk q // rest of slice whole_tiles + q % rest (rest = N / block_n - whole_tiles). whole_tiles = 0 is plain
     split-K; whole_tiles = N / block_n (split_k 1) no split. Mixing the two evens out the SMs' work where the
-    slices alone do not divide over them (tuned.dense_config). lead_split > 1 splits the first whole_tiles slices'
-    K too, into lead_split chunks (CTA p < whole_tiles * lead_split: chunk p // whole_tiles of slice p % whole_tiles;
-    the other CTAs as above, numbered from whole_tiles * lead_split): more, shorter CTAs a slice."""
+    slices alone do not divide over them (tuned.dense_config). (Splitting the whole slices' K too, for 4 CTAs an SM
+    instead of 2, was slower: 37.5 against 30.6 us at 7168 x 18432, M = 8, H100: w4a16_h100_s30_lead_split.md.)"""
     mp, k = x.shape
     n = w_i4.shape[0]
     if n % config.block_n:
@@ -238,11 +236,9 @@ def w4a16_matmul_mgpu_kernel(x: jax.Array, w_i4: jax.Array, scale_t: jax.Array, 
     rest = tiles - whole_tiles
     if split_k < 1 or k % split_k or (rest == 0 and split_k != 1):
         raise ValueError(f"split_k={split_k} must be a positive divisor of K={k}, and 1 when no slice is split")
-    if lead_split < 1 or k % lead_split or (whole_tiles == 0 and lead_split != 1):
-        raise ValueError(f"lead_split={lead_split} must be a positive divisor of K={k}, and 1 without whole_tiles")
     block_n = config.block_n
     # Two groups of slices, each (first slice, slices, K chunks): CTAs [start, start + slices * chunks) of the grid.
-    parts = [(0, whole_tiles, lead_split), (whole_tiles, rest, split_k)]
+    parts = [(0, whole_tiles, 1), (whole_tiles, rest, split_k)]
     parts = [part for part in parts if part[1]]
     for _, _, chunks in parts:
         check_config(config, n, k // chunks, mp, interpret)

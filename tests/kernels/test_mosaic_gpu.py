@@ -46,30 +46,28 @@ def _rel_err(got, want):
     return np.max(np.abs(np.asarray(got.astype(jnp.float32), np.float64) - want)) / np.max(np.abs(want))
 
 
-# (M, N, K, config, split_k, whole_tiles, lead_split): padded M (5 -> 8, 1 -> 8), 2 N tiles x 2 K steps with 4
-# groups per step, block_n 128; split-K: 2 and 4 K chunks (each its own scale rows), with 2 N tiles; mixed: of 3 N
-# tiles the first 1 or 2 whole, the rest in 2 or 4 K chunks (two pipelines of different lengths in one launch); the
-# first 2 themselves in 2 K chunks (lead_split), the last in 4.
+# (M, N, K, config, split_k, whole_tiles): padded M (5 -> 8, 1 -> 8), 2 N tiles x 2 K steps with 4 groups per
+# step, block_n 128; split-K: 2 and 4 K chunks (each its own scale rows), with 2 N tiles; mixed: of 3 N tiles the
+# first 1 or 2 whole, the rest in 2 or 4 K chunks (two pipelines of different lengths in one launch).
 INTERPRET_CASES = [
-    (5, 64, 64, MgpuConfig(a_operand="smem"), 1, 0, 1),
-    (16, 128, 256, MgpuConfig(block_n=64, block_k=128, max_concurrent_steps=2, a_operand="smem"), 1, 0, 1),
-    (1, 128, 128, MgpuConfig(block_n=128, block_k=64, a_operand="smem"), 1, 0, 1),
-    (3, 128, 256, MgpuConfig(block_n=64, block_k=64, max_concurrent_steps=2, a_operand="smem"), 2, 0, 1),
-    (9, 64, 256, MgpuConfig(a_operand="smem"), 4, 0, 1),
-    (2, 192, 256, MgpuConfig(a_operand="smem"), 2, 2, 1),
-    (8, 192, 256, MgpuConfig(block_k=64, max_concurrent_steps=2, a_operand="smem"), 4, 1, 1),
-    (4, 192, 512, MgpuConfig(block_k=64, max_concurrent_steps=2, a_operand="smem"), 4, 2, 2),
+    (5, 64, 64, MgpuConfig(a_operand="smem"), 1, 0),
+    (16, 128, 256, MgpuConfig(block_n=64, block_k=128, max_concurrent_steps=2, a_operand="smem"), 1, 0),
+    (1, 128, 128, MgpuConfig(block_n=128, block_k=64, a_operand="smem"), 1, 0),
+    (3, 128, 256, MgpuConfig(block_n=64, block_k=64, max_concurrent_steps=2, a_operand="smem"), 2, 0),
+    (9, 64, 256, MgpuConfig(a_operand="smem"), 4, 0),
+    (2, 192, 256, MgpuConfig(a_operand="smem"), 2, 2),
+    (8, 192, 256, MgpuConfig(block_k=64, max_concurrent_steps=2, a_operand="smem"), 4, 1),
 ]
 
 
-@pytest.mark.parametrize("m,n,k,cfg,split_k,whole_tiles,lead_split", INTERPRET_CASES)
-def test_interpret_matches_reference(m, n, k, cfg, split_k, whole_tiles, lead_split):
+@pytest.mark.parametrize("m,n,k,cfg,split_k,whole_tiles", INTERPRET_CASES)
+def test_interpret_matches_reference(m, n, k, cfg, split_k, whole_tiles):
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
     x, leaf, want = _problem(m, n, k, seed=m + n + k)
     got = jax.block_until_ready(  # the interpreter runs at execution (async dispatch): wait before asking
         w4a16_matmul_mgpu(x, leaf, interpret=gpu_interpret_params(detect_races=True), config=cfg, split_k=split_k,
-                          whole_tiles=whole_tiles, lead_split=lead_split))
+                          whole_tiles=whole_tiles))
     assert got.shape == (m, n) and got.dtype == jnp.bfloat16
     assert not get_races().races_found
     # bf16 dequantized weights (2^-9 relative) and a bf16 output bound the error.
@@ -114,16 +112,15 @@ def test_dense_tiling_rule():
 
 def test_lowers_for_cuda_at_k2_shapes():
     """Mosaic GPU lowering (layouts, int4 upcast, register-A wgmma) runs on CPU against an abstract H200."""
-    for m, n, k, cfg, split, whole, *lead in [(8, 7168, 2048, MgpuConfig(), 1, 0),
+    for m, n, k, cfg, split, whole in [(8, 7168, 2048, MgpuConfig(), 1, 0),
                                        (16, 2048, 7168, MgpuConfig(block_n=128, block_k=128), 1, 0),
                                        (64, 512, 7168, MgpuConfig(a_operand="smem"), 1, 0),
                                        (8, 2048, 7168, *dense_config(7168, 2048)),  # split-K 7
-                                       (8, 18432, 7168, *dense_config(7168, 18432)),  # 264 whole + 24 x 4
-                                       (8, 18432, 7168, MgpuConfig(), 4, 264, 2)]:  # 264 x 2 + 24 x 4 chunks
+                                       (8, 18432, 7168, *dense_config(7168, 18432))]:  # 264 whole + 24 x 4
         args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.int4),
                 jax.ShapeDtypeStruct((k // 32, n), jnp.bfloat16))
-        f = lambda x, w, s, cfg=cfg, split=split, whole=whole, lead=(lead or [1])[0]: (  # noqa: E731
-            w4a16_matmul_mgpu_kernel(x, w, s, config=cfg, split_k=split, whole_tiles=whole, lead_split=lead))
+        f = lambda x, w, s, cfg=cfg, split=split, whole=whole: w4a16_matmul_mgpu_kernel(  # noqa: E731
+            x, w, s, config=cfg, split_k=split, whole_tiles=whole)
         with abstract_h200():
             assert jax.eval_shape(f, *args).shape == (n, m)
         assert custom_calls(lower_for_h200(f, *args)) == ["mosaic_gpu_v2"]  # one launch, however the work splits
@@ -171,10 +168,6 @@ def test_value_errors():
         w4a16_matmul_mgpu(x, leaf, interpret=True, split_k=1, whole_tiles=2)
     with pytest.raises(ValueError, match="1 when no slice is split"):
         w4a16_matmul_mgpu(x, leaf, interpret=True, split_k=2, whole_tiles=1)
-    with pytest.raises(ValueError, match="lead_split=3 must be a positive divisor of K=64"):
-        w4a16_matmul_mgpu(x, leaf, interpret=True, split_k=1, whole_tiles=1, lead_split=3)
-    with pytest.raises(ValueError, match="1 without whole_tiles"):
-        w4a16_matmul_mgpu(x, leaf, interpret=True, split_k=2, whole_tiles=0, lead_split=2)
     with pytest.raises(dispatch.KernelUnavailableError, match="needs bf16 activations, the model runs in float32"):
         w4a16_matmul_mgpu(x.astype(jnp.float32), leaf, interpret=True)
     with pytest.raises(dispatch.KernelUnavailableError, match="300 rows > 64"):
