@@ -53,8 +53,10 @@ def group_assignments(expert_ids: jax.Array, weights: jax.Array, num_experts: in
     row_weight = jnp.zeros((p,), jnp.float32).at[target].set(flat_w, mode="drop")
     row_valid = jnp.zeros((p,), jnp.bool_).at[target].set(True, mode="drop")
     tile_start = jnp.arange(n_tiles, dtype=jnp.int32) * block_m
-    # The expert owning row tile_start: the first e whose padded range ends after it.
-    tile_expert = jnp.searchsorted(padded_ends, tile_start, side="right").astype(jnp.int32)
+    # The expert owning row tile_start: the first e whose padded range ends after it. compare_all: one fusion of
+    # R x E compares; the default binary search is a loop of log2(E) steps that XLA runs as a while loop, ~4 launches
+    # a step (36 of a T = 9 call's 69 at E = 384, H200, moe_mgpu_timeline_h200_s30.md).
+    tile_expert = jnp.searchsorted(padded_ends, tile_start, side="right", method="compare_all").astype(jnp.int32)
     tile_expert = jnp.where(tile_start < padded_ends[-1], tile_expert, -1)  # [R]
     return Grouping(row_token, row_weight, row_valid, tile_expert, position.reshape(num_tokens, top_k),
                     keep.reshape(num_tokens, top_k), jnp.sum(counts > 0).astype(jnp.int32))
