@@ -305,8 +305,7 @@ def cases(only: list[str]) -> list[Case]:
     """The kernels at the shapes the engine runs them: tree attention at K2's MLA shape (H 64, c 512, r 64, bf16,
     S = 32768) with the tuned split count and schedule of each T and the other schedule; the dense W4A16 GEMM at
     K2.6's dense MLP and expert widths with its tuned tiling (M 8: a decode step); the grouped MoE launches at
-    K2.6's experts (384 x [2048, 7168]; a decode step's 8 tiles of 8 rows, and the decode path's two launches: 16
-    shared token rows, the down launch reading h^T N-major)."""
+    K2.6's experts (384 x [2048, 7168]; a decode step's 8 tiles of 8 rows)."""
     import jax
     import jax.numpy as jnp
 
@@ -341,32 +340,21 @@ def cases(only: list[str]) -> list[Case]:
                             + (f" whole_tiles={whole}" if whole else ""),
                             lambda k=k, n=n: dense(k, n, 8)))
 
-    def grouped(k: int, n: int, tiles: int, fused: bool, decode: bool = False):
-        # decode: as the T = 1 path runs them (16 shared token rows into gate + up, written bf16; the down launch
-        # reads that h^T N-major)
-        block_m = 16 if decode else 8
+    def grouped(k: int, n: int, tiles: int, fused: bool):
+        block_m = 8
         config = default_mosaic_config(k)
-        x = (S((block_m, k), jnp.bfloat16) if fused else S((tiles, k, block_m), jnp.bfloat16)) if decode else (
-            S((tiles * block_m, k), jnp.bfloat16))
-        layout = ("shared" if fused else "n_major") if decode else "rows"
-        out_dtype = jnp.bfloat16 if decode and fused else jnp.float32
+        x = S((tiles * block_m, k), jnp.bfloat16)
         w, s = _expert_stack(n, k)
         tile_expert = S((tiles,), jnp.int32)
         if fused:
-            return (lambda x, gw, gs, uw, us, t: grouped_gate_up_mgpu_kernel(
-                x, gw, gs, uw, us, t, config=config, x_layout=layout, out_dtype=out_dtype)), (
-                x, w, s, w, s, tile_expert)
-        return (lambda x, w, s, t: grouped_w4a16_mgpu_kernel(x, w, s, t, config=config, x_layout=layout)), (
-            x, w, s, tile_expert)
+            return (lambda x, gw, gs, uw, us, t: grouped_gate_up_mgpu_kernel(x, gw, gs, uw, us, t, config=config),
+                    (x, w, s, w, s, tile_expert))
+        return (lambda x, w, s, t: grouped_w4a16_mgpu_kernel(x, w, s, t, config=config)), (x, w, s, tile_expert)
 
     if "moe" in only:  # the kernel's code does not depend on the tile count (a grid dimension): T = 1's 8 tiles
         out.append(Case("moe", "gate or up, K=7168 N=2048, 8 tiles of 8 rows", lambda: grouped(7168, 2048, 8, False)))
         out.append(Case("moe", "fused gate+up, K=7168 N=2048, 8 tiles of 8 rows", lambda: grouped(7168, 2048, 8, True)))
         out.append(Case("moe", "down, K=2048 N=7168, 8 tiles of 8 rows", lambda: grouped(2048, 7168, 8, False)))
-        out.append(Case("moe", "decode fused gate+up, K=7168 N=2048, 16 shared rows, bf16 h^T",
-                        lambda: grouped(7168, 2048, 8, True, decode=True)))
-        out.append(Case("moe", "decode down, K=2048 N=7168, 8 tiles, h^T N-major (16 columns)",
-                        lambda: grouped(2048, 7168, 8, False, decode=True)))
     return out
 
 

@@ -134,7 +134,7 @@ def test_every_kernel_compiles_for_hopper(compiled):
     """Every Mosaic GPU kernel at the engine's K2 / K2.6 shapes gets through Mosaic, LLVM and ptxas for sm_90a
     (what no interpret-mode test sees: SMEM over the 227 KiB, a ptxas error), each with a hot loop of wgmmas."""
     assert sorted(compiled) == ["census", "moe", "tree_attention", "w4a16"]
-    assert [len(compiled[k]) for k in ("tree_attention", "w4a16", "moe")] == [6, 4, 5]
+    assert [len(compiled[k]) for k in ("tree_attention", "w4a16", "moe")] == [6, 4, 3]
     for kernel in ("tree_attention", "w4a16", "moe"):
         for row in compiled[kernel]:
             assert "error" not in row, row
@@ -189,15 +189,12 @@ def test_decode_calls_launch_no_more_glue(compiled):
     # when the value GEMM's operand was zeroed separately (a second cache-sized copy)
     xla = calls[("attention call", "XLA, T=1 S=4096, layer 1 of 2")]
     assert count(xla, "fusion") <= 5 and count(xla, "custom-call") == 0, xla
-    # the routed MoE at T = 1: since 2026-12-06 the kernels read the routing weights themselves (no tile-table fusion);
-    # fused, the down launch reads the gate + up launch's bf16 h^T as it is (session 30: no SwiGLU transpose), so the
-    # token-row pad and the weighted sum are all the XLA left
-    for case, kernels, fusions in (("T=1, three launches", 3, 3), ("T=1, gate+up fused", 2, 2)):
+    # the routed MoE at T = 1: since 2026-12-06 the kernels read the routing weights themselves (no tile-table fusion)
+    for case, kernels in (("T=1, three launches", 3), ("T=1, gate+up fused", 2)):
         moe = calls[("routed MoE call", case)]
-        assert count(moe, "custom-call mosaic_gpu_v2") == kernels and count(moe, "fusion") <= fusions, (case, moe)
+        assert count(moe, "custom-call mosaic_gpu_v2") == kernels and count(moe, "fusion") <= 3, (case, moe)
     # a whole K2.6 MoE decoder layer at T = 1, S = 4096 as the engine runs it on Hopper (2026-12-06: 41 launches, the
     # two Mosaic MoE kernels and 39 XLA fusions: norms, bf16 projections, RoPE, the cache row write, XLA's attention,
-    # the router and top-k, the shared expert, the MoE's pad and transpose; the weighted sum fused into the residual;
-    # 40 since the transpose went)
+    # the router and top-k, the shared expert, the MoE's pad and transpose; the weighted sum fused into the residual)
     layer = calls[("decoder layer", "K2.6 MoE layer, T=1 S=4096, as the engine runs it on Hopper")]
-    assert count(layer, "custom-call mosaic_gpu_v2") == 2 and len(layer) <= 40, layer
+    assert count(layer, "custom-call mosaic_gpu_v2") == 2 and len(layer) <= 41, layer

@@ -30,58 +30,27 @@ from pallas_kernels.moe_w4a16.tuned import default_mosaic_config
 from pallas_kernels.w4a16 import mosaic_gpu as mosaic
 from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig, gpu_interpret_params
 
-# How a grouped kernel's token operand is laid out (x_layout):
-#   "rows":    x bf16 [R * Mp, K], row tile t = rows [t Mp, (t + 1) Mp) (the grouped path's gathered rows);
-#   "shared":  x bf16 [Mp, K], the same rows for every tile (the decode path: the one token, padded);
-#   "n_major": x bf16 [R, K, Mp], tile t's x^T (what a grouped kernel wrote as y^T with out_dtype bf16: the decode
-#              path's down launch reads the gate + up launch's output as it is, no transpose; Mp >= 16).
-X_LAYOUTS = ("rows", "shared", "n_major")
-
-
-def _token_tiles(x: jax.Array, r: int, x_layout: str) -> tuple[int, int]:
-    """(K, Mp) of a grouped kernel's token operand in this layout, for R row tiles (errors name what is wrong)."""
-    if x_layout not in X_LAYOUTS:
-        raise ValueError(f"x_layout must be one of {X_LAYOUTS}, got {x_layout!r}")
-    if x_layout == "n_major":
-        if x.ndim != 3 or x.shape[0] != r:
-            raise ValueError(f"an n_major token operand is [R, K, Mp] with R={r}, got {x.shape}")
-        return x.shape[1], x.shape[2]
-    if x.ndim != 2:
-        raise ValueError(f"a {x_layout} token operand is 2-D, got {x.shape}")
-    rows, k = x.shape
-    if x_layout == "shared":
-        return k, rows
-    if rows % r:
-        raise ValueError(f"x_rows has {rows} rows, not a multiple of the {r} row tiles")
-    return k, rows // r
-
-
-def _token_tile(x_gmem, t, mp: int, x_layout: str):
-    """Inside a grouped kernel: row tile t's token operand ([Mp, K], or [K, Mp] for n_major)."""
-    if x_layout == "rows":
-        return x_gmem.at[pl.ds(t * mp, mp)]
-    return x_gmem if x_layout == "shared" else x_gmem.at[t]
-
 
 def grouped_w4a16_mgpu_kernel(x_rows: jax.Array, w_i4: jax.Array, scale_t: jax.Array, tile_expert: jax.Array, *,
                               tile_weight: jax.Array | None = None, config: MgpuConfig = MgpuConfig(),
-                              x_layout: str = "rows", out_dtype=jnp.float32, interpret=None) -> jax.Array:
-    """Grouped (per-tile expert) W4A16: x_rows bf16 [R * Mp, K] (row tile t = rows [t Mp, (t + 1) Mp); other token
-    layouts: X_LAYOUTS), w_i4 int4 [E, N, K], scale_t bf16 [E, K/32, N], tile_expert int32 [R] (the expert of each
-    row tile, -1 = unused) -> y^T [R, N, Mp] in out_dtype (float32 or bf16), tile t = dequant(W[tile_expert[t]]) @
-    x_tile^T.
+                              interpret=None) -> jax.Array:
+    """Grouped (per-tile expert) W4A16: x_rows bf16 [R * Mp, K] (row tile t = rows [t Mp, (t + 1) Mp)),
+    w_i4 int4 [E, N, K], scale_t bf16 [E, K/32, N], tile_expert int32 [R] (the expert of each row tile,
+    -1 = unused) -> y^T f32 [R, N, Mp], tile t = dequant(W[tile_expert[t]]) @ x_tile^T.
 
     Grid (R, N / block_n): a CTA reads its tile's expert id from global memory and skips the tile when it
     is -1, so untouched experts and unused tiles cost no weight bytes. tile_weight (float32 [R], optional): a
     tile whose weight is 0 is unused too (the decode path passes the routing weights as they are, so no XLA
     launch has to build the table). The output of an unused tile is NOT written (undefined): mask it."""
-    (r,), (num_experts, n, _) = tile_expert.shape, w_i4.shape
-    k, mp = _token_tiles(x_rows, r, x_layout)
+    (r,), (rows, k), (num_experts, n, _) = tile_expert.shape, x_rows.shape, w_i4.shape
+    if rows % r:
+        raise ValueError(f"x_rows has {rows} rows, not a multiple of the {r} row tiles")
+    mp = rows // r
     mosaic.check_config(config, n, k, mp, interpret)
     if w_i4.shape != (num_experts, n, k) or scale_t.shape != (num_experts, k // GROUP_SIZE, n):
         raise ValueError(f"w_i4 {w_i4.shape} / scale_t {scale_t.shape} do not match E={num_experts}, N={n}, K={k}")
     block_n = config.block_n
-    tile_matmul = mosaic.make_tile_matmul(config, k, mp, interpret, x_n_major=x_layout == "n_major")
+    tile_matmul = mosaic.make_tile_matmul(config, k, mp, interpret)
 
     def kernel(e_gmem, tw_gmem, x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
         t = lax.axis_index("t")
@@ -90,11 +59,11 @@ def grouped_w4a16_mgpu_kernel(x_rows: jax.Array, w_i4: jax.Array, scale_t: jax.A
 
         @pl.when(expert >= 0)
         def _():
-            mosaic.store_tile(tile_matmul(w_gmem.at[expert, n_slice], _token_tile(x_gmem, t, mp, x_layout),
-                                          s_gmem.at[expert, :, n_slice], a_smem), o_smem, o_gmem.at[t, n_slice])
+            mosaic.store_tile(tile_matmul(w_gmem.at[expert, n_slice], x_gmem.at[pl.ds(t * mp, mp)],
+                                    s_gmem.at[expert, :, n_slice], a_smem), o_smem, o_gmem.at[t, n_slice])
 
-    return _grouped_launch(kernel, r, n, mp, config, interpret, out_dtype)(*_tile_table(tile_expert, tile_weight),
-                                                                           x_rows, w_i4, scale_t)
+    return _grouped_launch(kernel, r, n, mp, config, interpret)(*_tile_table(tile_expert, tile_weight), x_rows, w_i4,
+                                                                scale_t)
 
 
 def _tile_table(tile_expert: jax.Array, tile_weight: jax.Array | None) -> tuple[jax.Array, jax.Array]:
@@ -113,17 +82,14 @@ def _tile_expert(e_gmem, tw_gmem, t):
     return jnp.where(tw_gmem[t] != 0, e_gmem[t], -1)
 
 
-def _grouped_launch(kernel, r: int, n: int, mp: int, config: MgpuConfig, interpret, out_dtype=jnp.float32):
-    """The grouped kernels' launch: grid (R row tiles, N / block_n), out [R, N, Mp] in out_dtype, the tile loop's
-    scratch."""
-    if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"out_dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype)}")
+def _grouped_launch(kernel, r: int, n: int, mp: int, config: MgpuConfig, interpret):
+    """The grouped kernels' launch: grid (R row tiles, N / block_n), out f32 [R, N, Mp], the tile loop's scratch."""
     return plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((r, n, mp), out_dtype),
+        out_type=jax.ShapeDtypeStruct((r, n, mp), jnp.float32),
         grid=(r, n // config.block_n),
         grid_names=("t", "n"),
-        scratch_types=mosaic.scratch_types(config, mp, out_dtype),
+        scratch_types=mosaic.scratch_types(config, mp),
         interpret=interpret,
     )
 
@@ -135,26 +101,26 @@ def _bf16(v):
 
 def grouped_gate_up_mgpu_kernel(x_rows: jax.Array, gate_w: jax.Array, gate_s: jax.Array, up_w: jax.Array,
                                 up_s: jax.Array, tile_expert: jax.Array, *, tile_weight: jax.Array | None = None,
-                                config: MgpuConfig = MgpuConfig(), x_layout: str = "rows", out_dtype=jnp.float32,
-                                interpret=None) -> jax.Array:
-    """The gate and up launches in one, SwiGLU in the epilogue: x_rows bf16 [R * Mp, K] (or X_LAYOUTS' others),
-    gate_w / up_w int4 [E, N, K], gate_s / up_s bf16 [E, K/32, N], tile_expert int32 [R] (-1 = unused) -> h^T
-    [R, N, Mp] in out_dtype with h = bf16(bf16(silu(bf16(g))) * bf16(u)), g / u the tile's gate / up products
-    (values exactly representable in bf16, so out_dtype bf16 loses nothing; the same roundings as the three-launch
-    path's XLA SwiGLU).
+                                config: MgpuConfig = MgpuConfig(), interpret=None) -> jax.Array:
+    """The gate and up launches in one, SwiGLU in the epilogue: x_rows bf16 [R * Mp, K], gate_w / up_w int4
+    [E, N, K], gate_s / up_s bf16 [E, K/32, N], tile_expert int32 [R] (-1 = unused) -> h^T f32 [R, N, Mp]
+    with h = bf16(bf16(silu(bf16(g))) * bf16(u)), g / u the tile's gate / up products (values exactly
+    representable in bf16; the same roundings as the three-launch path's XLA SwiGLU).
 
     Grid (R, N / block_n) as `grouped_w4a16_mgpu_kernel`: a CTA streams its expert's gate tile, then its up
     tile, through the same pipeline, with the token tile read twice from L2; tile_weight and unused tiles as in
     `grouped_w4a16_mgpu_kernel` (an unused tile's output is NOT written: mask it)."""
-    (r,), (num_experts, n, _) = tile_expert.shape, gate_w.shape
-    k, mp = _token_tiles(x_rows, r, x_layout)
+    (r,), (rows, k), (num_experts, n, _) = tile_expert.shape, x_rows.shape, gate_w.shape
+    if rows % r:
+        raise ValueError(f"x_rows has {rows} rows, not a multiple of the {r} row tiles")
+    mp = rows // r
     mosaic.check_config(config, n, k, mp, interpret)
     want_w, want_s = (num_experts, n, k), (num_experts, k // GROUP_SIZE, n)
     if not (gate_w.shape == up_w.shape == want_w and gate_s.shape == up_s.shape == want_s):
         raise ValueError(f"gate {gate_w.shape} / {gate_s.shape} and up {up_w.shape} / {up_s.shape} do not match "
                          f"E={num_experts}, N={n}, K={k}")
     block_n = config.block_n
-    tile_matmul = mosaic.make_tile_matmul(config, k, mp, interpret, x_n_major=x_layout == "n_major")
+    tile_matmul = mosaic.make_tile_matmul(config, k, mp, interpret)
 
     def kernel(e_gmem, tw_gmem, x_gmem, gw_gmem, gs_gmem, uw_gmem, us_gmem, o_gmem, o_smem, a_smem=None):
         t = lax.axis_index("t")
@@ -163,13 +129,13 @@ def grouped_gate_up_mgpu_kernel(x_rows: jax.Array, gate_w: jax.Array, gate_s: ja
 
         @pl.when(expert >= 0)
         def _():
-            x_tile = _token_tile(x_gmem, t, mp, x_layout)
+            x_tile = x_gmem.at[pl.ds(t * mp, mp)]
             g = _bf16(tile_matmul(gw_gmem.at[expert, n_slice], x_tile, gs_gmem.at[expert, :, n_slice], a_smem))
             u = _bf16(tile_matmul(uw_gmem.at[expert, n_slice], x_tile, us_gmem.at[expert, :, n_slice], a_smem))
             mosaic.store_tile(_bf16(_bf16(g / (1.0 + jnp.exp(-g))) * u), o_smem, o_gmem.at[t, n_slice])
 
-    return _grouped_launch(kernel, r, n, mp, config, interpret, out_dtype)(*_tile_table(tile_expert, tile_weight),
-                                                                           x_rows, gate_w, gate_s, up_w, up_s)
+    return _grouped_launch(kernel, r, n, mp, config, interpret)(*_tile_table(tile_expert, tile_weight), x_rows,
+                                                                gate_w, gate_s, up_w, up_s)
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "config_up", "config_down", "interpret", "out_dtype",
@@ -236,24 +202,9 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
         # A zero-weight choice (another shard's expert) is an unused tile: the kernels read the routing weights
         # themselves (tile_weight), so no XLA launch builds a tile table.
         top_k = expert_ids.shape[1]
-        tile_weight = weights[0].astype(jnp.float32)
-        if fused_gate_up:
-            # Every tile reads the same 16 token rows (the token, then zeros: 16 for the down launch's N-major
-            # operand, whose rows must be 32 bytes); the gate + up launch writes h^T in bf16 and the down launch
-            # reads it as it is: no XLA launch between the two (an unused tile's h is never written nor read).
-            rows = 16
-            x_shared = jnp.pad(x, ((0, rows - 1), (0, 0)))  # [16, D]
-            h_t = grouped_gate_up_mgpu_kernel(x_shared, gate_w, gate_s, up_w, up_s, expert_ids[0],
-                                              tile_weight=tile_weight, config=config_up, x_layout="shared",
-                                              out_dtype=jnp.bfloat16, interpret=interpret)  # [k, I, 16] bf16
-            y_t = grouped_w4a16_mgpu_kernel(h_t, down_w, down_s, expert_ids[0], tile_weight=tile_weight,
-                                            config=config_down, x_layout="n_major", interpret=interpret)
-            y = jnp.where((tile_weight != 0)[:, None], _bf16(y_t[:, :, 0]), 0.0)  # [k, D]
-        else:
-            x_rows = jnp.zeros((top_k, block_m, hidden), jnp.bfloat16).at[:, 0].set(x[0]).reshape(
-                top_k * block_m, hidden)
-            y = swiglu_tiles(x_rows, expert_ids[0], tile_weight)[:, :, 0]  # [k, D]
-        return jnp.sum(y * tile_weight[:, None], axis=0, keepdims=True).astype(out_dtype)
+        x_rows = jnp.zeros((top_k, block_m, hidden), jnp.bfloat16).at[:, 0].set(x[0]).reshape(top_k * block_m, hidden)
+        y = swiglu_tiles(x_rows, expert_ids[0], weights[0].astype(jnp.float32))[:, :, 0]  # [k, D]
+        return jnp.sum(y * weights[0].astype(jnp.float32)[:, None], axis=0, keepdims=True).astype(out_dtype)
 
     grp = group_assignments(expert_ids, weights, num_experts, block_m)
     rows = grp.tile_expert.shape[0] * block_m

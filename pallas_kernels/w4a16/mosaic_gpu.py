@@ -147,22 +147,15 @@ def dequantize_lane_order(w: jax.Array) -> jax.Array:
     return cast(w)  # pyright: ignore[reportCallIssue] (inline_mgpu's wrapper passes the launch context itself)
 
 
-def make_tile_matmul(config: MgpuConfig, k: int, mp: int, interpret=None, *, x_n_major: bool = False):
+def make_tile_matmul(config: MgpuConfig, k: int, mp: int, interpret=None):
     """The shared inner loop: (w_gmem [block_n, K] int4 in lane order, x_gmem [Mp, K] bf16, s_gmem [K/32, block_n]
     bf16, a_smem or None) -> f32 [block_n, Mp] = dequant(w) @ x^T, as registers (call inside a kernel).
-    x_n_major: x_gmem is x^T instead, [K, Mp] (the wgmma B operand N-major: what a grouped kernel wrote as y^T
-    reads without a transpose; Mp * 2 bytes must be a swizzle Mosaic takes, >= 32: Mp >= 16).
     interpret: None natively, else the GPU interpreter's parameters (the tile's lane order undone by array ops)."""
     block_n, block_k = config.block_n, config.block_k
     groups = block_k // GROUP_SIZE
     k_iters = k // block_k
     w_tr = smem_transforms(block_k, jnp.int4)
-    if x_n_major:
-        if mp % 16:
-            raise ValueError(f"an N-major token operand needs Mp a multiple of 16 (32-byte rows), got {mp}")
-        x_spec = plgpu.BlockSpec((block_k, mp), lambda ki: (ki, 0), transforms=smem_transforms(mp, jnp.bfloat16))
-    else:
-        x_spec = plgpu.BlockSpec((mp, block_k), lambda ki: (0, ki), transforms=smem_transforms(block_k, jnp.bfloat16))
+    x_tr = smem_transforms(block_k, jnp.bfloat16)
 
     def tile_matmul(w_gmem, x_gmem, s_gmem, a_smem):
         def body(acc_ref):
@@ -185,7 +178,7 @@ def make_tile_matmul(config: MgpuConfig, k: int, mp: int, interpret=None, *, x_n
                     a_smem[...] = w  # SMEM-A (interpret mode): stage the dequantized tile in SMEM
                     plgpu.commit_smem()
                     a = a_smem
-                plgpu.wgmma(acc_ref, a, x_smem if x_n_major else x_smem.T)  # [block_n, block_k] @ [block_k, Mp]
+                plgpu.wgmma(acc_ref, a, x_smem.T)  # [block_n, block_k] @ [block_k, Mp]
                 plgpu.wgmma_wait(0)  # the A tile is reused next step: finish reading it first
 
             plgpu.emit_pipeline(
@@ -193,7 +186,7 @@ def make_tile_matmul(config: MgpuConfig, k: int, mp: int, interpret=None, *, x_n
                 grid=(k_iters,),
                 in_specs=[
                     plgpu.BlockSpec((block_n, block_k), lambda ki: (0, ki), transforms=w_tr),
-                    x_spec,
+                    plgpu.BlockSpec((mp, block_k), lambda ki: (0, ki), transforms=x_tr),
                     plgpu.BlockSpec((groups, block_n), lambda ki: (ki, 0)),
                 ],
                 max_concurrent_steps=min(config.max_concurrent_steps, k_iters),
@@ -206,16 +199,16 @@ def make_tile_matmul(config: MgpuConfig, k: int, mp: int, interpret=None, *, x_n
 
 
 def store_tile(value, o_smem, o_gmem_tile) -> None:
-    """A CTA's f32 [block_n, Mp] result through SMEM (`scratch_types`' o_smem, in its dtype) to its tile of the
-    output (call inside a kernel; the dense GEMM and the grouped MoE kernels)."""
-    o_smem[...] = value.astype(o_smem.dtype)
+    """A CTA's f32 [block_n, Mp] result through SMEM (`scratch_types`' o_smem) to its tile of the output (call inside
+    a kernel; the dense GEMM and the grouped MoE kernels)."""
+    o_smem[...] = value
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_gmem_tile)
     plgpu.wait_smem_to_gmem(0)
 
 
-def scratch_types(config: MgpuConfig, mp: int, out_dtype=jnp.float32) -> dict:
-    scratch = dict(o_smem=plgpu.SMEM((config.block_n, mp), out_dtype))  # [block_n, Mp]
+def scratch_types(config: MgpuConfig, mp: int) -> dict:
+    scratch = dict(o_smem=plgpu.SMEM((config.block_n, mp), jnp.float32))  # [block_n, Mp]
     if config.a_operand == "smem":
         scratch["a_smem"] = plgpu.SMEM((config.block_n, config.block_k), jnp.bfloat16,
                                        transforms=smem_transforms(config.block_k, jnp.bfloat16))

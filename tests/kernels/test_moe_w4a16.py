@@ -430,58 +430,6 @@ def test_mgpu_grouped_kernel_skips_unused_tiles_and_reuses_experts(block_k, weig
         assert _rel(y_t[t].T, np.asarray(want, np.float64)) < 1e-2
 
 
-@pytest.mark.parametrize("x_layout", ["shared", "n_major"])
-def test_mgpu_grouped_kernel_token_layouts(x_layout):
-    """The decode path's token operands: "shared" (every tile reads the same rows) and "n_major" (tile t's x^T, the
-    wgmma B operand N-major, 16 columns), with a bf16 output; each tile against the dequantized reference."""
-    from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_w4a16_mgpu_kernel
-    from pallas_kernels.w4a16 import w4a16_matmul_reference
-    from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig
-
-    rng = np.random.default_rng(4)
-    experts, _ = _experts(rng, 4, 128, 64)
-    leaf = experts["gate"]  # N = 64, K = 128
-    mosaic = leaf.to_mosaic()
-    tile_expert = jnp.asarray([1, 3, -1], jnp.int32)
-    xs = jnp.asarray(rng.standard_normal((3, 16, 128)), jnp.bfloat16)  # each tile's 16 token rows
-    x = xs[0] if x_layout == "shared" else xs.transpose(0, 2, 1)  # [16, K] or [R, K, 16]
-    try:
-        y_t = jax.block_until_ready(grouped_w4a16_mgpu_kernel(
-            x, mosaic.w_i4, mosaic.scale_t, tile_expert, x_layout=x_layout, out_dtype=jnp.bfloat16,
-            interpret=_mgpu_interpret(), config=MgpuConfig(block_n=64, block_k=64, a_operand="smem")))
-    finally:
-        _reset_mgpu_interpreter()
-    assert y_t.shape == (3, 64, 16) and y_t.dtype == jnp.bfloat16
-    for t, e in enumerate(np.asarray(tile_expert)[:2]):
-        rows = xs[0] if x_layout == "shared" else xs[t]
-        want = w4a16_matmul_reference(rows.astype(jnp.float32), jax.tree.map(lambda a, e=e: a[e], leaf))  # [16, 64]
-        assert _rel(y_t[t].T.astype(jnp.float32), np.asarray(want, np.float64)) < 1e-2
-
-
-def test_mgpu_grouped_kernel_refuses_bad_token_operands():
-    from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_w4a16_mgpu_kernel
-
-    w, s, t = jnp.zeros((2, 64, 128), jnp.int4), jnp.zeros((2, 4, 64), jnp.bfloat16), jnp.zeros((3,), jnp.int32)
-    with pytest.raises(ValueError, match="x_layout must be one of"):
-        grouped_w4a16_mgpu_kernel(jnp.zeros((24, 128), jnp.bfloat16), w, s, t, x_layout="cols")
-    with pytest.raises(ValueError, match=r"n_major token operand is \[R, K, Mp\] with R=3"):
-        grouped_w4a16_mgpu_kernel(jnp.zeros((2, 128, 16), jnp.bfloat16), w, s, t, x_layout="n_major")
-    with pytest.raises(ValueError, match="not a multiple of the 3 row tiles"):
-        grouped_w4a16_mgpu_kernel(jnp.zeros((20, 128), jnp.bfloat16), w, s, t)
-    with pytest.raises(ValueError, match="Mp a multiple of 16"):
-        grouped_w4a16_mgpu_kernel(jnp.zeros((3, 128, 8), jnp.bfloat16), w, s, t, x_layout="n_major",
-                                  interpret=_mgpu_interpret(), config=_smem_config())
-    with pytest.raises(ValueError, match="out_dtype must be float32 or bfloat16"):
-        grouped_w4a16_mgpu_kernel(jnp.zeros((24, 128), jnp.bfloat16), w, s, t, out_dtype=jnp.float16,
-                                  interpret=_mgpu_interpret(), config=_smem_config())
-
-
-def _smem_config():
-    from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig
-
-    return MgpuConfig(block_n=64, block_k=64, a_operand="smem")
-
-
 def test_mgpu_grouped_moe_lowers_for_cuda_at_k26_shapes():
     """The grouped MoE (register-A wgmma, the default tilings) lowers for an abstract H200 at K2.6 expert
     shapes, in three launches, or two with gate and up fused."""
