@@ -11,12 +11,12 @@ Random INT4 experts (bf16 scales), each token routed to top-k distinct random ex
 implementation is first checked against the float32 reference (`grouped_moe_w4a16_reference`); one that disagrees
 is reported and not timed.
 
-Timing, all wall clocks before any CUPTI window (a CUPTI window inflates later wall clocks): "loop wall" = one
-jitted `fori_loop` of --loop-calls calls, each call's input depending on the previous output, divided by the calls
-(the per-call cost as inside the decode loop, without dispatch); then CUPTI summed kernel time per call (median,
-benchmarks/common.py Timer) and the kernel count. Writes DIR/moe_small_h200.json / .md. Compiles dominate: the
-shipped pair's two shapes at the default token counts take about 3 minutes on the H200, all four shapes more.
-"""
+Timing, all wall clocks before any CUPTI window (a CUPTI window inflates later wall clocks): "loop wall" = the
+marginal wall clock a call of a jitted `fori_loop` whose calls each take the previous output ((wall of 2N calls -
+wall of N calls) / N, N = --loop-calls: `common.loop_wall_us`; the per-call cost as inside the decode loop); then
+CUPTI summed kernel time per call (median, benchmarks/common.py Timer) and the kernel count. Writes
+DIR/moe_small_h200.json / .md. Compiles dominate: the shipped pair's two shapes at the default token counts take
+about 3 minutes on the H200, all four shapes more."""
 
 from __future__ import annotations
 
@@ -66,8 +66,9 @@ def main() -> None:
     if not set(impls) <= set(IMPLS):
         raise SystemExit(f"unknown --impls {sorted(set(impls) - set(IMPLS))}; choose from {list(IMPLS)}")
     timer = Timer(args.iters)
-    meta = metadata(timing=f"loop wall: one jitted fori_loop of {args.loop_calls} dependent calls / calls, every wall "
-                    "clock before any CUPTI window; kernel: " + timer.method,
+    meta = metadata(timing=f"loop wall: marginal wall clock a call of a jitted fori_loop of dependent calls ((2 x "
+                    f"{args.loop_calls} calls - {args.loop_calls}) / {args.loop_calls}), every wall clock before any "
+                    "CUPTI window; kernel: " + timer.method,
                     shapes={s: SHAPES[s] for s in shapes}, wall_after_cupti=False, matmul_precision="highest")
 
     def fn_for(impl, experts):

@@ -10,10 +10,10 @@ times, at the shipped pair's matvec shapes (K x N), three forms of the same prod
   "dot_nt"     the same dot with W stored transposed, [N, K] (contracting both operands' last dim);
   "row_reduce" sum(x[:, None, :] * W^T[None], -1), W^T [N, K]: a reduction over the minor dim, the form XLA fuses
                with its elementwise producer.
-Each form is checked against a float64 NumPy product first. Timing: loop wall = one jitted fori_loop of
---loop-calls dependent calls / calls (every wall clock first), then CUPTI summed kernel time per call and the kernel
-count. float32 at HIGHEST precision, as the engine runs the shipped pair. Writes DIR/matvec_h200.json / .md.
-"""
+Each form is checked against a float64 NumPy product first. Timing: loop wall = the marginal wall clock a call of a
+jitted fori_loop of dependent calls ((2N - N calls) / N, N = --loop-calls; every wall clock first), then CUPTI
+summed kernel time per call and the kernel count. float32 at HIGHEST precision, as the engine runs the shipped pair.
+Writes DIR/matvec_h200.json / .md."""
 
 from __future__ import annotations
 
@@ -54,8 +54,9 @@ def main() -> None:
     }
 
     timer = Timer(args.iters)
-    meta = metadata(timing=f"loop wall: one jitted fori_loop of {args.loop_calls} dependent calls / calls, every wall "
-                    "clock before any CUPTI window; kernel: " + timer.method, wall_after_cupti=False,
+    meta = metadata(timing=f"loop wall: marginal wall clock a call of a jitted fori_loop of dependent calls ((2 x "
+                    f"{args.loop_calls} calls - {args.loop_calls}) / {args.loop_calls}), every wall clock before any "
+                    "CUPTI window; kernel: " + timer.method, wall_after_cupti=False,
                     matmul_precision="highest")
     rows, points = [], []
     key = jax.random.key(0)
