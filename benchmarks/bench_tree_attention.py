@@ -323,7 +323,7 @@ def combine_main(args):
         for name, form in forms.items():
             fn = jax.jit(lambda o_, l_, form=form: form(o_, l_, jnp.bfloat16))
             got = np.asarray(fn(*args_dev).astype(jnp.float32), np.float64)
-            rec = dict(rel_err=float(np.abs(got - want).max() / np.abs(want).max()))
+            rec: dict[str, Any] = dict(rel_err=float(np.abs(got - want).max() / np.abs(want).max()))
             try:
                 rec["wall_loop_us"] = loop_wall_us(fn, args_dev, calls)
             except RuntimeError as exc:  # a loop too noisy to time (a CPU smoke run): said in the table, not a number
