@@ -362,16 +362,22 @@ def cases(only: list[str]) -> list[Case]:
 _LAUNCH = re.compile(r"^\s*(?:ROOT )?%(\S+) = .+? (fusion|custom-call)\(.*?(?:kind=(\w+)|custom_call_target=\"(\w+)\")")
 
 
+_WHILE = re.compile(r"^\s*(?:ROOT )?%(\S+) = .+? while\(")
+
+
 def launches(hlo: str) -> list[str]:
     """The kernels one compiled program launches, in order: the fusions and custom calls of its optimized HLO's
-    entry computation ("fusion <name> (<kind>)", "custom-call <target>"). (A fusion can hold a library call; the
-    programs counted here have none.)"""
+    entry computation ("fusion <name> (<kind>)", "custom-call <target>"), and its while loops ("while <name>": each
+    trip launches its body's kernels again, and on a GPU the condition goes back to the host). (A fusion can hold a
+    library call; the programs counted here have none.)"""
     entry = hlo[hlo.index("ENTRY"):]
     out = []
     for line in entry.splitlines():
         if m := _LAUNCH.match(line):
             name, op, kind, target = m.groups()
             out.append(f"custom-call {target}" if op == "custom-call" else f"fusion {name} ({kind})")
+        elif m := _WHILE.match(line):
+            out.append(f"while {m.group(1)}")
     return out
 
 
@@ -411,6 +417,7 @@ def census_cases() -> list[Case]:
     for fused in (False, True):
         out.append(Case("routed MoE call", f"T=1, {'gate+up fused' if fused else 'three launches'}",
                         lambda fused=fused: moe(1, fused)))
+    out.append(Case("routed MoE call", "T=9, three launches (the grouped path)", lambda: moe(9, False)))
 
     def xla_attention(T: int, rows: int):  # XLA's form over one layer of the engine's whole [L, B, S, C] cache
         from pallas_kernels.tree_attention.reference import tree_mla_attention_xla

@@ -90,15 +90,16 @@ ENTRY %main (p0: bf16[1,64,576], p1: f32[1,128,64]) -> bf16[1,64,512] {
   %mpmd_map = (bf16[1,128,64,512]{3,2,1,0}, f32[1,128,64]{2,1,0}) custom-call(bf16[1,64,576]{2,1,0} %p0), \
 custom_call_target="mosaic_gpu_v2", api_version=API_VERSION_TYPED_FFI
   %gte = f32[1,128,64]{2,1,0} get-tuple-element((bf16[1,128,64,512]{3,2,1,0}, f32[1,128,64]{2,1,0}) %mpmd_map), index=1
+  %while.3 = (s32[], f32[64]{0}) while((s32[], f32[64]{0}) %tuple), condition=%cond, body=%body
   ROOT %input_reduce_fusion = bf16[1,64,512]{2,1,0} fusion(f32[64]{0} %input_reduce_fusion.1), kind=kInput, calls=%c2
 }
 """
 
 
 def test_launches_lists_the_entry_computations_kernels():
-    """Fusions and custom calls of the entry computation only (not those inside fused computations), tuple shapes
-    and ROOT included, in order."""
-    assert launches(HLO) == ["fusion input_reduce_fusion.1 (kInput)", "custom-call mosaic_gpu_v2",
+    """Fusions, custom calls and while loops of the entry computation only (not those inside fused computations),
+    tuple shapes and ROOT included, in order."""
+    assert launches(HLO) == ["fusion input_reduce_fusion.1 (kInput)", "custom-call mosaic_gpu_v2", "while while.3",
                              "fusion input_reduce_fusion (kInput)"]
 
 
@@ -106,6 +107,11 @@ def test_targets_are_hopper():
     for text in TARGETS.values():
         assert "major: 9" in text and "ACCELERATED_FEATURES" in text and "core_count: 132" in text
 
+
+# The routed MoE's grouped path at T = 9, deviceless compile for an H100 (2026-12-06): 21 XLA fusions (the grouping:
+# counts, cumulative sums, sort, scatters, the row gather; the SwiGLU and its transpose; the per-choice gather and
+# sum) and the three kernels.
+MOE_T9_LAUNCHES = 24
 
 AOT = pytest.mark.skipif(
     importlib.util.find_spec("jax_plugins") is None or importlib.util.find_spec("nvidia") is None,
@@ -193,6 +199,11 @@ def test_decode_calls_launch_no_more_glue(compiled):
     for case, kernels in (("T=1, three launches", 3), ("T=1, gate+up fused", 2)):
         moe = calls[("routed MoE call", case)]
         assert count(moe, "custom-call mosaic_gpu_v2") == kernels and count(moe, "fusion") <= 3, (case, moe)
+    # the grouped path at T = 9: no while loop (jnp.searchsorted's default binary search was one, 36 of a call's 69
+    # launches on the device, H200, 2026-12-06; now compare_all) and the three kernels
+    moe9 = calls[("routed MoE call", "T=9, three launches (the grouped path)")]
+    assert count(moe9, "while") == 0 and count(moe9, "custom-call mosaic_gpu_v2") == 3, moe9
+    assert len(moe9) <= MOE_T9_LAUNCHES, (len(moe9), moe9)
     # a whole K2.6 MoE decoder layer at T = 1, S = 4096 as the engine runs it on Hopper (2026-12-06: 41 launches, the
     # two Mosaic MoE kernels and 39 XLA fusions: norms, bf16 projections, RoPE, the cache row write, XLA's attention,
     # the router and top-k, the shared expert, the MoE's pad and transpose; the weighted sum fused into the residual)
