@@ -124,10 +124,12 @@ def test_loop_wall_feeds_each_call_the_last_output_and_times_per_call():
     """loop_wall_us: positive, finite marginal per-call microseconds of a fori_loop whose calls depend on each other,
     for an output shaped like the first argument (fed back elementwise) and for another shape (fed back through its
     sum); more work a call costs more."""
-    matvec = common.loop_wall_us(lambda x, w: x @ w, (jnp.ones((256, 256)), jnp.ones((256, 8))), calls=40)
-    same = common.loop_wall_us(lambda x, w: x @ w, (jnp.ones((256, 256)), jnp.ones((256, 256))), calls=40)
+    # calls heavy enough (~0.1 and ~1 ms on a 2-core CPU) that 40 more of them stand well above the clock's noise
+    # under a loaded test run (a 256 x 256 x 8 product, ~20 us, did not: CI, 2026-12-06)
+    matvec = common.loop_wall_us(lambda x, w: x @ w, (jnp.ones((512, 512)), jnp.ones((512, 64))), calls=40)
+    same = common.loop_wall_us(lambda x, w: x @ w, (jnp.ones((512, 512)), jnp.ones((512, 512))), calls=40)
     assert 0 < matvec < 1e6 and 0 < same < 1e6
-    assert same > matvec  # a 256-wide product per call costs more than an 8-wide one
+    assert same > matvec  # a 512-wide product per call costs more than a 64-wide one
 
 
 def test_summarize_timeline_splits_span_into_busy_and_gaps():
