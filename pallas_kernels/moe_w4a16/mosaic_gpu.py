@@ -60,7 +60,7 @@ def grouped_w4a16_mgpu_kernel(x_rows: jax.Array, w_i4: jax.Array, scale_t: jax.A
         @pl.when(expert >= 0)
         def _():
             mosaic.store_tile(tile_matmul(w_gmem.at[expert, n_slice], x_gmem.at[pl.ds(t * mp, mp)],
-                                    s_gmem.at[expert, :, n_slice], a_smem), o_smem, o_gmem.at[t, n_slice])
+                                          s_gmem.at[expert, :, n_slice], a_smem), o_smem, o_gmem.at[t, n_slice])
 
     return _grouped_launch(kernel, r, n, mp, config, interpret)(*_tile_table(tile_expert, tile_weight), x_rows, w_i4,
                                                                 scale_t)
