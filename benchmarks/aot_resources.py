@@ -455,19 +455,21 @@ def _dispatching_for_hopper():
 
 def _k26_layer(T: int, rows: int):
     """One K2.6 MoE decoder layer (the model's `DecoderLayer`, bf16, INT4 routed experts) on its params as
-    `kj.prepare_params` lays them out for a Hopper GPU, writing its T rows into a one-layer latent cache of `rows`
-    rows (donated: written in place, as in the engine's loop)."""
+    `kj.prepare_params` lays them out for a Hopper GPU and `generate` then folds them (`model.fold_params`: at K2.6
+    W_UK and W_UV by head), writing its T rows into a one-layer latent cache of `rows` rows (donated: written in
+    place, as in the engine's loop)."""
     import jax
     import jax.numpy as jnp
 
     import kdtree_jax as kj
-    from kdtree_jax.model import DecoderLayer
+    from kdtree_jax.model import DecoderLayer, fold_params
 
     cfg = kj.ModelConfig.kimi_k26().replace(num_hidden_layers=1, first_k_dense_replace=0)
     kernels = kj.Kernels()
     with _dispatching_for_hopper():
-        params = jax.eval_shape(lambda k: kj.prepare_params(kj.quantize(kj.init_params(cfg, k, jnp.bfloat16), cfg),
-                                                            cfg, kernels, device=_HOPPER), jax.random.key(0))
+        params = jax.eval_shape(lambda k: fold_params(kj.prepare_params(
+            kj.quantize(kj.init_params(cfg, k, jnp.bfloat16), cfg), cfg, kernels, device=_HOPPER), cfg, kernels),
+            jax.random.key(0))
 
     def fn(layer_params, h, positions, cache, start, visibility):
         with _dispatching_for_hopper():

@@ -309,14 +309,14 @@ def main():
 
     def verify_at(t):  # the slice's verify of the first t slots, padded back to T_max rows
         def fn(params, h, positions, cache, start, mask):
-            out = slice_forward(cfg, kernels, params, h[:, :t], positions[:, :t], cache, start, mask[:, :t, :t])
+            out = slice_forward(cfg, kernels, params, h[:, :t], positions[:, :t], cache, start, mask[:, :t, :t])[0]
             return jnp.pad(out, ((0, 0), (0, t_max - t), (0, 0)))
         return fn
 
     def masked_verify(live, params, h, positions, cache, start, mask):
         mask = jnp.where((jnp.arange(t_max) < live)[None, :, None], mask, jnp.eye(t_max, dtype=bool)[None])
         with routed_rows_masked(live):  # masked slots: no expert, and they see only themselves
-            return slice_forward(cfg, kernels, params, h, positions, cache, start, mask)
+            return slice_forward(cfg, kernels, params, h, positions, cache, start, mask)[0]
 
     def timed(row, what, fn, *a):  # row[what_s], row[what_wall_s], row[what_kernels]; returns the output
         timing = timer(fn, *a)

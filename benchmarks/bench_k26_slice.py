@@ -3,6 +3,7 @@
   python benchmarks/bench_k26_slice.py --out DIR [--layers 2] [--deadline-s 520]
   python benchmarks/bench_k26_slice.py --tiny --out DIR      # CPU smoke run (< 1 min): NOT measurements
   python benchmarks/bench_k26_slice.py --summarize DIR/k26_slice.json   # rebuild tables/plot, no GPU
+  python benchmarks/bench_k26_slice.py --timeline --out DIR --ts 1,9 --ss 4096   # one layer's launches, no CUPTI
 
 The slice is the model itself: `--layers` MoE decoder layers of ModelConfig.kimi_k26() (hidden 7168, 64 MLA
 heads, 384 INT4 experts of 7168 -> 2048 -> 7168, bf16 attention / shared expert), their params shaped by the
@@ -28,6 +29,13 @@ Timing (benchmarks/common.py Timer): on a GPU CUPTI summed kernel time, one wind
 --iters after a warm-up, with the wall clock beside it for the MoE columns. On CPU (--tiny) it is wall
 clock and says so: CPU numbers prove nothing. Writes DIR/k26_slice.json, DIR/k26_slice.md and
 DIR/k26_slice.png, each with the run's metadata (device, JAX, date, git commit, command).
+
+--timeline measures instead where one layer's time goes: for each T and S the whole layer (the slice's first layer,
+attention "auto", the MoE kernel of --moe) runs in a jitted loop of --timeline-calls dependent calls (carrying the
+latent cache, `slice_calls`) under jax's
+profiler (`common.loop_timeline`: the device's own timestamps, no CUPTI window in that process), and the middle
+call's launches are listed in order with their device time and the idle time before each; the layer's optimized HLO
+goes beside it (DIR/k26_layer_T{T}_S{S}.hlo.txt) to read what each fusion computes. Writes DIR/k26_timeline.json/.md.
 """
 
 from __future__ import annotations
@@ -97,20 +105,40 @@ def slice_params(cfg, dtype, key):
 
 def decoder_layer(cfg, layer: int, kernels, params, h, positions, cache, start, visibility):
     """The model's decoder layer `layer` with `kernels` (kj.Kernels) on h [1, T, D] over the latent cache
-    [1, S, c + r] (rows from start [1] on are the tree's), visibility [1, T, T] -> h [1, T, D]."""
+    [1, S, c + r] (rows from start [1] on are the tree's), visibility [1, T, T] -> (h [1, T, D], the cache with the
+    T rows written)."""
     from kdtree_jax.model import DecoderLayer
 
     module = DecoderLayer(cfg, layer, params["embed_tokens"].dtype, kernels)
-    out, _ = module.apply({"params": params[f"layers_{layer}"]}, h, positions, cache, start, visibility)
-    return out
+    return module.apply({"params": params[f"layers_{layer}"]}, h, positions, cache, start, visibility)
 
 
 def slice_forward(cfg, kernels, params, h, positions, cache, start, visibility):
     """Every decoder layer of the slice config cfg in turn (a static unroll: each layer its own weights)
-    over one latent cache: h [1, T, D] -> [1, T, D]."""
+    over one latent cache: h [1, T, D] -> (h [1, T, D], the cache)."""
     for layer in range(cfg.num_hidden_layers):
-        h = decoder_layer(cfg, layer, kernels, params, h, positions, cache, start, visibility)
-    return h
+        h, cache = decoder_layer(cfg, layer, kernels, params, h, positions, cache, start, visibility)
+    return h, cache
+
+
+def slice_calls(cfg, kernels, calls: int):
+    """jit(params, h, positions, cache, start, visibility) -> h: `calls` slice forwards in one fori_loop that carries
+    the latent cache, as the engine's decode loop does, so each call writes its T rows in place. (A lone call on a
+    cache it does not own copies the whole cache to write them: at S = 32768 a 22 us copy a layer on an H100 that
+    the engine never pays, k26_timeline_h100_s31_lone_call.md.) Each call's h is the first call's plus 1e-30 x the last
+    output, so no call can be hoisted or dropped and the values stay those of one call. The one copy of the cache
+    into the loop is 1 / calls of the loop's time."""
+    import jax
+
+    def run(params, h, positions, cache, start, visibility):
+        def body(_, carry):
+            x, cache = carry
+            out, cache = slice_forward(cfg, kernels, params, x, positions, cache, start, visibility)
+            return h + (out * 1e-30).astype(h.dtype), cache
+
+        return jax.lax.fori_loop(0, calls, body, (h, cache))[0]
+
+    return jax.jit(run)
 
 
 @contextlib.contextmanager
@@ -179,10 +207,22 @@ def main():
                          "beside it): mosaic = the routed experts in the Mosaic GPU layout (the model's on Hopper + "
                          "bf16), triton = in the checkpoint layout (default: %(default)s; tilings: "
                          "benchmarks/bench_moe_mgpu.py)")
+    ap.add_argument("--attention", choices=("auto", "xla", "mosaic_gpu"), default="auto",
+                    help="the attention every layer and the attention column run on a GPU (auto: the dispatcher's "
+                         "measured choice per call shape; default %(default)s; the CPU smoke run: xla)")
     ap.add_argument("--no-baselines", action="store_true", help="skip the XLA MoE alternatives")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run at tiny width (XLA paths, wall clock)")
+    ap.add_argument("--slice-calls", type=int, default=8,
+                    help="slice forwards in the timed loop that carries the cache (layer = its time / calls / layers; "
+                         "the cache's one copy into the loop is 1 / calls of it; default %(default)s)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="instead of the CUPTI timings: the device's timeline of one layer in a jitted loop at each T "
+                         "and S (its launches in order, each with its time and the idle before it) and the layer's "
+                         "optimized HLO (k26_timeline.json/.md, k26_layer_T*_S*.hlo.txt)")
+    ap.add_argument("--timeline-calls", type=int, default=10, help="calls in the profiled loop (--timeline)")
     ap.add_argument("--summarize", metavar="JSON",
-                    help="no measuring: rebuild the .md/.png (tables, extrapolation, advice) from a k26_slice JSON")
+                    help="no measuring: rebuild the .md/.png (tables, extrapolation, advice) from a k26_slice JSON, or "
+                         "the .md of a k26_timeline JSON (its kernels named from the HLO files beside it)")
     args = ap.parse_args()
     if args.summarize:
         return resummarize(args.summarize)
@@ -211,7 +251,7 @@ def main():
     # records); the CPU smoke run names the XLA references (pallas_kernels.dispatch "xla").
     moe_impl = args.moe if on_gpu else "xla"
     alt_impl = {"mosaic": "triton", "triton": "mosaic"}.get(moe_impl)
-    attention_impl = "auto" if on_gpu else "xla"
+    attention_impl = args.attention if on_gpu else "xla"
     kernels_for = {"mosaic": kj.Kernels(attention=attention_impl, moe="mosaic_gpu"),
                    "triton": kj.Kernels(attention=attention_impl, moe="triton"),
                    "xla": kj.Kernels(attention="xla", linear="xla", moe="xla")}
@@ -231,19 +271,27 @@ def main():
         return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
 
     # ---- copy bandwidth in this run (the floors' denominator)
-    bandwidth = copy_bandwidth(timer, (512 if on_gpu else 4) * 1024 * 1024)
-    meta["copy_TBps"] = bandwidth / 1e12
+    if not args.timeline:  # (a CUPTI window: the timeline's profiler must have the process alone)
+        bandwidth = copy_bandwidth(timer, (512 if on_gpu else 4) * 1024 * 1024)
+        meta["copy_TBps"] = bandwidth / 1e12
     full = full_config(args.tiny)
-    cost = CostModel.from_config(full, bandwidth=bandwidth) if on_gpu else CostModel.from_config(full)
+    cost = CostModel.from_config(full, bandwidth=meta["copy_TBps"] * 1e12) if on_gpu and not args.timeline \
+        else CostModel.from_config(full)
 
     # ---- weights on device: the model's params, and its routed experts in the Mosaic layout too
     t0 = time.time()
     params = slice_params(cfg, jnp.bfloat16, jax.random.key(100))
     mosaic = kj.to_mosaic_experts(params, cfg) if on_gpu else None  # a load-time conversion
+    # what generate does before its decode loop (at K2.6: W_UK and W_UV laid out by head)
+    params = kmodel.fold_params(params, cfg, kernels_for[moe_impl])
+    mosaic = None if mosaic is None else kmodel.fold_params(mosaic, cfg, kernels_for[moe_impl])
     jax.block_until_ready((params, mosaic))
     meta["build_s"] = time.time() - t0
     meta["kernels"] = kj.plan_summary(kj.kernel_plan(params, cfg, kernels=kernels_for[moe_impl]))
     print(f"built {args.layers} layers on device in {meta['build_s']:.1f} s", flush=True)
+    if args.timeline:
+        return layer_timelines(args, cfg, kernels_for[moe_impl], mosaic if moe_impl == "mosaic" else params, ts, ss,
+                               meta)
     by_impl = {"mosaic": mosaic, "triton": params, "xla": params}  # whose routed experts each impl runs
     p0 = params["layers_0"]
     c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -258,9 +306,9 @@ def main():
 
     def rest_fn(*a):  # the first layer compiled with the stand-ins (a fresh jit: no cached real trace)
         with attention_and_routed_moe_stood_in():
-            return jax.jit(lambda tree, *b: decoder_layer(cfg, 0, rest_kernels, tree, *b)).lower(*a).compile()
+            return jax.jit(lambda tree, *b: decoder_layer(cfg, 0, rest_kernels, tree, *b)[0]).lower(*a).compile()
 
-    slice_fn = jax.jit(lambda *a: slice_forward(cfg, kernels_for[moe_impl], *a))
+    slice_fn = slice_calls(cfg, kernels_for[moe_impl], args.slice_calls)
     head_fn = jax.jit(lambda x, w: linear(x, w, kernels_for[moe_impl]).astype(jnp.float32))
     head_w = params["lm_head"]
 
@@ -314,7 +362,7 @@ def main():
             attn_s = timer(attend, q, cache, start, mask).seconds
             layer_args = (params, h, positions, cache, start, mask)
             rest_s = timer(rest_fn(*layer_args), *layer_args).seconds
-            slice_s = timer(slice_fn, by_impl[moe_impl], h, positions, cache, start, mask).seconds
+            slice_s = timer(slice_fn, by_impl[moe_impl], h, positions, cache, start, mask).seconds / args.slice_calls
             row = {"T": t, "S": s, "touched": touched, "attention_s": attn_s,
                    "attention_kernel": attention_kernel(cfg, attention_impl, q, cache),
                    "moe_s": mrow["moe_s"], "rest_s": rest_s, "layer_s": slice_s / args.layers, "head_s": mrow["head_s"],
@@ -330,6 +378,84 @@ def main():
     result = summarize(meta, rows, moe_rows, checks, cost, on_gpu, evaluate_budgets, saturating_profile)
     write(os.path.join(args.out, "k26_slice_tiny" if args.tiny else "k26_slice"), result)
     print(f"done in {time.time() - t_start:.0f} s", flush=True)
+
+
+def layer_timelines(args, cfg, kernels, params, ts, ss, meta):
+    """--timeline: the device's timeline of the slice's first layer in a jitted loop at each (T, S), the middle
+    call's launches, and each layer's optimized HLO beside them."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.common import loop_timeline, write_results
+
+    c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    rng = np.random.default_rng(0)
+
+    loop = slice_calls(cfg.replace(num_hidden_layers=1), kernels, args.timeline_calls)  # the first layer, cache carried
+
+    rows = []
+    for t in ts:
+        for s in ss:
+            h = jax.random.normal(jax.random.key(t), (1, t, cfg.hidden_size), jnp.bfloat16)
+            positions = jnp.arange(s, s + t, dtype=jnp.int32)[None]
+            cache = jax.random.normal(jax.random.key(s + t), (1, s + 256, c + r), jnp.bfloat16)
+            start = jnp.asarray([s], jnp.int32)
+            mask = jnp.asarray(random_tree_mask(rng, t))[None]
+            layer_args = (params, h, positions, cache, start, mask)
+            compiled = loop.lower(*layer_args).compile()
+            hlo = compiled.as_text() or ""
+            hlo_path = os.path.join(args.out, f"k26_layer_T{t}_S{s}.hlo.txt")
+            os.makedirs(args.out, exist_ok=True)
+            with open(hlo_path, "w") as f:
+                f.write(hlo)
+            q_like = jnp.zeros((1, t, 1, 1), jnp.bfloat16)  # attention_kernel reads T and the dtype
+            row = {"T": t, "S": s, "hlo": os.path.basename(hlo_path),
+                   "attention_kernel": attention_kernel(cfg, kernels.attention, q_like, cache),
+                   "timeline": loop_timeline(None, layer_args, args.timeline_calls, loop=compiled)}
+            tl = row["timeline"]
+            describe_events(tl, hlo)
+            print(f"T={t} S={s}: span {tl['span_us_per_call']:.1f} us a call, busy {tl['busy_us_per_call']:.1f}, "
+                  f"{tl['events_per_call']:g} events a call", flush=True)
+            rows.append(row)
+    meta = {**meta, "timeline_calls": args.timeline_calls, "timing": "jax profiler device timeline (no CUPTI)",
+            "attention_impl": kernels.attention, "moe_impl": kernels.moe}
+    markdown = timeline_markdown(meta, rows)
+    write_results(os.path.join(args.out, "k26_timeline"), meta, {"rows": rows}, markdown)
+    print(markdown)
+
+
+def describe_events(timeline: dict, hlo: str) -> None:
+    """Each listed event of a loop_timeline result gets "what": the HLO fusion's op and main ops (fusion_descriptions;
+    "" for kernels that are not fusions)."""
+    from benchmarks.common import fusion_descriptions
+
+    what = fusion_descriptions(hlo)
+    for ev in timeline.get("middle_call", timeline.get("first_events", [])):
+        ev["what"] = what.get(ev["name"], "")
+
+
+def timeline_markdown(meta, rows) -> str:
+    """--timeline's report: per (T, S) span / busy / gaps a call, then one call's launches in order."""
+    md = [f"# One K2.6 layer in a jitted loop: the device's timeline ({meta['device']})", "",
+          f"{meta['date']}, JAX {meta['jax']}; the slice's first decoder layer (attention {meta['attention_impl']}, "
+          f"routed experts {meta['moe_impl']}), a jitted loop of {meta['timeline_calls']} dependent calls carrying "
+          "the latent cache (`slice_calls`: each call writes its rows in place, as in the engine's decode loop) "
+          "profiled with jax's profiler (device timestamps), no CUPTI window in this process. Microseconds.", "",
+          "| T | S | attention ran | span a call | busy | gaps | device events a call |", "|---" * 7 + "|"]
+    for row in rows:
+        tl = row["timeline"]
+        md.append(f"| {row['T']} | {row['S']} | {row['attention_kernel']} | {tl['span_us_per_call']:.1f} | "
+                  f"{tl['busy_us_per_call']:.1f} | {tl['gap_us_per_call']:.1f} | {tl['events_per_call']:g} |")
+    for row in rows:
+        tl = row["timeline"]
+        md += ["", f"T={row['T']} S={row['S']}, one call ("
+               + ("the middle call" if "middle_call" in tl else "the first events: no repeating call found")
+               + f"; the fusions' HLO: `{row['hlo']}`):", "", "| event | idle before (us) | us | what (HLO) |",
+               "|---|---|---|---|"]
+        for ev in tl.get("middle_call", tl.get("first_events", [])):
+            gap = "-" if ev["gap_before_us"] is None else f"{ev['gap_before_us']:.1f}"
+            md.append(f"| `{ev['name'][:70]}` | {gap} | {ev['us']:.1f} | {ev.get('what', '')[:110]} |")
+    return "\n".join(md) + "\n"
 
 
 def write(stem, result):
@@ -350,6 +476,16 @@ def resummarize(path):
     with open(path) as f:
         stored = json.load(f)
     meta = stored["meta"]
+    if "timeline_calls" in meta:  # a --timeline result: name its kernels from the HLO files beside it, if there
+        from benchmarks.common import write_results
+
+        for row in stored["rows"]:
+            hlo = os.path.join(os.path.dirname(path), row["hlo"])
+            if os.path.exists(hlo):
+                with open(hlo) as f:
+                    describe_events(row["timeline"], f.read())
+        return write_results(os.path.splitext(path)[0], meta, {"rows": stored["rows"]},
+                             timeline_markdown(meta, stored["rows"]))
     for m in stored["moe"]:  # results written before the Mosaic kernel was the slice's: it was a side column
         if "mosaic_s" in m:
             m["alt_s"] = m.pop("mosaic_s")

@@ -233,16 +233,20 @@ def loop_wall_us(fn: Callable, args: tuple, calls: int, repeats: int = 5) -> flo
     return (medians[1] - medians[0]) / calls * 1e6
 
 
-def loop_timeline(fn: Callable, args: tuple, calls: int) -> dict:
+def loop_timeline(fn: Callable | None, args: tuple, calls: int, loop: Callable | None = None) -> dict:
     """The device's own timeline of one jitted loop of `calls` dependent calls of fn(*args) (the loop loop_wall_us
-    times), from a profiler session (jax.profiler's XSpace: the GPU plane's stream lines, kernels and copies with their
-    device timestamps): `summarize_timeline` of its events. Where the per-call wall clock of a loop exceeds the
-    summed kernel time, this says whether the difference is gaps between launches (and before which) or inside
-    them. Take it before any CUPTI window (the profiler and CUPTI share the device's activity API)."""
+    times; or `loop(*args)`, a jitted loop of `calls` calls built by the caller), from a profiler session
+    (jax.profiler's XSpace: the GPU plane's stream lines, kernels and copies with their device timestamps):
+    `summarize_timeline` of its events. Where the per-call wall clock of a loop exceeds the summed kernel time, this
+    says whether the difference is gaps between launches (and before which) or inside them. Take it before any
+    CUPTI window (the profiler and CUPTI share the device's activity API)."""
     import jax
     from jax._src.lib import _profile_data, _profiler  # pyright: ignore[reportAttributeAccessIssue] (private, untyped)
 
-    loop = _dependent_loop(fn, calls)
+    if loop is None:
+        if fn is None:
+            raise ValueError("loop_timeline: give fn, or a loop of `calls` calls")
+        loop = _dependent_loop(fn, calls)
     jax.block_until_ready(loop(*args))
     session = _profiler.ProfilerSession(_profiler.ProfileOptions())
     try:
@@ -297,6 +301,41 @@ def summarize_timeline(events: list[tuple[str, float, float]], calls: int) -> di
     return {"calls": calls, "events": len(events), "events_per_call": len(events) / calls,
             "span_us_per_call": span / 1e3 / calls, "busy_us_per_call": busy / 1e3 / calls,
             "gap_us_per_call": (span - busy) / 1e3 / calls, "middle_call" if per else "first_events": rows}
+
+
+def fusion_descriptions(hlo: str) -> dict[str, str]:
+    """{kernel name: what it computes} from an optimized HLO module's text, for naming a timeline's XLA kernels (a
+    fusion `%gemm_fusion_dot.20` runs as kernel `gemm_fusion_dot_20`): the jax op it came from (the end of its
+    metadata op_name) and the main ops of the computation it calls (dot, reduce, sort, transpose, ...) with their
+    shapes. Kernels that are not HLO fusions (Mosaic kernels, cuBLAS, copies) are absent."""
+    import re
+
+    bodies: dict[str, list[str]] = {}
+    current = None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head and not line.startswith(" "):
+            current = head.group(1)
+            bodies[current] = []
+        elif current is not None:
+            bodies[current].append(line)
+    main = ("dot", "reduce", "sort", "transpose", "concatenate", "scatter", "gather", "dynamic-update-slice",
+            "dynamic-slice", "pad", "select", "exponential", "rsqrt")
+    out = {}
+    for line in hlo.splitlines():
+        inst = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.+?) fusion\(.*?calls=%?([\w.\-]+)", line)
+        if not inst:
+            continue
+        name, shape, called = inst.groups()
+        ops = []
+        for body_line in bodies.get(called, []):
+            op = re.search(r"= (.+?) ([\w-]+)\(", body_line)
+            if op and op.group(2) in main and f"{op.group(2)} {op.group(1)}" not in ops:
+                ops.append(f"{op.group(2)} {op.group(1)}")
+        source = re.search(r'op_name="([^"]*)"', line)
+        where = source.group(1).split("/")[-1] if source else ""
+        out[name.replace(".", "_")] = (f"{where}: " if where else "") + (", ".join(ops[:4]) or shape)
+    return out
 
 
 def copy_bandwidth(timer: Timer, elements: int = 512 * 1024 * 1024) -> float:

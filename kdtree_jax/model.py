@@ -8,7 +8,8 @@ Two attention forms share one set of weights:
 - absorbed MLA (`forward_with_cache`): the query is folded into latent space and attends to the latent
   cache of `kv_lora_rank + qk_rope_head_dim` values per token (MQA with one 576-wide key per token),
   the form every decode, prefill-into-cache and tree-verification step uses. Its projections run either
-  separate (the checkpoint's matrices: q_b, then W_UK per head; W_UV per head, then o) or folded
+  separate (the checkpoint's matrices: x @ [q_a | kv_a] as one product, q_b, then W_UK per head; W_UV per head, then
+  o; `fold_params` lays W_UK and W_UV out by head for a large model) or folded
   (`fold_params`, which `generate` applies for a small model: W_UK pre-multiplied into q_b, W_UV into o, q_a and
   kv_a concatenated, so a layer's projections are three matmuls; same function, other rounding). The fold also
   concatenates each MLP's entry matrices (a MoE layer's router | shared gate | shared up, a dense layer's gate | up)
@@ -108,6 +109,20 @@ class FoldedMLA:
     o: Matrix
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PerHeadMLA:
+    """The separate MLA's latent maps laid out by head for the absorbed form (`fold_params`, where it does not fold):
+    uk [H, n, c] = W_UK (the latent query: q_latent[h] = q_nope[h] @ uk[h]), uv [H, c, v] = W_UV (out[h] =
+    out_latent[h] @ uv[h]). kv_b [c, H * (n + v)] holds both with c outermost, so a head's product reads a strided
+    column slice; at one token XLA ran each product as a reduction over it (K2.6 on an H100: 7.6 and 6.3 us a layer
+    for 4.2 MB each), at T = 9 a batched GEMM over strided rows; laid out by head, a K2.6 layer's rest at T = 9 took
+    155 -> 144 us (docs/k26_verify_cost.md). Same values: kv_b's bytes again while a decode runs."""
+
+    uk: jax.Array
+    uv: jax.Array
+
+
 def mla_choice(cfg: ModelConfig, params: Params, kernels: Kernels | None = None,
                sharded: bool = False) -> dispatch.Choice:
     """Whether `fold_params` folds this model's MLA projections (pallas_kernels.dispatch.choose_mla)."""
@@ -155,9 +170,10 @@ def fold_params(params: Params, cfg: ModelConfig, kernels: Kernels | None = None
     [gate | up], where `_mlp_entry` can), when `mla_choice` folds (else params unchanged); the matrices x multiplies
     also get a transposed copy for one-row products where `dispatch.fold_transposed` says (`Matrix`). Traceable:
     `generate` calls it inside its jit, once per call, before the decode loop. The naive (cache-free) forward keeps
-    using the separate MLA matrices."""
+    using the separate MLA matrices. Where the projections stay separate (a large model) on one device, each layer's
+    W_UK and W_UV are laid out by head instead (attn/"per_head", `PerHeadMLA`); over a mesh params are unchanged."""
     if mla_choice(cfg, params, kernels, sharded).impl != "folded":
-        return params
+        return params if sharded else _per_head_params(params, cfg)
     transposed = dispatch.fold_transposed()
     out = dict(params)
     for layer in range(cfg.num_hidden_layers):
@@ -173,6 +189,29 @@ def fold_params(params: Params, cfg: ModelConfig, kernels: Kernels | None = None
             if entry is not None:
                 layer_params["mlp"] = {**layer_params["mlp"], "entry": entry}
         out[name] = layer_params
+    return out
+
+
+def _joinable(*mats) -> bool:
+    """Whether the separate MLA's matrices x multiplies ([K, N_i] each) run as one product x @ [W_1 | W_2 | ...]:
+    dense and of one dtype, on one device. XLA fuses the concatenation into the product's operand read; without it,
+    at one row it runs kv_a's narrow x @ W (N = 576 at K2.6) as a product and a separate reduction. A device mesh
+    keeps them apart (their output dims are sharded differently)."""
+    return (not any(is_quantized(m) for m in mats) and len({m.dtype for m in mats}) == 1
+            and sharding.active_mesh() is None)
+
+
+def _per_head_params(params: Params, cfg: ModelConfig) -> Params:
+    """params with each layer's attention also holding its W_UK and W_UV laid out by head (`PerHeadMLA`)."""
+    heads, nope, vdim, c = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    out = dict(params)
+    for layer in range(cfg.num_hidden_layers):
+        name = f"layers_{layer}"
+        attn = params[name]["attn"]
+        kv_b = attn["kv_b"].reshape(c, heads, nope + vdim)
+        per_head = PerHeadMLA(uk=jnp.transpose(kv_b[..., :nope], (1, 2, 0)),  # [H, n, c]
+                              uv=jnp.transpose(kv_b[..., nope:], (1, 0, 2)))  # [H, c, v]
+        out[name] = {**params[name], "attn": {**attn, "per_head": per_head}}
     return out
 
 
@@ -219,17 +258,22 @@ class MLA(nn.Module):
             folded = cast(FoldedMLA, self.get_variable("params", "folded"))
             return self._folded(folded, x, positions, latent_cache, start, visibility)
 
+        # (the weights are fetched in the order init created them: flax draws their random values in that order)
         if cfg.q_lora_rank is None:
-            q = linear(x, _weight(self, "q"))
+            q, kv_a = linear(x, _weight(self, "q")), linear(x, _weight(self, "kv_a"))
         else:
-            c_q = linear(x, _weight(self, "q_a"))
-            c_q = rms_norm(c_q, _weight(self, "q_a_norm"), cfg.latent_norm_eps)
-            q = linear(c_q, _weight(self, "q_b"))
+            q_a, q_a_norm, q_b, kv_a_w = (_weight(self, name) for name in ("q_a", "q_a_norm", "q_b", "kv_a"))
+            if _joinable(q_a, kv_a_w):  # x's two projections in one product (K2.6's AR step: docs/k26_verify_cost.md)
+                a = dots.matmul(x, jnp.concatenate([q_a, kv_a_w], axis=1).astype(x.dtype))
+                c_q, kv_a = a[..., :cfg.q_lora_rank], a[..., cfg.q_lora_rank:]
+            else:
+                c_q, kv_a = linear(x, q_a), linear(x, kv_a_w)
+            q = linear(rms_norm(c_q, q_a_norm, cfg.latent_norm_eps), q_b)
         q = q.reshape(batch, steps, heads, nope + rope)
         q_nope = q[..., :nope]  # [B, T, H, n]
         q_pe = apply_rope(q[..., nope:], positions, inv_freq, attention_factor)  # [B, T, H, r]
 
-        c_kv, k_pe = self._latent(linear(x, _weight(self, "kv_a")), positions)  # [B, T, c], [B, T, r]
+        c_kv, k_pe = self._latent(kv_a, positions)  # [B, T, c], [B, T, r]
         kv_b = _weight(self, "kv_b").reshape(c, heads, nope + vdim)
         w_uk, w_uv = kv_b[..., :nope], kv_b[..., nope:]  # [c, H, n], [c, H, v]
         w_o = _weight(self, "o")
@@ -252,11 +296,19 @@ class MLA(nn.Module):
 
         # absorbed form over the latent cache
         assert start is not None  # Transformer passes start [B] whenever it passes a latent cache
-        q_latent = dots.einsum("bthn,chn->bthc", q_nope, w_uk.astype(q_nope.dtype))  # [B, T, H, c]
+        per_head = cast(PerHeadMLA, self.get_variable("params", "per_head")) \
+            if self.has_variable("params", "per_head") else None
+        if per_head is None:
+            q_latent = dots.einsum("bthn,chn->bthc", q_nope, w_uk.astype(q_nope.dtype))  # [B, T, H, c]
+        else:
+            q_latent = dots.einsum("bthn,hnc->bthc", q_nope, per_head.uk.astype(q_nope.dtype))
         query = jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1)  # [B, T, H, c+r]
         out_latent, latent_cache = self._write_and_attend(  # rows [B, T, c+r]; out [B, T, H, c]
             query, jnp.concatenate([c_kv, k_pe], axis=-1), latent_cache, start, visibility)
-        out = dots.einsum("bthc,chv->bthv", out_latent.astype(x.dtype), w_uv.astype(x.dtype))
+        if per_head is None:
+            out = dots.einsum("bthc,chv->bthv", out_latent.astype(x.dtype), w_uv.astype(x.dtype))
+        else:
+            out = dots.einsum("bthc,hcv->bthv", out_latent.astype(x.dtype), per_head.uv.astype(x.dtype))
         return linear(out.reshape(batch, steps, heads * vdim), w_o), latent_cache
 
     def _latent(self, kv_a, positions):
@@ -355,16 +407,40 @@ def route_logits(cfg: ModelConfig, logits: jax.Array, router_bias: jax.Array):
     num_tokens, experts = choice.shape
     if cfg.n_group > 1:
         grouped = choice.reshape(num_tokens, cfg.n_group, experts // cfg.n_group)
-        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, G]
-        _, keep = jax.lax.top_k(group_scores, cfg.topk_group)
+        group_scores = small_top_k(grouped, 2)[0].sum(-1)  # [N, G]
+        _, keep = small_top_k(group_scores, cfg.topk_group)
         keep_mask = jnp.zeros((num_tokens, cfg.n_group), bool).at[
             jnp.arange(num_tokens)[:, None], keep].set(True)
         choice = jnp.where(keep_mask[:, :, None], grouped, -jnp.inf).reshape(num_tokens, experts)
-    _, idx = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    _, idx = small_top_k(choice, cfg.num_experts_per_tok)
     weights = jnp.take_along_axis(scores, idx, axis=-1)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     return idx.astype(jnp.int32), weights * cfg.routed_scaling_factor
+
+
+SMALL_TOP_K_MAX_COMPARES = 1 << 24  # rows x n x n up to which small_top_k compares all pairs (K2.6: 113 rows)
+
+
+def small_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """lax.top_k(x, k) over the last axis (n entries): (values [..., k], indices [..., k] int32), the same choice and
+    order (descending, ties to the lower index). For the router's few rows (a decode step, a verify) it ranks every
+    entry by comparing all pairs (rank_i = #{j: x_j > x_i, or x_j == x_i and j < i}) and picks the entries of ranks
+    0..k-1: two small fusions where XLA's GPU top_k sorts every row (K2.6's 384 experts: a 5.6 us sort a layer on an
+    H100, docs/kernels.md). More rows than SMALL_TOP_K_MAX_COMPARES / n^2 (a prefill) keep lax.top_k. A row holding
+    NaN has no strict order: its indices stay within [0, n) but may repeat."""
+    n = x.shape[-1]
+    if not 1 <= k <= n:
+        raise ValueError(f"small_top_k: k={k} must be in [1, {n}]")
+    if math.prod(x.shape[:-1]) * n * n > SMALL_TOP_K_MAX_COMPARES:
+        values, idx = jax.lax.top_k(x, k)
+        return values, idx.astype(jnp.int32)
+    order = jnp.arange(n)
+    xi, xj = x[..., :, None], x[..., None, :]  # [..., n (i), n (j)]
+    ahead = (xj > xi) | ((xj == xi) & (order[None, :] < order[:, None]))
+    rank = ahead.sum(-1, dtype=jnp.int32)  # [..., n]: a permutation of 0..n-1 where x has no NaN
+    idx = jnp.argmax(rank[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None], axis=-1).astype(jnp.int32)
+    return jnp.take_along_axis(x, idx, axis=-1), idx
 
 
 class MoE(nn.Module):

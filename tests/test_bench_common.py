@@ -156,6 +156,46 @@ def test_loop_timeline_says_loudly_when_no_gpu_events_exist():
         common.loop_timeline(lambda x, w: x @ w, (jnp.ones((2, 64)), jnp.ones((64, 8))), calls=3)
 
 
+def test_loop_timeline_takes_a_prebuilt_loop_or_a_function():
+    """loop_timeline profiles fn's dependent loop or a loop the caller built (bench_k26_slice's, which carries the
+    cache); with neither it says so."""
+    with pytest.raises(ValueError, match="give fn, or a loop"):
+        common.loop_timeline(None, (jnp.ones(3),), 2)
+    with pytest.raises(RuntimeError, match="no GPU stream events"):
+        common.loop_timeline(None, (jnp.ones(3),), 2, loop=jax.jit(lambda x: x + 1))
+
+
+HLO = """HloModule m
+
+%fused_reduce (p0: f32[64,384]) -> f32[384] {
+  %p0 = f32[64,384]{1,0} parameter(0)
+  %c = f32[] constant(0)
+  ROOT %r = f32[384]{0} reduce(f32[64,384]{1,0} %p0, f32[] %c), dimensions={0}, to_apply=%add
+}
+
+%fused_argmax (p0: pred[8]) -> (pred[8], s32[8]) {
+  %p0 = pred[8]{0} parameter(0)
+  ROOT %r = (pred[8]{0}, s32[8]{0}) reduce(pred[8]{0} %p0, s32[8]{0} %p0), dimensions={0}, to_apply=%max
+}
+
+ENTRY %main (x: f32[64,384]) -> f32[384] {
+  %x = f32[64,384]{1,0} parameter(0)
+  %input_reduce_fusion.9 = f32[384]{0} fusion(%x), kind=kInput, calls=%fused_reduce, metadata={op_name="moe/neg"}
+  %input_reduce_fusion.2 = (pred[8]{0}, s32[8]{0}) fusion(pred[8]{0} %y), kind=kInput, calls=%fused_argmax
+  ROOT %out = f32[384]{0} copy(%input_reduce_fusion.9)
+}
+"""
+
+
+def test_fusion_descriptions_name_a_timelines_xla_kernels():
+    """fusion_descriptions maps the kernel names a profiler shows (a fusion's HLO name with '_' for '.') to the jax op
+    and the called computation's main ops, tuple-shaped ones included; non-fusions are absent."""
+    what = common.fusion_descriptions(HLO)
+    assert what["input_reduce_fusion_9"] == "neg: reduce f32[384]{0}"
+    assert what["input_reduce_fusion_2"] == "reduce (pred[8]{0}, s32[8]{0})"
+    assert "out" not in what and "input_reduce_fusion.9" not in what
+
+
 def test_copy_bandwidth_on_cpu_is_positive_and_finite(capsys):
     bandwidth = common.copy_bandwidth(common.Timer(2), elements=1 << 16)
     assert 0 < bandwidth < float("inf") and "copy bandwidth" in capsys.readouterr().out

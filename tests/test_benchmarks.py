@@ -38,7 +38,7 @@ def test_k26_slice_tiny_smoke_run(tmp_path):
     assert "moe xla (asked for)" in stored["meta"]["kernels"]
 
 
-@pytest.mark.parametrize("name", ["k26_slice"])
+@pytest.mark.parametrize("name", ["k26_slice", "k26_timeline_h100_s31_new"])
 def test_k26_slice_summary_reproduces_the_committed_tables(tmp_path, name):
     shutil.copy(RESULTS / f"{name}.json", tmp_path / f"{name}.json")
     _run("benchmarks/bench_k26_slice.py", "--summarize", str(tmp_path / f"{name}.json"))

@@ -3,6 +3,7 @@
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from helpers import TINY, random_params, rel_err
 import kdtree_jax as kj
 from kdtree_jax import layers, model
 from pallas_kernels import dispatch
+from pallas_kernels.int4 import Int4Weight
 from reference import model as ref
 
 VARIANTS = {
@@ -212,7 +214,80 @@ def test_folding_rule_follows_the_extra_bytes():
     with pytest.raises(dispatch.KernelUnavailableError, match="mla impl='folded' cannot run: the folded"):
         model.mla_choice(TINY, abstract, kj.Kernels(mla="folded"), sharded=True)
     params = random_params(TINY, seed=0)
-    assert model.fold_params(params, TINY, kj.Kernels(mla="separate")) is params
+    assert model.fold_params(params, TINY, kj.Kernels(mla="separate"), sharded=True) is params
+
+
+def test_separate_mla_runs_its_latent_maps_laid_out_by_head(tiny_params):
+    """Where the MLA projections stay separate (asked for here; K2.6 by size), fold_params lays each layer's W_UK and
+    W_UV out by head (attn/"per_head": kv_b's values, [H, n, c] and [H, c, v]) and the cached forward runs them: a
+    per-head W_UK of twice the values gives the logits of a kv_b with twice W_UK's values, and the unchanged layout
+    the logits of kv_b itself (float32)."""
+    heads, nope, vdim, c = TINY.num_attention_heads, TINY.qk_nope_head_dim, TINY.v_head_dim, TINY.kv_lora_rank
+    separate = model.fold_params(tiny_params, TINY, kj.Kernels(mla="separate"))
+    per_head = separate["layers_0"]["attn"]["per_head"]
+    kv_b = np.asarray(tiny_params["layers_0"]["attn"]["kv_b"]).reshape(c, heads, nope + vdim)
+    np.testing.assert_array_equal(per_head.uk, kv_b[..., :nope].transpose(1, 2, 0))
+    np.testing.assert_array_equal(per_head.uv, kv_b[..., nope:].transpose(1, 0, 2))
+    assert "folded" not in separate["layers_0"]["attn"] and "per_head" not in tiny_params["layers_0"]["attn"]
+    doubled_kv_b = kv_b.copy()
+    doubled_kv_b[..., :nope] *= 2
+    doubled = {**tiny_params, "layers_0": {**tiny_params["layers_0"], "attn": {
+        **tiny_params["layers_0"]["attn"], "kv_b": jnp.asarray(doubled_kv_b.reshape(c, -1))}}}
+    marked = {**separate, "layers_0": {**separate["layers_0"], "attn": {
+        **separate["layers_0"]["attn"], "per_head": model.PerHeadMLA(uk=2 * per_head.uk, uv=per_head.uv)}}}
+    seq = jnp.asarray(np.random.default_rng(2).integers(0, TINY.vocab_size, (1, 7)))
+    step = jax.jit(lambda p: kj.forward_with_cache(p, TINY, seq, jnp.arange(7)[None], kj.init_cache(TINY, 1, 8))[0])
+    assert rel_err(step(separate), step(tiny_params)) < 1e-5
+    assert rel_err(step(marked), step(doubled)) < 1e-5 and rel_err(step(marked), step(tiny_params)) > 1e-2
+
+
+def test_separate_mla_projects_x_once():
+    """The separate MLA multiplies x by q_a and kv_a as one matrix [q_a | kv_a] (one product; at one token XLA ran
+    the narrow kv_a alone as a product and a reduction), not where one of them is INT4."""
+    params = random_params(TINY, seed=1)
+    joined = (TINY.hidden_size, TINY.q_lora_rank + TINY.kv_lora_rank + TINY.qk_rope_head_dim)
+
+    def rhs_shapes(p):
+        def walk(jaxpr):
+            for e in jaxpr.eqns:
+                if e.primitive.name == "dot_general":
+                    yield tuple(e.invars[1].aval.shape)
+                for sub in jax.extend.core.jaxprs_in_params(e.params):
+                    yield from walk(sub)
+
+        cache = kj.init_cache(TINY, 1, 4)
+        one = jnp.zeros((1, 1), jnp.int32)
+        return list(walk(jax.make_jaxpr(lambda p: kj.forward_with_cache(p, TINY, one, one, cache))(p).jaxpr))
+
+    assert rhs_shapes(params).count(joined) == TINY.num_hidden_layers
+    quantized = {**params, "layers_0": {**params["layers_0"], "attn": {
+        **params["layers_0"]["attn"], "kv_a": Int4Weight.from_dense(params["layers_0"]["attn"]["kv_a"])}}}
+    assert rhs_shapes(quantized).count(joined) == TINY.num_hidden_layers - 1
+
+
+def test_small_top_k_is_lax_top_k():
+    """model.small_top_k (the router's top-k by comparing all pairs) returns lax.top_k's values and indices, ties
+    to the lower index, on rows with many ties and -inf entries (the group-limited routing's), with leading dims;
+    a prefill's many rows run lax.top_k itself; k out of range is refused. The routing it serves lowers without a
+    top_k (which XLA compiles to a sort: 5.6 us a layer on an H100 at K2.6's 384 experts) for a decode step."""
+    rng = np.random.default_rng(0)
+    for shape, k in (((1, 384), 8), ((9, 384), 8), ((3, 8), 2), ((2, 5, 48), 2), ((4, 16), 16), ((1, 1), 1)):
+        for x in (rng.integers(-3, 3, size=shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)):
+            x[..., :1] = -np.inf
+            values, idx = model.small_top_k(jnp.asarray(x), k)
+            want_values, want_idx = jax.lax.top_k(jnp.asarray(x), k)
+            assert idx.dtype == jnp.int32
+            np.testing.assert_array_equal(idx, want_idx)
+            np.testing.assert_array_equal(values, want_values)
+    many = jnp.asarray(rng.standard_normal((200, 384)).astype(np.float32))
+    assert "chlo.top_k" in jax.jit(lambda x: model.small_top_k(x, 8)).lower(many).as_text()
+    np.testing.assert_array_equal(model.small_top_k(many, 8)[1], jax.lax.top_k(many, 8)[1])
+    with pytest.raises(ValueError, match="k=9 must be in"):
+        model.small_top_k(jnp.zeros((1, 8)), 9)
+    k26 = kj.ModelConfig.kimi_k26()
+    logits = jnp.zeros((1, k26.n_routed_experts), jnp.float32)
+    lowered = jax.jit(lambda lg, b: model.route_logits(k26, lg, b)).lower(logits, logits[0]).as_text()
+    assert "chlo.top_k" not in lowered and "stablehlo.sort" not in lowered
 
 
 def test_bf16_forward_runs_and_tracks_float32(tiny_params):
