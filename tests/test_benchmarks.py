@@ -143,6 +143,34 @@ def test_e2e_tables_render_from_a_new_run_and_the_committed_one():
             in markdown(meta, committed["rows"][:2]))
 
 
+def test_k26_slice_loop_writes_the_cache_in_place():
+    """bench_k26_slice times its layers in `slice_calls`' loop, which carries the latent cache as the engine's decode
+    loop does: compiled, the loop's body writes each layer's rows into the carried cache in place and never copies a
+    whole cache (a lone call on a cache it does not own copies it to write its rows: 22 us a layer at S = 32768 on an
+    H100, k26_timeline_h100_s31_lone_call.md, which the slice's "glue" carried before and the engine never pays).
+    Only the entry copies the caller's cache into the loop once."""
+    sys.path.insert(0, str(ROOT))
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    import kdtree_jax as kj  # noqa: PLC0415
+    from benchmarks.bench_k26_slice import slice_calls, slice_config, slice_params  # noqa: PLC0415
+
+    cfg, xla = slice_config(True, 2), kj.Kernels(attention="xla", linear="xla", moe="xla")
+    params = slice_params(cfg, jnp.float32, jax.random.key(0))
+    c, t, s = cfg.kv_lora_rank + cfg.qk_rope_head_dim, 2, 100
+    args = (params, jnp.ones((1, t, cfg.hidden_size)), jnp.arange(s, s + t)[None], jnp.zeros((1, s + 17, c)),
+            jnp.asarray([s]), jnp.tril(jnp.ones((t, t), bool))[None])
+    hlo = slice_calls(cfg, xla, 3).lower(*args).compile().as_text()
+    whole = re.escape(f"f32[1,{s + 17},{c}]") + r"\{[\d,]*\} "
+    copies, writes = {}, 0  # computation -> its whole-cache copies; in-place row writes anywhere
+    for comp in re.split(r"\n(?=\S)", hlo):
+        copies[comp.split(" ", 1)[0]] = len(re.findall(r"= " + whole + r"copy\(", comp))
+        writes += len(re.findall(r"= " + whole + r"(?:scatter|dynamic-update-slice)\(", comp))
+    assert {name: n for name, n in copies.items() if n} == {"ENTRY": 1}, copies  # into the loop, once
+    assert writes >= cfg.num_hidden_layers
+
+
 def test_k26_auto_tiny_smoke_run(tmp_path):
     _run("benchmarks/bench_k26_auto.py", "--tiny", "--budgets", "2,8", "--targets", "4", "--overconfidence", "1,1.5",
          "--rounds", "64", "--iters", "1", "--out", str(tmp_path))
