@@ -13,6 +13,8 @@
 #                 clock in a jitted loop
 #   moe_timeline/ that loop's device timeline at T = 1 and 9 (span, busy, gaps, one call's launches; no CUPTI)
 #   k26/          the K2.6 layer slice (one MoE layer), T = 1 / 9 / 33 at S = 4096 / 32768, the AR step's extrapolation
+#   k26_timeline/ that layer's launches at T = 1 / 9, S = 4096, from the device's timeline (no CUPTI), each XLA fusion
+#                 named from the layer's HLO (gzipped beside it)
 # and OUT/targets.log: each step's start, end and exit status; at the end all of it packed as OUT/results.tgz (a
 # device tool that returns few files then loses none: take the archive). Pass the commit as BENCH_GIT_COMMIT where the
 # tree's git metadata is not the commit's (a copied working tree). Exits 0 when every step ran and passed.
@@ -51,6 +53,9 @@ step moe_timeline 80 $PY benchmarks/bench_moe_mgpu.py --out "$OUT/moe_timeline" 
     --variants bn64:bk256:s4,bn64:bk256:s4+fused --loop-calls 20 --timeline
 step k26 150 $PY benchmarks/bench_k26_slice.py --out "$OUT/k26" --layers 1 --ts 1,9,33 --ss 4096,32768 \
     --no-baselines --deadline-s 100
+step k26_timeline 90 $PY benchmarks/bench_k26_slice.py --timeline --out "$OUT/k26_timeline" --layers 1 --ts 1,9 \
+    --ss 4096
+gzip -f "$OUT"/k26_timeline/*.hlo.txt 2>/dev/null
 # The device tool returns at most 8 files: everything (logs and result folders) also goes into one archive.
 tar czf "$OUT/results.tgz" --exclude=results.tgz -C "$OUT" . && echo "packed $OUT/results.tgz" | tee -a "$log"
 exit "$status"
