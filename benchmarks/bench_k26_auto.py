@@ -295,6 +295,7 @@ def main():
     params = slice_params(cfg, jnp.bfloat16, jax.random.key(100))
     if on_gpu:
         params = kj.to_mosaic_experts(params, cfg)  # a load-time conversion, the model's layout on Hopper
+    params = kmodel.fold_params(params, cfg, kernels)  # what generate does before its loop (K2.6: W_UK / W_UV by head)
     jax.block_until_ready(params)
     meta["build_s"] = time.time() - t0
     meta["kernels"] = kj.plan_summary(kj.kernel_plan(params, cfg, kernels=kernels))

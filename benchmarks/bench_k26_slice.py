@@ -32,10 +32,10 @@ DIR/k26_slice.png, each with the run's metadata (device, JAX, date, git commit, 
 
 --timeline measures instead where one layer's time goes: for each T and S the whole layer (the slice's first layer,
 attention "auto", the MoE kernel of --moe) runs in a jitted loop of --timeline-calls dependent calls (carrying the
-latent cache, `slice_calls`) under jax's
-profiler (`common.loop_timeline`: the device's own timestamps, no CUPTI window in that process), and the middle
-call's launches are listed in order with their device time and the idle time before each; the layer's optimized HLO
-goes beside it (DIR/k26_layer_T{T}_S{S}.hlo.txt) to read what each fusion computes. Writes DIR/k26_timeline.json/.md.
+latent cache, `slice_calls`) under jax's profiler (`common.loop_timeline`: the device's own timestamps, no CUPTI window
+in that process), and the middle call's launches are listed in order with their device time and the idle time before
+each, each XLA fusion named from the layer's optimized HLO, which goes beside it (DIR/k26_layer_T{T}_S{S}.hlo.txt).
+Writes DIR/k26_timeline.json/.md.
 """
 
 from __future__ import annotations
@@ -226,6 +226,9 @@ def main():
     args = ap.parse_args()
     if args.summarize:
         return resummarize(args.summarize)
+    if args.slice_calls < 1 or args.timeline_calls < 1:
+        raise SystemExit(f"--slice-calls and --timeline-calls must be >= 1, got {args.slice_calls} and "
+                         f"{args.timeline_calls}")
     t_start = time.time()
 
     import jax

@@ -116,7 +116,7 @@ class PerHeadMLA:
     uk [H, n, c] = W_UK (the latent query: q_latent[h] = q_nope[h] @ uk[h]), uv [H, c, v] = W_UV (out[h] =
     out_latent[h] @ uv[h]). kv_b [c, H * (n + v)] holds both with c outermost, so a head's product reads a strided
     column slice; at one token XLA ran each product as a reduction over it (K2.6 on an H100: 7.6 and 6.3 us a layer
-    for 4.2 MB each), at T = 9 a batched GEMM over strided rows; laid out by head, a K2.6 layer's rest at T = 9 took
+    for 8.4 MB each), at T = 9 a batched GEMM over strided rows; laid out by head, a K2.6 layer's rest at T = 9 took
     155 -> 144 us (docs/k26_verify_cost.md). Same values: kv_b's bytes again while a decode runs."""
 
     uk: jax.Array
@@ -167,11 +167,12 @@ def _mlp_entry(block: dict, names: tuple[tuple[str, ...], ...], transposed: bool
 def fold_params(params: Params, cfg: ModelConfig, kernels: Kernels | None = None, sharded: bool = False) -> Params:
     """params with each layer's attention also holding its FoldedMLA (attn/"folded"), which the cached forward
     then runs, and each MLP its concatenated entry (moe/"entry" = [router | shared gate | shared up], mlp/"entry" =
-    [gate | up], where `_mlp_entry` can), when `mla_choice` folds (else params unchanged); the matrices x multiplies
+    [gate | up], where `_mlp_entry` can), when `mla_choice` folds (else see below); the matrices x multiplies
     also get a transposed copy for one-row products where `dispatch.fold_transposed` says (`Matrix`). Traceable:
     `generate` calls it inside its jit, once per call, before the decode loop. The naive (cache-free) forward keeps
     using the separate MLA matrices. Where the projections stay separate (a large model) on one device, each layer's
-    W_UK and W_UV are laid out by head instead (attn/"per_head", `PerHeadMLA`); over a mesh params are unchanged."""
+    W_UK and W_UV are laid out by head instead (attn/"per_head", `PerHeadMLA`: kv_b's bytes once more); over a mesh
+    params are unchanged (there the MLA's matrices stay as the checkpoint's, x @ q_a and x @ kv_a apart too)."""
     if mla_choice(cfg, params, kernels, sharded).impl != "folded":
         return params if sharded else _per_head_params(params, cfg)
     transposed = dispatch.fold_transposed()
@@ -424,21 +425,25 @@ SMALL_TOP_K_MAX_COMPARES = 1 << 24  # rows x n x n up to which small_top_k compa
 
 def small_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """lax.top_k(x, k) over the last axis (n entries): (values [..., k], indices [..., k] int32), the same choice and
-    order (descending, ties to the lower index). For the router's few rows (a decode step, a verify) it ranks every
-    entry by comparing all pairs (rank_i = #{j: x_j > x_i, or x_j == x_i and j < i}) and picks the entries of ranks
-    0..k-1: two small fusions where XLA's GPU top_k sorts every row (K2.6's 384 experts: a 5.6 us sort a layer on an
-    H100, docs/kernels.md). More rows than SMALL_TOP_K_MAX_COMPARES / n^2 (a prefill) keep lax.top_k. A row holding
-    NaN has no strict order: its indices stay within [0, n) but may repeat."""
+    order (descending, ties to the lower index; floats in lax.top_k's total order: NaN above +inf, -0 below +0). For
+    the router's few rows (a decode step, a verify) it ranks every entry by comparing all pairs (rank_i = #{j: x_j >
+    x_i, or x_j == x_i and j < i}) and picks the entries of ranks 0..k-1: two small fusions where XLA's GPU top_k
+    sorts every row (K2.6's 384 experts: a 5.5 us sort a layer on an H100, docs/k26_verify_cost.md). More rows than
+    SMALL_TOP_K_MAX_COMPARES / n^2 (a prefill) keep lax.top_k."""
     n = x.shape[-1]
     if not 1 <= k <= n:
         raise ValueError(f"small_top_k: k={k} must be in [1, {n}]")
     if math.prod(x.shape[:-1]) * n * n > SMALL_TOP_K_MAX_COMPARES:
         values, idx = jax.lax.top_k(x, k)
         return values, idx.astype(jnp.int32)
+    key = x
+    if jnp.issubdtype(x.dtype, jnp.floating):  # as float32 bits turned into an int that orders as the total order
+        bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     order = jnp.arange(n)
-    xi, xj = x[..., :, None], x[..., None, :]  # [..., n (i), n (j)]
-    ahead = (xj > xi) | ((xj == xi) & (order[None, :] < order[:, None]))
-    rank = ahead.sum(-1, dtype=jnp.int32)  # [..., n]: a permutation of 0..n-1 where x has no NaN
+    ki, kj = key[..., :, None], key[..., None, :]  # [..., n (i), n (j)]
+    ahead = (kj > ki) | ((kj == ki) & (order[None, :] < order[:, None]))
+    rank = ahead.sum(-1, dtype=jnp.int32)  # [..., n]: a permutation of 0..n-1
     idx = jnp.argmax(rank[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None], axis=-1).astype(jnp.int32)
     return jnp.take_along_axis(x, idx, axis=-1), idx
 

@@ -220,8 +220,8 @@ def test_folding_rule_follows_the_extra_bytes():
 def test_separate_mla_runs_its_latent_maps_laid_out_by_head(tiny_params):
     """Where the MLA projections stay separate (asked for here; K2.6 by size), fold_params lays each layer's W_UK and
     W_UV out by head (attn/"per_head": kv_b's values, [H, n, c] and [H, c, v]) and the cached forward runs them: a
-    per-head W_UK of twice the values gives the logits of a kv_b with twice W_UK's values, and the unchanged layout
-    the logits of kv_b itself (float32)."""
+    per-head W_UK of twice and W_UV of three times the values give the logits of a kv_b so scaled, and the unchanged
+    layout the logits of kv_b itself (float32)."""
     heads, nope, vdim, c = TINY.num_attention_heads, TINY.qk_nope_head_dim, TINY.v_head_dim, TINY.kv_lora_rank
     separate = model.fold_params(tiny_params, TINY, kj.Kernels(mla="separate"))
     per_head = separate["layers_0"]["attn"]["per_head"]
@@ -230,11 +230,12 @@ def test_separate_mla_runs_its_latent_maps_laid_out_by_head(tiny_params):
     np.testing.assert_array_equal(per_head.uv, kv_b[..., nope:].transpose(1, 0, 2))
     assert "folded" not in separate["layers_0"]["attn"] and "per_head" not in tiny_params["layers_0"]["attn"]
     doubled_kv_b = kv_b.copy()
-    doubled_kv_b[..., :nope] *= 2
+    doubled_kv_b[..., :nope] *= 2  # W_UK
+    doubled_kv_b[..., nope:] *= 3  # W_UV
     doubled = {**tiny_params, "layers_0": {**tiny_params["layers_0"], "attn": {
         **tiny_params["layers_0"]["attn"], "kv_b": jnp.asarray(doubled_kv_b.reshape(c, -1))}}}
     marked = {**separate, "layers_0": {**separate["layers_0"], "attn": {
-        **separate["layers_0"]["attn"], "per_head": model.PerHeadMLA(uk=2 * per_head.uk, uv=per_head.uv)}}}
+        **separate["layers_0"]["attn"], "per_head": model.PerHeadMLA(uk=2 * per_head.uk, uv=3 * per_head.uv)}}}
     seq = jnp.asarray(np.random.default_rng(2).integers(0, TINY.vocab_size, (1, 7)))
     step = jax.jit(lambda p: kj.forward_with_cache(p, TINY, seq, jnp.arange(7)[None], kj.init_cache(TINY, 1, 8))[0])
     assert rel_err(step(separate), step(tiny_params)) < 1e-5
@@ -267,7 +268,8 @@ def test_separate_mla_projects_x_once():
 
 def test_small_top_k_is_lax_top_k():
     """model.small_top_k (the router's top-k by comparing all pairs) returns lax.top_k's values and indices, ties
-    to the lower index, on rows with many ties and -inf entries (the group-limited routing's), with leading dims;
+    to the lower index, on rows with many ties and -inf entries (the group-limited routing's), with NaN and signed
+    zeros (lax.top_k's total order), on integers, with leading dims;
     a prefill's many rows run lax.top_k itself; k out of range is refused. The routing it serves lowers without a
     top_k (which XLA compiles to a sort: 5.6 us a layer on an H100 at K2.6's 384 experts) for a decode step."""
     rng = np.random.default_rng(0)
@@ -279,6 +281,11 @@ def test_small_top_k_is_lax_top_k():
             assert idx.dtype == jnp.int32
             np.testing.assert_array_equal(idx, want_idx)
             np.testing.assert_array_equal(values, want_values)
+    for row, k in (([1, np.nan, 2, -np.inf, -np.inf], 3), ([-0.0, 0.0, -0.0, 0.0], 2), ([np.nan, 1, np.nan, 0], 3)):
+        x = jnp.asarray([row], jnp.float32)  # NaN above everything, -0 below +0: lax.top_k's order
+        np.testing.assert_array_equal(model.small_top_k(x, k)[1], jax.lax.top_k(x, k)[1])
+    ints = jnp.asarray(rng.integers(-5, 5, (3, 16)), jnp.int32)
+    np.testing.assert_array_equal(model.small_top_k(ints, 4)[1], jax.lax.top_k(ints, 4)[1])
     many = jnp.asarray(rng.standard_normal((200, 384)).astype(np.float32))
     assert "chlo.top_k" in jax.jit(lambda x: model.small_top_k(x, 8)).lower(many).as_text()
     np.testing.assert_array_equal(model.small_top_k(many, 8)[1], jax.lax.top_k(many, 8)[1])
