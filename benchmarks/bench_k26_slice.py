@@ -430,15 +430,17 @@ def layer_timelines(args, cfg, kernels, params, ts, ss, meta):
 def describe_events(timeline: dict, hlo: str) -> None:
     """Each listed event of a loop_timeline result gets "what": the HLO fusion's op and main ops (fusion_descriptions;
     "" for kernels that are not fusions)."""
-    from benchmarks.common import fusion_descriptions
+    from benchmarks.common import fusion_descriptions, timeline_events
 
     what = fusion_descriptions(hlo)
-    for ev in timeline.get("middle_call", timeline.get("first_events", [])):
+    for ev in timeline_events(timeline):
         ev["what"] = what.get(ev["name"], "")
 
 
 def timeline_markdown(meta, rows) -> str:
     """--timeline's report: per (T, S) span / busy / gaps a call, then one call's launches in order."""
+    from benchmarks.common import timeline_events_markdown
+
     md = [f"# One K2.6 layer in a jitted loop: the device's timeline ({meta['device']})", "",
           f"{meta['date']}, JAX {meta['jax']}; the slice's first decoder layer (attention {meta['attention_impl']}, "
           f"routed experts {meta['moe_impl']}), a jitted loop of {meta['timeline_calls']} dependent calls carrying "
@@ -451,13 +453,7 @@ def timeline_markdown(meta, rows) -> str:
                   f"{tl['busy_us_per_call']:.1f} | {tl['gap_us_per_call']:.1f} | {tl['events_per_call']:g} |")
     for row in rows:
         tl = row["timeline"]
-        md += ["", f"T={row['T']} S={row['S']}, one call ("
-               + ("the middle call" if "middle_call" in tl else "the first events: no repeating call found")
-               + f"; the fusions' HLO: `{row['hlo']}`):", "", "| event | idle before (us) | us | what (HLO) |",
-               "|---|---|---|---|"]
-        for ev in tl.get("middle_call", tl.get("first_events", [])):
-            gap = "-" if ev["gap_before_us"] is None else f"{ev['gap_before_us']:.1f}"
-            md.append(f"| `{ev['name'][:70]}` | {gap} | {ev['us']:.1f} | {ev.get('what', '')[:110]} |")
+        md += timeline_events_markdown(tl, f"T={row['T']} S={row['S']}", f"; the fusions' HLO: `{row['hlo']}`")
     return "\n".join(md) + "\n"
 
 

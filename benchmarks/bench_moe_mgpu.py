@@ -213,6 +213,8 @@ def summarize(meta, rows, names) -> str:
 def summarize_timelines(meta, rows) -> str:
     """--timeline's report: per (T, variant) the loop's marginal wall clock a call, the device timeline's span / busy /
     gaps a call, and one call's launches with the idle time before each."""
+    from benchmarks.common import timeline_events_markdown
+
     md = [f"# Mosaic GPU grouped INT4 MoE in a jitted loop: the device's timeline ({meta['device']})", "",
           f"{meta['date']}, JAX {meta['jax']}; one K2.6 layer's routed experts; a jitted loop of "
           f"{meta['loop_calls']} dependent calls profiled with jax's profiler (device timestamps), no CUPTI window "
@@ -230,12 +232,7 @@ def summarize_timelines(meta, rows) -> str:
         tl = r.get("timeline")
         if not tl:
             continue
-        md += ["", f"T={r['T']} {r['variant']}, one call ("
-               + ("the middle call" if "middle_call" in tl else "the first events: no repeating call found") + "):",
-               "", "| event | idle before (us) | us |", "|---|---|---|"]
-        for ev in tl.get("middle_call", tl.get("first_events", [])):
-            gap = "-" if ev["gap_before_us"] is None else f"{ev['gap_before_us']:.1f}"
-            md.append(f"| `{ev['name'][:70]}` | {gap} | {ev['us']:.1f} |")
+        md += timeline_events_markdown(tl, f"T={r['T']} {r['variant']}")
     return "\n".join(md) + "\n"
 
 

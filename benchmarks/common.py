@@ -303,6 +303,27 @@ def summarize_timeline(events: list[tuple[str, float, float]], calls: int) -> di
             "gap_us_per_call": (span - busy) / 1e3 / calls, "middle_call" if per else "first_events": rows}
 
 
+def timeline_events(timeline: dict) -> list[dict]:
+    """The events a `summarize_timeline` result lists: the middle call's, or the first ones where no call repeats."""
+    return timeline.get("middle_call", timeline.get("first_events", []))
+
+
+def timeline_events_markdown(timeline: dict, label: str, note: str = "") -> list[str]:
+    """Markdown lines for the events of a `summarize_timeline` result: "<label>, one call (the middle call<note>):"
+    and their table (event, idle before, us), with a "what (HLO)" column where the events carry one
+    (`fusion_descriptions`)."""
+    events = timeline_events(timeline)
+    what = any("what" in ev for ev in events)
+    which = "the middle call" if "middle_call" in timeline else "the first events: no repeating call found"
+    md = ["", f"{label}, one call ({which}{note}):", "", "| event | idle before (us) | us |" + " what (HLO) |" * what,
+          "|---|---|---|" + "---|" * what]
+    for ev in events:
+        gap = "-" if ev["gap_before_us"] is None else f"{ev['gap_before_us']:.1f}"
+        cells = [f"`{ev['name'][:70]}`", gap, f"{ev['us']:.1f}"] + [ev.get("what", "")[:110]] * what
+        md.append("| " + " | ".join(cells) + " |")
+    return md
+
+
 def fusion_descriptions(hlo: str) -> dict[str, str]:
     """{kernel name: what it computes} from an optimized HLO module's text, for naming a timeline's XLA kernels (a
     fusion `%gemm_fusion_dot.20` runs as kernel `gemm_fusion_dot_20`): the jax op it came from (the end of its

@@ -155,11 +155,17 @@ def _fold_layer(cfg: ModelConfig, attn: dict, transposed: bool) -> FoldedMLA:
                      out)
 
 
+def _concatenable(mats) -> bool:
+    """Whether matrices x multiplies ([K, N_i] each) can be one matrix [K, sum N_i]: none is INT4 and they share a
+    dtype (the float32 router beside bf16 weights stays apart: concatenating would round it)."""
+    return not any(is_quantized(m) for m in mats) and len({m.dtype for m in mats}) == 1
+
+
 def _mlp_entry(block: dict, names: tuple[tuple[str, ...], ...], transposed: bool) -> Matrix | None:
-    """The named dense matrices of one MLP block ([D, N_i] each) as one Matrix [D, sum N_i], or None when one is
-    INT4 or their dtypes differ (the float32 router beside bf16 weights stays apart)."""
+    """The named dense matrices of one MLP block ([D, N_i] each) as one Matrix [D, sum N_i], or None where they are
+    not `_concatenable`."""
     mats: list[Any] = [functools.reduce(lambda d, k: d[k], path, block) for path in names]
-    if any(is_quantized(m) for m in mats) or len({m.dtype for m in mats}) > 1:
+    if not _concatenable(mats):
         return None
     return Matrix.of(jnp.concatenate(mats, axis=1), transposed)
 
@@ -194,12 +200,11 @@ def fold_params(params: Params, cfg: ModelConfig, kernels: Kernels | None = None
 
 
 def _joinable(*mats) -> bool:
-    """Whether the separate MLA's matrices x multiplies ([K, N_i] each) run as one product x @ [W_1 | W_2 | ...]:
-    dense and of one dtype, on one device. XLA fuses the concatenation into the product's operand read; without it,
-    at one row it runs kv_a's narrow x @ W (N = 576 at K2.6) as a product and a separate reduction. A device mesh
-    keeps them apart (their output dims are sharded differently)."""
-    return (not any(is_quantized(m) for m in mats) and len({m.dtype for m in mats}) == 1
-            and sharding.active_mesh() is None)
+    """Whether the separate MLA's matrices x multiplies run as one product x @ [W_1 | W_2 | ...]: `_concatenable`, on
+    one device. XLA fuses the concatenation into the product's operand read; without it, at one row it runs kv_a's
+    narrow x @ W (N = 576 at K2.6) as a product and a separate reduction. A device mesh keeps them apart (their output
+    dims are sharded differently)."""
+    return _concatenable(mats) and sharding.active_mesh() is None
 
 
 def _per_head_params(params: Params, cfg: ModelConfig) -> Params:

@@ -187,6 +187,18 @@ ENTRY %main (x: f32[64,384]) -> f32[384] {
 """
 
 
+def test_timeline_events_markdown_adds_the_hlo_column_only_where_events_carry_it():
+    """The events' table both timeline reports share (bench_moe_mgpu --timeline, bench_k26_slice --timeline)."""
+    plain = {"middle_call": [{"name": "k", "gap_before_us": None, "us": 1.25}]}
+    assert common.timeline_events_markdown(plain, "T=1 v") == [
+        "", "T=1 v, one call (the middle call):", "", "| event | idle before (us) | us |", "|---|---|---|",
+        "| `k` | - | 1.2 |"]
+    named = {"first_events": [{"name": "k", "gap_before_us": 0.3, "us": 1.0, "what": "reduce f32[]"}]}
+    assert common.timeline_events_markdown(named, "T=1", "; x")[1:] == [
+        "T=1, one call (the first events: no repeating call found; x):", "",
+        "| event | idle before (us) | us | what (HLO) |", "|---|---|---|---|", "| `k` | 0.3 | 1.0 | reduce f32[] |"]
+
+
 def test_fusion_descriptions_name_a_timelines_xla_kernels():
     """fusion_descriptions maps the kernel names a profiler shows (a fusion's HLO name with '_' for '.') to the jax op
     and the called computation's main ops, tuple-shaped ones included; non-fusions are absent."""
