@@ -455,9 +455,9 @@ def _dispatching_for_hopper():
 
 def _k26_layer(T: int, rows: int):
     """One K2.6 MoE decoder layer (the model's `DecoderLayer`, bf16, INT4 routed experts) on its params as
-    `kj.prepare_params` lays them out for a Hopper GPU and `generate` then folds them (`model.fold_params`: at K2.6
-    W_UK and W_UV by head), writing its T rows into a one-layer latent cache of `rows` rows (donated: written in
-    place, as in the engine's loop)."""
+    `kj.prepare_params` lays them out for a Hopper GPU (the router in bf16, as it keeps a checkpoint's) and `generate`
+    then folds them (`model.fold_params`: at K2.6 W_UK and W_UV by head), writing its T rows into a one-layer latent
+    cache of `rows` rows (donated: written in place, as in the engine's loop)."""
     import jax
     import jax.numpy as jnp
 
@@ -470,6 +470,10 @@ def _k26_layer(T: int, rows: int):
         params = jax.eval_shape(lambda k: fold_params(kj.prepare_params(
             kj.quantize(kj.init_params(cfg, k, jnp.bfloat16), cfg), cfg, kernels, device=_HOPPER), cfg, kernels),
             jax.random.key(0))
+    # a K2.6 checkpoint's router holds bf16 values, which prepare_params keeps in bf16 (kernels.prepare_routers: it
+    # reads values, which an abstract tree has not)
+    router = params["layers_0"]["moe"]["router"]
+    params["layers_0"]["moe"]["router"] = jax.ShapeDtypeStruct(router.shape, jnp.bfloat16)
 
     def fn(layer_params, h, positions, cache, start, visibility):
         with _dispatching_for_hopper():

@@ -93,14 +93,22 @@ def slice_config(tiny: bool, layers: int):
 # ------------------------------------------------------------------------------------------- the slice
 def slice_params(cfg, dtype, key):
     """The model's params tree for cfg (its own init's shapes, routed experts INT4 by its own quantize),
-    random values drawn on the device."""
+    random values drawn on the device; each router's values rounded to bf16, as a K2.6 checkpoint stores them, and
+    kept in bf16 as `kj.prepare_params` keeps such a router (kdtree_jax.kernels.prepare_routers)."""
     import jax
+    import jax.numpy as jnp
 
     import kdtree_jax as kj
     from benchmarks.common import random_params
+    from kdtree_jax.kernels import prepare_routers
 
     abstract = jax.eval_shape(lambda k: kj.quantize(kj.init_params(cfg, k, dtype), cfg), jax.random.key(0))
-    return random_params(abstract, key)
+    params = random_params(abstract, key)
+    for layer in range(cfg.num_hidden_layers):
+        moe = params[f"layers_{layer}"].get("moe")
+        if moe is not None:  # the checkpoint's bf16 values, read into float32 as kdtree_jax.hf reads them
+            moe["router"] = moe["router"].astype(jnp.bfloat16).astype(jnp.float32)
+    return prepare_routers(params, cfg)
 
 
 def decoder_layer(cfg, layer: int, kernels, params, h, positions, cache, start, visibility):

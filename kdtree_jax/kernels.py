@@ -16,6 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
 from jax.sharding import NamedSharding
 
 from kdtree_jax import sharding
@@ -162,12 +165,40 @@ def prepare_params(params: dict, cfg: ModelConfig, kernels: Kernels | None = Non
     """The params the chosen kernels run on, converted once: canonical INT4 routed experts to the Mosaic GPU
     layout where pallas_kernels.dispatch.choose_moe_layout picks it, and INT4 dense weights (shared experts,
     dense-layer MLPs) where choose_linear_layout picks it (auto on a Hopper GPU with bf16 params; an explicit
-    "mosaic_gpu" raises KernelUnavailableError where it cannot run); what no rule converts stays as it is. Dense
+    "mosaic_gpu" raises KernelUnavailableError where it cannot run), and float32 routers that hold bf16 values (a
+    checkpoint's) in the activations' dtype (`_prepare_routers`); what no rule converts stays as it is. Dense
     weights placed on a device mesh stay canonical (the Mosaic layout has no sharding rule for them: they run
     XLA). Call once after loading; save the params you loaded, not these."""
     kernels = dispatch.as_kernels(kernels)
     device = device or dispatch.default_device()
-    return _prepare_linears(_prepare_experts(params, cfg, kernels, device), kernels, device)
+    return prepare_routers(_prepare_linears(_prepare_experts(params, cfg, kernels, device), kernels, device), cfg)
+
+
+def prepare_routers(params: dict, cfg: ModelConfig) -> dict:
+    """(A step of prepare_params.) Each MoE layer's float32 router in the activations' dtype where every one of its
+    values is a number of that dtype: a K2.x / DeepSeek-V3 checkpoint stores its routers in bf16 (kdtree_jax.hf reads
+    them into float32). The model computes the same float32 logits from it (products of two bf16 are exact in
+    float32) and, on one device, as part of one product x @ [router | shared gate | shared up] (model.MoE). A router
+    with float32 values (one trained here) stays as it is, as does a router known only by shape (abstract params)."""
+    act_dtype = jnp.dtype(params["embed_tokens"].dtype)
+    if act_dtype == jnp.float32 or not jnp.issubdtype(act_dtype, jnp.floating):
+        return params
+    out = params
+    for layer in range(cfg.num_hidden_layers):
+        if not cfg.is_moe_layer(layer):
+            continue
+        moe: dict = params[f"layers_{layer}"]["moe"]
+        router = moe["router"]
+        if (isinstance(router, Tracer) or not isinstance(router, jax.Array | np.ndarray)
+                or router.dtype != jnp.float32):
+            continue
+        rounded = router.astype(act_dtype)
+        if not bool(jnp.all(rounded.astype(jnp.float32) == router)):
+            continue
+        if out is params:
+            out = dict(params)
+        out[f"layers_{layer}"] = {**params[f"layers_{layer}"], "moe": {**moe, "router": rounded}}
+    return out
 
 
 def _prepare_experts(params: dict, cfg: ModelConfig, kernels: Kernels, device) -> dict:

@@ -10,13 +10,29 @@ import numpy as np
 
 from kdtree_jax.config import ModelConfig, YarnScaling
 from kdtree_jax.linear import linear as dense_or_int4
+from pallas_kernels import dots
+
+
+def rms_scale(x: jax.Array, eps: float) -> jax.Array:
+    """1 / sqrt(mean(x^2) + eps) per row, float32 [..., 1]: RMSNorm's row scale. x [..., D]."""
+    x32 = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """y = weight * x / sqrt(mean(x^2) + eps); statistics in float32, result in x.dtype. x [..., D]."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (normed * weight.astype(jnp.float32)).astype(x.dtype)
+    return (x.astype(jnp.float32) * rms_scale(x, eps) * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rms_norm_matmul(x: jax.Array, weight: jax.Array, eps: float, w: jax.Array, out_dtype=None) -> jax.Array:
+    """rms_norm(x, weight, eps) @ w for a dense w [D, N], result in `out_dtype` (default x.dtype), with the norm's
+    row scale applied to the product's float32 result instead of to x (a row scale commutes with the product):
+    (x * weight) @ w is one GEMM that reads x * weight as its operand, and the scale rides on the product's output.
+    At one row XLA otherwise runs the norm as two launches before the GEMM (the sum of squares, then the scaled
+    row); so it runs one. (x * weight is rounded to x.dtype where the normed row was: the same rounding, elsewhere.)"""
+    xw = (x.astype(jnp.float32) * weight.astype(jnp.float32)).astype(x.dtype)
+    y = dots.matmul(xw, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (y * rms_scale(x, eps)).astype(out_dtype or x.dtype)
 
 
 def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, linear=dense_or_int4) -> jax.Array:

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from kdtree_jax import attention, sharding
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.layers import apply_rope, rms_norm, swiglu, swiglu_joined, yarn_inv_freq
+from kdtree_jax.layers import apply_rope, rms_norm, rms_norm_matmul, swiglu, swiglu_joined, yarn_inv_freq
 from kdtree_jax.linear import linear as _linear
 from kdtree_jax.weights import declare
 from pallas_kernels import dispatch, dots
@@ -247,8 +247,10 @@ class MLA(nn.Module):
     layer: int | None = None  # which layer of a whole [L, B, S, c+r] cache is this one's
 
     @nn.compact
-    def __call__(self, x, positions, latent_cache=None, start=None, visibility=None):
-        """x [B, T, D]; positions [B, T]. Without a cache: naive causal attention over x itself.
+    def __call__(self, h, norm, positions, latent_cache=None, start=None, visibility=None):
+        """h [B, T, D] the residual stream and `norm` [D] its RMSNorm weight (x = rms_norm(h, norm) is the attention's
+        input; where x's first product is one dense GEMM, the norm's row scale is applied after it:
+        layers.rms_norm_matmul); positions [B, T]. Without a cache: naive causal attention over x itself.
         With latent_cache [B, S, c+r] (or the whole cache [L, B, S, c+r]: then this module's `layer` of it) and
         start [B]: writes the T new rows at start+t, attends with `visibility` [B, T, T] among the new tokens,
         returns (out [B, T, D], new latent_cache). The whole cache is written in place (a scatter of T rows into
@@ -258,23 +260,35 @@ class MLA(nn.Module):
         linear = functools.partial(_linear, kernels=self.kernels)
         heads, nope, rope, vdim, c = (cfg.num_attention_heads, cfg.qk_nope_head_dim,
                                       cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank)
-        batch, steps, _ = x.shape
+        batch, steps, _ = h.shape
         inv_freq, attention_factor = yarn_inv_freq(cfg)
         if latent_cache is not None and self.has_variable("params", "folded"):
             folded = cast(FoldedMLA, self.get_variable("params", "folded"))
-            return self._folded(folded, x, positions, latent_cache, start, visibility)
+            return self._folded(folded, rms_norm(h, norm, cfg.rms_norm_eps), positions, latent_cache, start,
+                                visibility)
 
         # (the weights are fetched in the order init created them: flax draws their random values in that order)
         if cfg.q_lora_rank is None:
+            x = rms_norm(h, norm, cfg.rms_norm_eps)
             q, kv_a = linear(x, _weight(self, "q")), linear(x, _weight(self, "kv_a"))
         else:
             q_a, q_a_norm, q_b, kv_a_w = (_weight(self, name) for name in ("q_a", "q_a_norm", "q_b", "kv_a"))
+            # One row (batch 1, one token: the AR step): each norm's row scale after its product
+            # (layers.rms_norm_matmul: at one row XLA runs an RMSNorm as two launches before the GEMM, so one launch
+            # fewer a norm; at 9 rows it fuses the norm into one launch and the scale after the GEMM added one).
+            one_row = math.prod(h.shape[:-1]) == 1
             if _joinable(q_a, kv_a_w):  # x's two projections in one product (K2.6's AR step: docs/k26_verify_cost.md)
-                a = dots.matmul(x, jnp.concatenate([q_a, kv_a_w], axis=1).astype(x.dtype))
+                w_a = jnp.concatenate([q_a, kv_a_w], axis=1)
+                a = (rms_norm_matmul(h, norm, cfg.rms_norm_eps, w_a) if one_row
+                     else dots.matmul(rms_norm(h, norm, cfg.rms_norm_eps), w_a.astype(h.dtype)))
                 c_q, kv_a = a[..., :cfg.q_lora_rank], a[..., cfg.q_lora_rank:]
             else:
+                x = rms_norm(h, norm, cfg.rms_norm_eps)
                 c_q, kv_a = linear(x, q_a), linear(x, kv_a_w)
-            q = linear(rms_norm(c_q, q_a_norm, cfg.latent_norm_eps), q_b)
+            if one_row and not is_quantized(q_b):
+                q = rms_norm_matmul(c_q, q_a_norm, cfg.latent_norm_eps, q_b)
+            else:
+                q = linear(rms_norm(c_q, q_a_norm, cfg.latent_norm_eps), q_b)
         q = q.reshape(batch, steps, heads, nope + rope)
         q_nope = q[..., :nope]  # [B, T, H, n]
         q_pe = apply_rope(q[..., nope:], positions, inv_freq, attention_factor)  # [B, T, H, r]
@@ -312,9 +326,9 @@ class MLA(nn.Module):
         out_latent, latent_cache = self._write_and_attend(  # rows [B, T, c+r]; out [B, T, H, c]
             query, jnp.concatenate([c_kv, k_pe], axis=-1), latent_cache, start, visibility)
         if per_head is None:
-            out = dots.einsum("bthc,chv->bthv", out_latent.astype(x.dtype), w_uv.astype(x.dtype))
+            out = dots.einsum("bthc,chv->bthv", out_latent.astype(h.dtype), w_uv.astype(h.dtype))
         else:
-            out = dots.einsum("bthc,hcv->bthv", out_latent.astype(x.dtype), per_head.uv.astype(x.dtype))
+            out = dots.einsum("bthc,hcv->bthv", out_latent.astype(h.dtype), per_head.uv.astype(h.dtype))
         return linear(out.reshape(batch, steps, heads * vdim), w_o), latent_cache
 
     def _latent(self, kv_a, positions):
@@ -459,14 +473,15 @@ class MoE(nn.Module):
     kernels: Kernels = Kernels()
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, h, norm):
+        """h [..., D] the residual stream, `norm` [D] its RMSNorm weight: the block's input is rms_norm(h, norm)."""
         cfg, dt = self.cfg, self.param_dtype
         d = cfg.hidden_size
         router = _weight(self, "router")
         router_bias = _weight(self, "router_bias")
         experts = ExpertWeights(cfg, dt, name="experts")()
-        lead = x.shape[:-1]
-        flat = x.reshape(-1, d)  # [N, D]
+        lead = h.shape[:-1]
+        flat = rms_norm(h, norm, cfg.rms_norm_eps).reshape(-1, d)  # [N, D]
         if self.has_variable("params", "entry"):  # fold_params: [router | shared gate | shared up], one matmul
             shared_down = DenseMLP(cfg, dt, self.kernels, name="shared")()["down"]
             entry = cast(Matrix, self.get_variable("params", "entry"))(flat)  # [N, E + 2 I]
@@ -475,14 +490,29 @@ class MoE(nn.Module):
             out = out + swiglu_joined(entry[:, cfg.n_routed_experts:], shared_down,
                                       functools.partial(_linear, kernels=self.kernels))
             return out.reshape(*lead, d)
-        idx, weights = route(cfg, flat, router, router_bias)
         mesh = sharding.active_mesh()
+        shared = DenseMLP(cfg, dt, self.kernels, name="shared")() if cfg.n_shared_experts else None
+        if shared is not None and router.dtype == flat.dtype and _joinable(router, shared["gate"], shared["up"]):
+            # x @ [router | shared gate | shared up] in one product, float32 out: the router's logits as `route`
+            # computes them (a router stored in x's dtype: kernels.prepare_params keeps a K2.x checkpoint's bf16
+            # router so; products of two bf16 are exact in float32), the shared expert's rounded to x's dtype
+            # (at one row with the norm's row scale after the product, as the MLA's: layers.rms_norm_matmul)
+            e = cfg.n_routed_experts
+            w = jnp.concatenate([router, shared["gate"], shared["up"]], axis=1)
+            y = (rms_norm_matmul(h.reshape(-1, d), norm, cfg.rms_norm_eps, w, jnp.float32) if flat.shape[0] == 1
+                 else dots.matmul(flat, w, preferred_element_type=jnp.float32))  # [N, E + 2 I]
+            idx, weights = route_logits(cfg, y[:, :e], router_bias)
+            out = routed_experts(flat, experts, idx, weights, self.kernels)
+            out = out + swiglu_joined(y[:, e:].astype(flat.dtype), shared["down"],
+                                      functools.partial(_linear, kernels=self.kernels))
+            return out.reshape(*lead, d)
+        idx, weights = route(cfg, flat, router, router_bias)
         if mesh is not None:
-            shared = DenseMLP(cfg, dt, self.kernels, name="shared")() if cfg.n_shared_experts else {}
-            return moe_sharded(mesh, flat, idx, weights, experts, shared, self.kernels).reshape(*lead, d)
+            return moe_sharded(mesh, flat, idx, weights, experts, shared or {}, self.kernels).reshape(*lead, d)
         out = routed_experts(flat, experts, idx, weights, self.kernels)
-        if cfg.n_shared_experts:
-            out = out + DenseMLP(cfg, dt, self.kernels, name="shared")(flat)
+        if shared is not None:
+            out = out + swiglu(flat, shared["gate"], shared["up"], shared["down"],
+                               linear=functools.partial(_linear, kernels=self.kernels))
         return out.reshape(*lead, d)
 
 
@@ -568,15 +598,14 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, h, positions, latent_cache=None, start=None, visibility=None):
         cfg, dt = self.cfg, self.param_dtype
-        normed = rms_norm(h, _weight(self, "input_norm"), cfg.rms_norm_eps)
-        attn_out, latent_cache = MLA(cfg, dt, self.kernels, self.layer, name="attn")(normed, positions, latent_cache,
-                                                                                      start, visibility)
+        attn_out, latent_cache = MLA(cfg, dt, self.kernels, self.layer, name="attn")(
+            h, _weight(self, "input_norm"), positions, latent_cache, start, visibility)
         h = h + attn_out
-        normed = rms_norm(h, _weight(self, "post_attn_norm"), cfg.rms_norm_eps)
+        norm = _weight(self, "post_attn_norm")
         if cfg.is_moe_layer(self.layer):
-            h = h + MoE(cfg, dt, self.kernels, name="moe")(normed)
+            h = h + MoE(cfg, dt, self.kernels, name="moe")(h, norm)
         else:
-            h = h + DenseMLP(cfg, dt, self.kernels, name="mlp")(normed)
+            h = h + DenseMLP(cfg, dt, self.kernels, name="mlp")(rms_norm(h, norm, cfg.rms_norm_eps))
         return h, latent_cache
 
 

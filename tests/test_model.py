@@ -1,5 +1,6 @@
 """The target model against the NumPy float64 reference (reference/model.py)."""
 
+import functools
 import re
 
 import jax
@@ -11,6 +12,7 @@ from helpers import TINY, random_params, rel_err
 
 import kdtree_jax as kj
 from kdtree_jax import layers, model
+from kdtree_jax.weights import cast_params
 from pallas_kernels import dispatch
 from pallas_kernels.int4 import Int4Weight
 from reference import model as ref
@@ -41,6 +43,27 @@ def test_rms_norm_and_rope_match_reference():
     y = layers.apply_rope(jnp.asarray(x), jnp.asarray(positions), inv_freq, factor)
     assert rel_err(y, ref.apply_rope_interleaved(x.astype(np.float64), positions[0], TINY)) < 1e-5
     assert TINY.softmax_scale == pytest.approx(ref.softmax_scale(TINY), rel=1e-12)
+
+
+def test_rms_norm_matmul_is_the_norm_then_the_product():
+    """layers.rms_norm_matmul (the norm's row scale after the product: one launch fewer at one row) gives
+    rms_norm(x) @ w: in float32 to rounding, in bf16 within bf16's rounding of the float64 truth; out_dtype float32
+    keeps the product unrounded."""
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((3, 64)) * 20).astype(np.float32)
+    norm = rng.uniform(0.5, 1.5, 64).astype(np.float32)
+    w = (rng.standard_normal((64, 40)) / 8).astype(np.float32)
+    truth = ref.rms_norm(x.astype(np.float64), norm.astype(np.float64), 1e-5) @ w.astype(np.float64)
+    got = layers.rms_norm_matmul(jnp.asarray(x), jnp.asarray(norm), 1e-5, jnp.asarray(w))
+    assert got.dtype == jnp.float32 and rel_err(got, truth) < 1e-6
+    bf = [jnp.asarray(a, jnp.bfloat16) for a in (x, norm, w)]
+    truth_bf = ref.rms_norm(np.asarray(bf[0], np.float64), np.asarray(bf[1], np.float64), 1e-5) @ np.asarray(
+        bf[2], np.float64)
+    got_bf = layers.rms_norm_matmul(*bf[:2], 1e-5, bf[2])
+    unrounded = layers.rms_norm_matmul(*bf[:2], 1e-5, bf[2], out_dtype=jnp.float32)
+    assert got_bf.dtype == jnp.bfloat16 and unrounded.dtype == jnp.float32
+    assert rel_err(got_bf, truth_bf) < 1e-2 and rel_err(unrounded, truth_bf) < 1e-2
+    assert rel_err(got_bf, layers.rms_norm(*bf[:2], 1e-5) @ bf[2]) < 1e-2
 
 
 @pytest.mark.slow
@@ -242,6 +265,18 @@ def test_separate_mla_runs_its_latent_maps_laid_out_by_head(tiny_params):
     assert rel_err(step(marked), step(doubled)) < 1e-5 and rel_err(step(marked), step(tiny_params)) > 1e-2
 
 
+def _dot_rhs_shapes(fn, *args) -> list[tuple[int, ...]]:
+    """The right-hand operand shapes of every dot_general fn traces (nested jaxprs included)."""
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "dot_general":
+                yield tuple(e.invars[1].aval.shape)
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                yield from walk(sub)
+
+    return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
 def test_separate_mla_projects_x_once():
     """The separate MLA multiplies x by q_a and kv_a as one matrix [q_a | kv_a] (one product; at one token XLA ran
     the narrow kv_a alone as a product and a reduction), not where one of them is INT4."""
@@ -249,21 +284,70 @@ def test_separate_mla_projects_x_once():
     joined = (TINY.hidden_size, TINY.q_lora_rank + TINY.kv_lora_rank + TINY.qk_rope_head_dim)
 
     def rhs_shapes(p):
-        def walk(jaxpr):
-            for e in jaxpr.eqns:
-                if e.primitive.name == "dot_general":
-                    yield tuple(e.invars[1].aval.shape)
-                for sub in jax.extend.core.jaxprs_in_params(e.params):
-                    yield from walk(sub)
-
         cache = kj.init_cache(TINY, 1, 4)
         one = jnp.zeros((1, 1), jnp.int32)
-        return list(walk(jax.make_jaxpr(lambda p: kj.forward_with_cache(p, TINY, one, one, cache))(p).jaxpr))
+        return _dot_rhs_shapes(lambda p: kj.forward_with_cache(p, TINY, one, one, cache), p)
 
     assert rhs_shapes(params).count(joined) == TINY.num_hidden_layers
     quantized = {**params, "layers_0": {**params["layers_0"], "attn": {
         **params["layers_0"]["attn"], "kv_a": Int4Weight.from_dense(params["layers_0"]["attn"]["kv_a"])}}}
     assert rhs_shapes(quantized).count(joined) == TINY.num_hidden_layers - 1
+
+
+def test_prepare_params_keeps_a_checkpoints_router_in_bf16():
+    """prepare_params (kernels.prepare_routers) stores a float32 router that holds bf16 values (a K2.x checkpoint's,
+    read into float32) in bf16 for a bf16 model; a router with float32 values, a float32 model and abstract params
+    keep theirs (nothing converted: the same tree back)."""
+    cfg = TINY
+    params = cast_params(random_params(cfg, seed=5), jnp.bfloat16, cfg)
+    moe = cfg.first_k_dense_replace
+    router = params[f"layers_{moe}"]["moe"]["router"]
+    assert router.dtype == jnp.float32 and not bool(jnp.all(router.astype(jnp.bfloat16).astype(jnp.float32) == router))
+    assert kj.prepare_params(params, cfg) is params  # float32 values: kept
+    as_loaded = jax.tree_util.tree_map_with_path(
+        lambda path, x: x.astype(jnp.bfloat16).astype(jnp.float32) if "router" in jax.tree_util.keystr(path)
+        and "bias" not in jax.tree_util.keystr(path) else x, params)
+    prepared = kj.prepare_params(as_loaded, cfg)
+    for layer in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
+        got, was = prepared[f"layers_{layer}"]["moe"]["router"], as_loaded[f"layers_{layer}"]["moe"]["router"]
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(was))
+        assert prepared[f"layers_{layer}"]["moe"]["router_bias"].dtype == jnp.float32
+    f32 = cast_params(as_loaded, jnp.float32, cfg)
+    assert kj.prepare_params(f32, cfg) is f32
+    abstract = jax.eval_shape(lambda p: kj.prepare_params(p, cfg), as_loaded)
+    assert abstract[f"layers_{moe}"]["moe"]["router"].dtype == jnp.float32
+
+
+def test_moe_runs_router_and_shared_expert_as_one_product():
+    """With the router in the activations' dtype (prepare_params: a checkpoint's bf16 router) the MoE multiplies x by
+    [router | shared gate | shared up] once (float32 out: the router's logits as the float32 router gives them, the
+    same experts chosen), and at one row the post-attention norm's row scale after that product; a float32 router
+    beside bf16 weights keeps its own float32 product. The outputs agree to bf16 rounding."""
+    cfg = TINY
+    params = cast_params(random_params(cfg, seed=6), jnp.bfloat16, cfg)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x.astype(jnp.bfloat16).astype(jnp.float32) if jax.tree_util.keystr(path).endswith(
+            "['router']") else x, params)
+    prepared = kj.prepare_params(params, cfg)
+    joined = (cfg.hidden_size, cfg.n_routed_experts + 2 * cfg.moe_intermediate_size * cfg.n_shared_experts)
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    seq = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (1, 5)))
+
+    def logits(p, steps):
+        cache = kj.init_cache(cfg, 1, 8, jnp.bfloat16)
+        out = []
+        for t in steps:  # a prefill of 4, then one row
+            lg, _, cache = kj.forward_with_cache(p, cfg, seq[:, t], jnp.asarray([t]), cache)
+            out.append(lg)
+        return jnp.concatenate(out, axis=1)
+
+    for steps in ([np.arange(4)], [np.arange(4), np.arange(4, 5)]):
+        run = functools.partial(logits, steps=steps)
+        assert _dot_rhs_shapes(run, prepared).count(joined) == moe_layers * len(steps)
+        assert _dot_rhs_shapes(run, params).count(joined) == 0
+    steps = [np.arange(4), np.arange(4, 5)]
+    assert rel_err(logits(prepared, steps), logits(params, steps)) < 2e-2
 
 
 def test_small_top_k_is_lax_top_k():
