@@ -112,12 +112,14 @@ class FoldedMLA:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PerHeadMLA:
-    """The separate MLA's latent maps laid out by head for the absorbed form (`fold_params`, where it does not fold):
-    uk [H, n, c] = W_UK (the latent query: q_latent[h] = q_nope[h] @ uk[h]), uv [H, c, v] = W_UV (out[h] =
-    out_latent[h] @ uv[h]). kv_b [c, H * (n + v)] holds both with c outermost, so a head's product reads a strided
-    column slice; at one token XLA ran each product as a reduction over it (K2.6 on an H100: 7.6 and 6.3 us a layer
-    for 8.4 MB each), at T = 9 a batched GEMM over strided rows; laid out by head, a K2.6 layer's rest at T = 9 took
-    155 -> 144 us (docs/k26_verify_cost.md). Same values: kv_b's bytes again while a decode runs."""
+    """The separate MLA's latent maps laid out by head for the absorbed form (`fold_params`, where it does not fold),
+    each with the dim its product contracts innermost: uk [H, c, n] = W_UK transposed (the latent query:
+    q_latent[h] = uk[h] @ q_nope[h]), uv [H, v, c] = W_UV transposed (out[h] = uv[h] @ out_latent[h]). kv_b
+    [c, H * (n + v)] holds both with c outermost, so a head's product reads a strided column slice; at one token XLA
+    runs each product as a reduction (K2.6 on an H100: 7.6 and 6.3 us a layer over kv_b, for 8.4 MB each), at T = 9
+    a batched GEMM over strided rows. By head, a K2.6 layer's rest at T = 9 took 155 -> 144 us (session 31, then
+    [H, n, c] / [H, c, v]); with the contracted dim innermost the one-token reductions read contiguous rows: 9.9 ->
+    6.9 and 5.8 -> 4.3 us (H100, docs/k26_verify_cost.md). Same values: kv_b's bytes again while a decode runs."""
 
     uk: jax.Array
     uv: jax.Array
@@ -215,8 +217,8 @@ def _per_head_params(params: Params, cfg: ModelConfig) -> Params:
         name = f"layers_{layer}"
         attn = params[name]["attn"]
         kv_b = attn["kv_b"].reshape(c, heads, nope + vdim)
-        per_head = PerHeadMLA(uk=jnp.transpose(kv_b[..., :nope], (1, 2, 0)),  # [H, n, c]
-                              uv=jnp.transpose(kv_b[..., nope:], (1, 0, 2)))  # [H, c, v]
+        per_head = PerHeadMLA(uk=jnp.transpose(kv_b[..., :nope], (1, 0, 2)),  # [H, c, n]
+                              uv=jnp.transpose(kv_b[..., nope:], (1, 2, 0)))  # [H, v, c]
         out[name] = {**params[name], "attn": {**attn, "per_head": per_head}}
     return out
 
@@ -273,9 +275,11 @@ class MLA(nn.Module):
             q, kv_a = linear(x, _weight(self, "q")), linear(x, _weight(self, "kv_a"))
         else:
             q_a, q_a_norm, q_b, kv_a_w = (_weight(self, name) for name in ("q_a", "q_a_norm", "q_b", "kv_a"))
-            # One row (batch 1, one token: the AR step): each norm's row scale after its product
+            # One row (batch 1, one token: the AR step): the input norm's row scale after the product
             # (layers.rms_norm_matmul: at one row XLA runs an RMSNorm as two launches before the GEMM, so one launch
-            # fewer a norm; at 9 rows it fuses the norm into one launch and the scale after the GEMM added one).
+            # fewer; at 9 rows it fuses the norm into one launch and the scale after the GEMM added one). Not for
+            # q_a's norm before q_b: there XLA dropped the GEMM's split-K for the scaled float32 output, 15.1 -> 18.6
+            # us a layer at K2.6 (H100, 2026-12-06, benchmarks/results/k26_timeline_h100_s32_*.md).
             one_row = math.prod(h.shape[:-1]) == 1
             if _joinable(q_a, kv_a_w):  # x's two projections in one product (K2.6's AR step: docs/k26_verify_cost.md)
                 w_a = jnp.concatenate([q_a, kv_a_w], axis=1)
@@ -285,10 +289,7 @@ class MLA(nn.Module):
             else:
                 x = rms_norm(h, norm, cfg.rms_norm_eps)
                 c_q, kv_a = linear(x, q_a), linear(x, kv_a_w)
-            if one_row and not is_quantized(q_b):
-                q = rms_norm_matmul(c_q, q_a_norm, cfg.latent_norm_eps, q_b)
-            else:
-                q = linear(rms_norm(c_q, q_a_norm, cfg.latent_norm_eps), q_b)
+            q = linear(rms_norm(c_q, q_a_norm, cfg.latent_norm_eps), q_b)
         q = q.reshape(batch, steps, heads, nope + rope)
         q_nope = q[..., :nope]  # [B, T, H, n]
         q_pe = apply_rope(q[..., nope:], positions, inv_freq, attention_factor)  # [B, T, H, r]
@@ -321,14 +322,14 @@ class MLA(nn.Module):
         if per_head is None:
             q_latent = dots.einsum("bthn,chn->bthc", q_nope, w_uk.astype(q_nope.dtype))  # [B, T, H, c]
         else:
-            q_latent = dots.einsum("bthn,hnc->bthc", q_nope, per_head.uk.astype(q_nope.dtype))
+            q_latent = dots.einsum("bthn,hcn->bthc", q_nope, per_head.uk.astype(q_nope.dtype))
         query = jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1)  # [B, T, H, c+r]
         out_latent, latent_cache = self._write_and_attend(  # rows [B, T, c+r]; out [B, T, H, c]
             query, jnp.concatenate([c_kv, k_pe], axis=-1), latent_cache, start, visibility)
         if per_head is None:
             out = dots.einsum("bthc,chv->bthv", out_latent.astype(h.dtype), w_uv.astype(h.dtype))
         else:
-            out = dots.einsum("bthc,hcv->bthv", out_latent.astype(h.dtype), per_head.uv.astype(h.dtype))
+            out = dots.einsum("bthc,hvc->bthv", out_latent.astype(h.dtype), per_head.uv.astype(h.dtype))
         return linear(out.reshape(batch, steps, heads * vdim), w_o), latent_cache
 
     def _latent(self, kv_a, positions):

@@ -242,15 +242,15 @@ def test_folding_rule_follows_the_extra_bytes():
 
 def test_separate_mla_runs_its_latent_maps_laid_out_by_head(tiny_params):
     """Where the MLA projections stay separate (asked for here; K2.6 by size), fold_params lays each layer's W_UK and
-    W_UV out by head (attn/"per_head": kv_b's values, [H, n, c] and [H, c, v]) and the cached forward runs them: a
+    W_UV out by head (attn/"per_head": kv_b's values, [H, c, n] and [H, v, c]) and the cached forward runs them: a
     per-head W_UK of twice and W_UV of three times the values give the logits of a kv_b so scaled, and the unchanged
     layout the logits of kv_b itself (float32)."""
     heads, nope, vdim, c = TINY.num_attention_heads, TINY.qk_nope_head_dim, TINY.v_head_dim, TINY.kv_lora_rank
     separate = model.fold_params(tiny_params, TINY, kj.Kernels(mla="separate"))
     per_head = separate["layers_0"]["attn"]["per_head"]
     kv_b = np.asarray(tiny_params["layers_0"]["attn"]["kv_b"]).reshape(c, heads, nope + vdim)
-    np.testing.assert_array_equal(per_head.uk, kv_b[..., :nope].transpose(1, 2, 0))
-    np.testing.assert_array_equal(per_head.uv, kv_b[..., nope:].transpose(1, 0, 2))
+    np.testing.assert_array_equal(per_head.uk, kv_b[..., :nope].transpose(1, 0, 2))
+    np.testing.assert_array_equal(per_head.uv, kv_b[..., nope:].transpose(1, 2, 0))
     assert "folded" not in separate["layers_0"]["attn"] and "per_head" not in tiny_params["layers_0"]["attn"]
     doubled_kv_b = kv_b.copy()
     doubled_kv_b[..., :nope] *= 2  # W_UK
