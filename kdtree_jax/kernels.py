@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import Tracer
+from jax.core import Tracer  # still public in jax 0.11; jax has no other concreteness test
 from jax.sharding import NamedSharding
 
 from kdtree_jax import sharding
@@ -166,7 +166,7 @@ def prepare_params(params: dict, cfg: ModelConfig, kernels: Kernels | None = Non
     layout where pallas_kernels.dispatch.choose_moe_layout picks it, and INT4 dense weights (shared experts,
     dense-layer MLPs) where choose_linear_layout picks it (auto on a Hopper GPU with bf16 params; an explicit
     "mosaic_gpu" raises KernelUnavailableError where it cannot run), and float32 routers that hold bf16 values (a
-    checkpoint's) in the activations' dtype (`_prepare_routers`); what no rule converts stays as it is. Dense
+    checkpoint's) in the activations' dtype (`prepare_routers`); what no rule converts stays as it is. Dense
     weights placed on a device mesh stay canonical (the Mosaic layout has no sharding rule for them: they run
     XLA). Call once after loading; save the params you loaded, not these."""
     kernels = dispatch.as_kernels(kernels)
@@ -177,8 +177,9 @@ def prepare_params(params: dict, cfg: ModelConfig, kernels: Kernels | None = Non
 def prepare_routers(params: dict, cfg: ModelConfig) -> dict:
     """(A step of prepare_params.) Each MoE layer's float32 router in the activations' dtype where every one of its
     values is a number of that dtype: a K2.x / DeepSeek-V3 checkpoint stores its routers in bf16 (kdtree_jax.hf reads
-    them into float32). The model computes the same float32 logits from it (products of two bf16 are exact in
-    float32) and, on one device, as part of one product x @ [router | shared gate | shared up] (model.MoE). A router
+    them into float32). The model computes its logits from the same values (products of two bf16 are exact in
+    float32, summed in float32) and, on one device, as part of one product x @ [router | shared gate | shared up]
+    (model.MoE; folded: its moe/"entry"). A router
     with float32 values (one trained here) stays as it is, as does a router known only by shape (abstract params)."""
     act_dtype = jnp.dtype(params["embed_tokens"].dtype)
     if act_dtype == jnp.float32 or not jnp.issubdtype(act_dtype, jnp.floating):

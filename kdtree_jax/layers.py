@@ -29,7 +29,9 @@ def rms_norm_matmul(x: jax.Array, weight: jax.Array, eps: float, w: jax.Array, o
     row scale applied to the product's float32 result instead of to x (a row scale commutes with the product):
     (x * weight) @ w is one GEMM that reads x * weight as its operand, and the scale rides on the product's output.
     At one row XLA otherwise runs the norm as two launches before the GEMM (the sum of squares, then the scaled
-    row); so it runs one. (x * weight is rounded to x.dtype where the normed row was: the same rounding, elsewhere.)"""
+    row); so it runs one. The operand is x * weight rounded to x.dtype instead of the normed row: one rounding of
+    the operand as before, at another point (so results differ from rms_norm's at that rounding's level). In
+    float16 x * weight can overflow where the normed row does not (the model keeps float16 on rms_norm)."""
     xw = (x.astype(jnp.float32) * weight.astype(jnp.float32)).astype(x.dtype)
     y = dots.matmul(xw, w.astype(x.dtype), preferred_element_type=jnp.float32)
     return (y * rms_scale(x, eps)).astype(out_dtype or x.dtype)

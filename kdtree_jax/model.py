@@ -87,12 +87,13 @@ class Matrix:
     def of(cls, w: jax.Array, transposed: bool) -> Matrix:
         return cls(w, w.T if transposed else None)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x [..., K] -> [..., N]."""
+    def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
+        """x [..., K] -> [..., N], in out_dtype (the products' float32 sums rounded once to it; default x.dtype)."""
         if self.w_t is not None and math.prod(x.shape[:-1]) == 1:
             return jax.lax.dot_general(x, self.w_t.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
-                                       precision=dots.dot_precision(1, self.w_t.shape[0]))
-        return dots.matmul(x, self.w.astype(x.dtype))
+                                       precision=dots.dot_precision(1, self.w_t.shape[0]),
+                                       preferred_element_type=out_dtype)
+        return dots.matmul(x, self.w.astype(x.dtype), preferred_element_type=out_dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -119,7 +120,7 @@ class PerHeadMLA:
     runs each product as a reduction (K2.6 on an H100: 7.6 and 6.3 us a layer over kv_b, for 8.4 MB each), at T = 9
     a batched GEMM over strided rows. By head, a K2.6 layer's rest at T = 9 took 155 -> 144 us (session 31, then
     [H, n, c] / [H, c, v]); with the contracted dim innermost the one-token reductions read contiguous rows: 9.9 ->
-    6.9 and 5.8 -> 4.3 us (H100, docs/k26_verify_cost.md). Same values: kv_b's bytes again while a decode runs."""
+    6.9 and 5.2 -> 4.3 us (H100, docs/k26_verify_cost.md). Same values: kv_b's bytes again while a decode runs."""
 
     uk: jax.Array
     uv: jax.Array
@@ -159,7 +160,8 @@ def _fold_layer(cfg: ModelConfig, attn: dict, transposed: bool) -> FoldedMLA:
 
 def _concatenable(mats) -> bool:
     """Whether matrices x multiplies ([K, N_i] each) can be one matrix [K, sum N_i]: none is INT4 and they share a
-    dtype (the float32 router beside bf16 weights stays apart: concatenating would round it)."""
+    dtype (a float32 router beside bf16 weights stays apart: concatenating would round it; a router that
+    prepare_params keeps in bf16, holding bf16 values, joins them, its logits still summed in float32)."""
     return not any(is_quantized(m) for m in mats) and len({m.dtype for m in mats}) == 1
 
 
@@ -207,6 +209,12 @@ def _joinable(*mats) -> bool:
     narrow x @ W (N = 576 at K2.6) as a product and a separate reduction. A device mesh keeps them apart (their output
     dims are sharded differently)."""
     return _concatenable(mats) and sharding.active_mesh() is None
+
+
+def _row_scale_after(h: jax.Array) -> bool:
+    """Whether a norm of h may apply its row scale after the product (layers.rms_norm_matmul): not in float16, where
+    the unnormed h * w (a residual stream of thousands) could overflow what the normed row would not."""
+    return h.dtype != jnp.float16
 
 
 def _per_head_params(params: Params, cfg: ModelConfig) -> Params:
@@ -280,7 +288,7 @@ class MLA(nn.Module):
             # fewer; at 9 rows it fuses the norm into one launch and the scale after the GEMM added one). Not for
             # q_a's norm before q_b: there XLA dropped the GEMM's split-K for the scaled float32 output, 15.1 -> 18.6
             # us a layer at K2.6 (H100, 2026-12-06, benchmarks/results/k26_timeline_h100_s32_*.md).
-            one_row = math.prod(h.shape[:-1]) == 1
+            one_row = math.prod(h.shape[:-1]) == 1 and _row_scale_after(h)
             if _joinable(q_a, kv_a_w):  # x's two projections in one product (K2.6's AR step: docs/k26_verify_cost.md)
                 w_a = jnp.concatenate([q_a, kv_a_w], axis=1)
                 a = (rms_norm_matmul(h, norm, cfg.rms_norm_eps, w_a) if one_row
@@ -485,22 +493,27 @@ class MoE(nn.Module):
         flat = rms_norm(h, norm, cfg.rms_norm_eps).reshape(-1, d)  # [N, D]
         if self.has_variable("params", "entry"):  # fold_params: [router | shared gate | shared up], one matmul
             shared_down = DenseMLP(cfg, dt, self.kernels, name="shared")()["down"]
-            entry = cast(Matrix, self.get_variable("params", "entry"))(flat)  # [N, E + 2 I]
+            # float32 out: the router's logits unrounded (a bf16 router joins bf16 weights once prepare_params
+            # keeps it bf16), the shared expert's rounded to x's dtype
+            entry = cast(Matrix, self.get_variable("params", "entry"))(flat, jnp.float32)  # [N, E + 2 I]
             idx, weights = route_logits(cfg, entry[:, :cfg.n_routed_experts], router_bias)
             out = routed_experts(flat, experts, idx, weights, self.kernels)
-            out = out + swiglu_joined(entry[:, cfg.n_routed_experts:], shared_down,
+            out = out + swiglu_joined(entry[:, cfg.n_routed_experts:].astype(flat.dtype), shared_down,
                                       functools.partial(_linear, kernels=self.kernels))
             return out.reshape(*lead, d)
         mesh = sharding.active_mesh()
         shared = DenseMLP(cfg, dt, self.kernels, name="shared")() if cfg.n_shared_experts else None
         if shared is not None and router.dtype == flat.dtype and _joinable(router, shared["gate"], shared["up"]):
-            # x @ [router | shared gate | shared up] in one product, float32 out: the router's logits as `route`
-            # computes them (a router stored in x's dtype: kernels.prepare_params keeps a K2.x checkpoint's bf16
-            # router so; products of two bf16 are exact in float32), the shared expert's rounded to x's dtype
-            # (at one row with the norm's row scale after the product, as the MLA's: layers.rms_norm_matmul)
+            # x @ [router | shared gate | shared up] in one product, float32 out: the router's logits from the same
+            # operands as `route` (a router stored in x's dtype: kernels.prepare_params keeps a K2.x checkpoint's
+            # bf16 router so; products of two bf16 are exact in float32), the shared expert's rounded to x's dtype.
+            # At one row the norm's row scale comes after the product (layers.rms_norm_matmul, as the MLA's input
+            # norm): the operand is then x * w rounded to x's dtype instead of the normed row, so near-ties may
+            # route differently from a multi-row call (as any two roundings may)
             e = cfg.n_routed_experts
             w = jnp.concatenate([router, shared["gate"], shared["up"]], axis=1)
-            y = (rms_norm_matmul(h.reshape(-1, d), norm, cfg.rms_norm_eps, w, jnp.float32) if flat.shape[0] == 1
+            y = (rms_norm_matmul(h.reshape(-1, d), norm, cfg.rms_norm_eps, w, jnp.float32)
+                 if flat.shape[0] == 1 and _row_scale_after(h)
                  else dots.matmul(flat, w, preferred_element_type=jnp.float32))  # [N, E + 2 I]
             idx, weights = route_logits(cfg, y[:, :e], router_bias)
             out = routed_experts(flat, experts, idx, weights, self.kernels)

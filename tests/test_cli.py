@@ -144,7 +144,7 @@ def test_generate_casts_a_checkpoint_to_dtype(models, capsys):
     cast = cast_params(params, jnp.bfloat16, cfg)
     assert cast["layers_1"]["moe"]["router"].dtype == jnp.float32  # the router stays float32
     assert isinstance(cast["layers_1"]["moe"]["experts"]["gate"], Int4Weight)
-    direct = kj.generate(cfg, cast, [prompt], max_new_tokens=5)
+    direct = kj.generate(cfg, kj.prepare_params(cast, cfg), [prompt], max_new_tokens=5)  # as the CLI runs it
     assert token_lines(out) == [np.asarray(direct.tokens)[0, : int(direct.lengths[0])].tolist()]
 
 

@@ -64,6 +64,8 @@ def test_rms_norm_matmul_is_the_norm_then_the_product():
     assert got_bf.dtype == jnp.bfloat16 and unrounded.dtype == jnp.float32
     assert rel_err(got_bf, truth_bf) < 1e-2 and rel_err(unrounded, truth_bf) < 1e-2
     assert rel_err(got_bf, layers.rms_norm(*bf[:2], 1e-5) @ bf[2]) < 1e-2
+    one = layers.rms_norm_matmul(jnp.asarray(x[:1]), jnp.asarray(norm), 1e-5, jnp.asarray(w))  # the model's use
+    assert one.shape == (1, 40) and rel_err(one, truth[:1]) < 1e-6
 
 
 @pytest.mark.slow
@@ -294,6 +296,14 @@ def test_separate_mla_projects_x_once():
     assert rhs_shapes(quantized).count(joined) == TINY.num_hidden_layers - 1
 
 
+def _checkpoint_routers(params):
+    """params with every router's values rounded to bf16 and held in float32, as kdtree_jax.hf loads a K2.x
+    checkpoint's (the file stores them in bf16)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x.astype(jnp.bfloat16).astype(jnp.float32)
+        if jax.tree_util.keystr(path).endswith("['router']") else x, params)
+
+
 def test_prepare_params_keeps_a_checkpoints_router_in_bf16():
     """prepare_params (kernels.prepare_routers) stores a float32 router that holds bf16 values (a K2.x checkpoint's,
     read into float32) in bf16 for a bf16 model; a router with float32 values, a float32 model and abstract params
@@ -304,9 +314,7 @@ def test_prepare_params_keeps_a_checkpoints_router_in_bf16():
     router = params[f"layers_{moe}"]["moe"]["router"]
     assert router.dtype == jnp.float32 and not bool(jnp.all(router.astype(jnp.bfloat16).astype(jnp.float32) == router))
     assert kj.prepare_params(params, cfg) is params  # float32 values: kept
-    as_loaded = jax.tree_util.tree_map_with_path(
-        lambda path, x: x.astype(jnp.bfloat16).astype(jnp.float32) if "router" in jax.tree_util.keystr(path)
-        and "bias" not in jax.tree_util.keystr(path) else x, params)
+    as_loaded = _checkpoint_routers(params)
     prepared = kj.prepare_params(as_loaded, cfg)
     for layer in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
         got, was = prepared[f"layers_{layer}"]["moe"]["router"], as_loaded[f"layers_{layer}"]["moe"]["router"]
@@ -319,35 +327,47 @@ def test_prepare_params_keeps_a_checkpoints_router_in_bf16():
     assert abstract[f"layers_{moe}"]["moe"]["router"].dtype == jnp.float32
 
 
-def test_moe_runs_router_and_shared_expert_as_one_product():
+def test_moe_runs_router_and_shared_expert_as_one_product(monkeypatch):
     """With the router in the activations' dtype (prepare_params: a checkpoint's bf16 router) the MoE multiplies x by
-    [router | shared gate | shared up] once (float32 out: the router's logits as the float32 router gives them, the
-    same experts chosen), and at one row the post-attention norm's row scale after that product; a float32 router
-    beside bf16 weights keeps its own float32 product. The outputs agree to bf16 rounding."""
+    [router | shared gate | shared up] once, for one row (the post-attention norm's row scale then after the
+    product), two rows of one token each and a prefill, folded or not; the router's logits stay float32 and choose
+    the experts the float32 router (its own product) chooses; the outputs agree to bf16 rounding."""
     cfg = TINY
-    params = cast_params(random_params(cfg, seed=6), jnp.bfloat16, cfg)
-    params = jax.tree_util.tree_map_with_path(
-        lambda path, x: x.astype(jnp.bfloat16).astype(jnp.float32) if jax.tree_util.keystr(path).endswith(
-            "['router']") else x, params)
+    params = _checkpoint_routers(cast_params(random_params(cfg, seed=6), jnp.bfloat16, cfg))
     prepared = kj.prepare_params(params, cfg)
+    layer = f"layers_{cfg.first_k_dense_replace}"
     joined = (cfg.hidden_size, cfg.n_routed_experts + 2 * cfg.moe_intermediate_size * cfg.n_shared_experts)
-    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
-    seq = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (1, 5)))
+    routed = []  # (logits dtype, chosen experts) of every route_logits call
+    real_route_logits = model.route_logits
 
-    def logits(p, steps):
-        cache = kj.init_cache(cfg, 1, 8, jnp.bfloat16)
-        out = []
-        for t in steps:  # a prefill of 4, then one row
-            lg, _, cache = kj.forward_with_cache(p, cfg, seq[:, t], jnp.asarray([t]), cache)
-            out.append(lg)
-        return jnp.concatenate(out, axis=1)
+    def spy(cfg_, logits, bias):
+        idx, weights = real_route_logits(cfg_, logits, bias)
+        routed.append((logits.dtype, idx))
+        return idx, weights
 
-    for steps in ([np.arange(4)], [np.arange(4), np.arange(4, 5)]):
-        run = functools.partial(logits, steps=steps)
-        assert _dot_rhs_shapes(run, prepared).count(joined) == moe_layers * len(steps)
-        assert _dot_rhs_shapes(run, params).count(joined) == 0
-    steps = [np.arange(4), np.arange(4, 5)]
-    assert rel_err(logits(prepared, steps), logits(params, steps)) < 2e-2
+    monkeypatch.setattr(model, "route_logits", spy)
+    rng = np.random.default_rng(3)
+    norm = params[layer]["post_attn_norm"]
+    for rows, steps in ((1, 1), (2, 1), (1, 4)):
+        h = jnp.asarray(rng.standard_normal((rows, steps, cfg.hidden_size)) * 4, jnp.bfloat16)
+        outs, chosen = [], []
+        for p in (prepared, params):  # bf16 router (joined), float32 router (route's own product)
+            moe = model.MoE(cfg, jnp.bfloat16)
+            fn = functools.partial(moe.apply, {"params": p[layer]["moe"]})
+            shapes = _dot_rhs_shapes(fn, h, norm)
+            assert shapes.count(joined) == (1 if p is prepared else 0), (rows, steps, shapes)
+            routed.clear()
+            outs.append(fn(h, norm))
+            assert [dtype for dtype, _ in routed] == [jnp.float32]
+            chosen.append(np.sort(np.asarray(routed[0][1]), -1))
+        np.testing.assert_array_equal(chosen[0], chosen[1])
+        assert rel_err(outs[0], outs[1]) < 2e-2, (rows, steps)
+    folded = model.fold_params(prepared, cfg)  # TINY folds: the joined matrix is its moe/"entry"
+    assert folded[layer]["moe"]["entry"].w.shape == joined
+    routed.clear()
+    seq = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 3)))
+    kj.forward_with_cache(folded, cfg, seq, jnp.arange(3)[None], kj.init_cache(cfg, 1, 4, jnp.bfloat16))
+    assert routed and all(dtype == jnp.float32 for dtype, _ in routed)
 
 
 def test_small_top_k_is_lax_top_k():

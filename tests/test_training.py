@@ -247,3 +247,40 @@ def test_plot_logs_draws_every_run_and_refuses_a_metric_a_run_never_logged(tmp_p
     out = tmp_path / "fig" / "runs.png"
     plot_logs.main(["--run", f"a={a}", "--run", f"b={b}", "--keys", "other", "--out", str(out)])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_expert_loads_count_the_routing_of_the_normed_moe_input():
+    """lm_loss_and_loads (the router-bias update's input) counts each MoE layer's experts as the model routes them:
+    route(rms_norm(h, post_attn_norm)), recomputed here from the MoE's own call. A count from the un-normed residual
+    stream h (what the MoE receives since it applies its norm itself) gives other loads, so this test tells them
+    apart."""
+    import flax.linen as nn
+    import numpy as np
+    from helpers import TINY, random_params
+
+    from kdtree_jax.layers import rms_norm
+    from kdtree_jax.model import MoE, route
+    from training.train_target import causal_logits, lm_loss_and_loads
+
+    cfg = TINY
+    params = random_params(cfg, seed=7)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(4, cfg.vocab_size, (2, 9)), jnp.int32)
+    _, loads = lm_loss_and_loads(params, cfg, tokens)
+    normed, raw = [], []
+
+    def count(x, p):
+        idx, _ = route(cfg, x.reshape(-1, cfg.hidden_size), p["router"], p["router_bias"])
+        return jnp.zeros(cfg.n_routed_experts).at[idx.ravel()].add(1.0) / idx.size
+
+    def spy(next_fun, args, kwargs, context):
+        if isinstance(context.module, MoE) and context.method_name == "__call__":
+            p = context.module.variables["params"]
+            normed.append(count(rms_norm(args[0], args[1], cfg.rms_norm_eps), p))
+            raw.append(count(args[0], p))
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(spy):
+        causal_logits(params, cfg, tokens[:, :-1])
+    assert loads.shape == (cfg.num_hidden_layers - cfg.first_k_dense_replace, cfg.n_routed_experts)
+    np.testing.assert_allclose(loads, np.stack(normed), atol=1e-7)
+    assert not np.allclose(loads, np.stack(raw))

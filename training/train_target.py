@@ -36,6 +36,7 @@ import numpy as np
 import optax
 
 import kdtree_jax as kj
+from kdtree_jax.layers import rms_norm
 from kdtree_jax.model import MoE, Transformer, route
 from kdtree_jax.weights import cast_params
 from training.common import (
@@ -83,10 +84,11 @@ def lm_loss_and_loads(params, cfg: kj.ModelConfig, tokens: jax.Array, compute_dt
 
     def record_loads(next_fun, args, kwargs, context):
         # The bias-update rule needs each MoE layer's expert loads; the model does not return them, so
-        # recompute the (cheap) routing decision on the MoE input here.
+        # recompute the (cheap) routing decision on the MoE input here: MoE(h, norm) routes rms_norm(h, norm).
         if isinstance(context.module, MoE) and context.method_name == "__call__":
             p = context.module.variables["params"]
-            x = jax.lax.stop_gradient(args[0]).reshape(-1, cfg.hidden_size)  # [N, D]
+            h, norm = jax.lax.stop_gradient(args[0]), args[1]
+            x = rms_norm(h, norm, cfg.rms_norm_eps).reshape(-1, cfg.hidden_size)  # [N, D]
             idx, _ = route(cfg, x, p["router"], p["router_bias"])  # [N, k]
             loads.append(jnp.zeros(cfg.n_routed_experts, jnp.float32).at[idx.ravel()].add(1.0) / idx.size)
         return next_fun(*args, **kwargs)
