@@ -179,8 +179,8 @@ def prepare_routers(params: dict, cfg: ModelConfig) -> dict:
     values is a number of that dtype: a K2.x / DeepSeek-V3 checkpoint stores its routers in bf16 (kdtree_jax.hf reads
     them into float32). The model computes its logits from the same values (products of two bf16 are exact in
     float32, summed in float32) and, on one device, as part of one product x @ [router | shared gate | shared up]
-    (model.MoE; folded: its moe/"entry"). A router
-    with float32 values (one trained here) stays as it is, as does a router known only by shape (abstract params)."""
+    (model.MoE; folded: its moe/"entry"). A router with float32 values (one trained here) stays as it is, as does a
+    router known only by shape (abstract params)."""
     act_dtype = jnp.dtype(params["embed_tokens"].dtype)
     if act_dtype == jnp.float32 or not jnp.issubdtype(act_dtype, jnp.floating):
         return params
