@@ -412,3 +412,52 @@ def test_gpu_targets_script_names_only_options_its_benchmarks_take():
                                          text=True, timeout=300).stdout
         for option in re.findall(r"(--[a-z][a-z0-9-]*)", args):
             assert re.search(re.escape(option) + r"(?![\w-])", helps[path]), (path, option)
+
+
+def test_k26_layer_ab_script_runs_old_then_new_and_packs_each_step(tmp_path):
+    """benchmarks/k26_layer_ab.sh (the K2.6 layer, an older tree against this one on one GPU) is valid bash, passes
+    bench_k26_slice.py only options its --help lists, and, driven on the CPU with a stand-in python: runs the timeline
+    for old then new and the slice for new then old, each in its own tree (the old one this tree with OLD's files
+    laid over it), logs each step's table rows, packs OUT/results.tgz, and refuses an OLD without kdtree_jax/."""
+    import tarfile
+
+    script = ROOT / "benchmarks" / "k26_layer_ab.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text().replace("\\\n", " ")
+    passed = re.findall(r"\$PY benchmarks/bench_k26_slice\.py([^\n]*)", text)
+    passed += re.findall(r"^step \w+ [^\n]*", text, re.M)
+    options = set(re.findall(r"(--[a-z][a-z0-9-]*)", " ".join(passed)))
+    assert {"--timeline", "--no-baselines", "--deadline-s", "--out", "--ts", "--ss", "--layers"} <= options
+    help_text = subprocess.run([sys.executable, "benchmarks/bench_k26_slice.py", "--help"], cwd=ROOT, env=CPU,
+                               capture_output=True, text=True, timeout=300).stdout
+    for option in options:
+        assert re.search(re.escape(option) + r"(?![\w-])", help_text), option
+
+    old = tmp_path / "old"
+    (old / "kdtree_jax").mkdir(parents=True)
+    (old / "kdtree_jax" / "OLD_MARKER").write_text("old")
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "fakepy"
+    fake.write_text("#!/usr/bin/env bash\n"
+                    'out=""; prev=""; for a in "$@"; do [[ $prev == --out ]] && out=$a; prev=$a; done\n'
+                    'marker=no; [[ -f kdtree_jax/OLD_MARKER ]] && marker=old\n'
+                    f'echo "$(basename "$out") $marker $PYTHONPATH $*" >> {calls}\n'
+                    'mkdir -p "$out"; echo "| 1 | 4096 | xla | 1.0 |" > "$out/r.md"\n')
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "OUT": str(out), "OLD": str(old), "PYTHON": str(fake), "LIMIT_S": "120"}
+    run = subprocess.run(["bash", str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = calls.read_text().splitlines()
+    assert [line.split()[:2] for line in lines] == [["tl_old", "old"], ["tl_new", "no"], ["sl_new", "no"],
+                                                    ["sl_old", "old"]]
+    assert str(ROOT) in lines[1].split()[2] and str(ROOT) not in lines[0].split()[2]
+    assert "--timeline" in lines[0] and "--no-baselines" in lines[2]
+    log = (out / "ab.log").read_text()
+    assert log.count("rc=0") == 4 and log.count("| 1 | 4096 | xla | 1.0 |") == 4
+    with tarfile.open(out / "results.tgz") as tar:
+        assert {"./sl_old/r.md", "./tl_new/r.md", "./ab.log"} <= set(tar.getnames())
+    env["OLD"] = str(tmp_path)
+    refused = subprocess.run(["bash", str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "has no kdtree_jax/" in refused.stderr
