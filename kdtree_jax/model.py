@@ -212,9 +212,11 @@ def _joinable(*mats) -> bool:
 
 
 def _row_scale_after(h: jax.Array) -> bool:
-    """Whether a norm of h may apply its row scale after the product (layers.rms_norm_matmul): not in float16, where
-    the unnormed h * w (a residual stream of thousands) could overflow what the normed row would not."""
-    return h.dtype != jnp.float16
+    """Whether a norm of h [..., D] applies its row scale after the product it feeds (layers.rms_norm_matmul): for
+    one row (batch 1, one token: the AR step), where XLA runs an RMSNorm as two launches before the GEMM (at 9 rows
+    it fuses the norm into one, and the scale after the GEMM would add one); not in float16, where the unnormed
+    h * w (a residual stream of thousands) could overflow what the normed row would not."""
+    return math.prod(h.shape[:-1]) == 1 and h.dtype != jnp.float16
 
 
 def _per_head_params(params: Params, cfg: ModelConfig) -> Params:
@@ -272,31 +274,25 @@ class MLA(nn.Module):
                                       cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank)
         batch, steps, _ = h.shape
         inv_freq, attention_factor = yarn_inv_freq(cfg)
+        x = rms_norm(h, norm, cfg.rms_norm_eps)  # (unused where the scale goes after the product: XLA drops it)
         if latent_cache is not None and self.has_variable("params", "folded"):
             folded = cast(FoldedMLA, self.get_variable("params", "folded"))
-            return self._folded(folded, rms_norm(h, norm, cfg.rms_norm_eps), positions, latent_cache, start,
-                                visibility)
+            return self._folded(folded, x, positions, latent_cache, start, visibility)
 
         # (the weights are fetched in the order init created them: flax draws their random values in that order)
         if cfg.q_lora_rank is None:
-            x = rms_norm(h, norm, cfg.rms_norm_eps)
             q, kv_a = linear(x, _weight(self, "q")), linear(x, _weight(self, "kv_a"))
         else:
             q_a, q_a_norm, q_b, kv_a_w = (_weight(self, name) for name in ("q_a", "q_a_norm", "q_b", "kv_a"))
-            # One row (batch 1, one token: the AR step): the input norm's row scale after the product
-            # (layers.rms_norm_matmul: at one row XLA runs an RMSNorm as two launches before the GEMM, so one launch
-            # fewer; at 9 rows it fuses the norm into one launch and the scale after the GEMM added one). Not for
-            # q_a's norm before q_b: there XLA dropped the GEMM's split-K for the scaled float32 output, 15.1 -> 18.6
-            # us a layer at K2.6 (H100, 2026-12-06, benchmarks/results/k26_timeline_h100_s32_*.md).
-            one_row = math.prod(h.shape[:-1]) == 1 and _row_scale_after(h)
             if _joinable(q_a, kv_a_w):  # x's two projections in one product (K2.6's AR step: docs/k26_verify_cost.md)
                 w_a = jnp.concatenate([q_a, kv_a_w], axis=1)
-                a = (rms_norm_matmul(h, norm, cfg.rms_norm_eps, w_a) if one_row
-                     else dots.matmul(rms_norm(h, norm, cfg.rms_norm_eps), w_a.astype(h.dtype)))
+                a = (rms_norm_matmul(h, norm, cfg.rms_norm_eps, w_a) if _row_scale_after(h)
+                     else dots.matmul(x, w_a.astype(x.dtype)))
                 c_q, kv_a = a[..., :cfg.q_lora_rank], a[..., cfg.q_lora_rank:]
             else:
-                x = rms_norm(h, norm, cfg.rms_norm_eps)
                 c_q, kv_a = linear(x, q_a), linear(x, kv_a_w)
+            # (q_a's norm stays before q_b: with its row scale after the product XLA dropped q_b's split-K for the
+            # scaled float32 output, 15.1 -> 18.6 us a layer at K2.6, H100, benchmarks/results/k26_timeline_h100_s32_*)
             q = linear(rms_norm(c_q, q_a_norm, cfg.latent_norm_eps), q_b)
         q = q.reshape(batch, steps, heads, nope + rope)
         q_nope = q[..., :nope]  # [B, T, H, n]
@@ -491,36 +487,30 @@ class MoE(nn.Module):
         experts = ExpertWeights(cfg, dt, name="experts")()
         lead = h.shape[:-1]
         flat = rms_norm(h, norm, cfg.rms_norm_eps).reshape(-1, d)  # [N, D]
-        if self.has_variable("params", "entry"):  # fold_params: [router | shared gate | shared up], one matmul
-            shared_down = DenseMLP(cfg, dt, self.kernels, name="shared")()["down"]
-            # float32 out: the router's logits unrounded (a bf16 router joins bf16 weights once prepare_params
-            # keeps it bf16), the shared expert's rounded to x's dtype
-            entry = cast(Matrix, self.get_variable("params", "entry"))(flat, jnp.float32)  # [N, E + 2 I]
-            idx, weights = route_logits(cfg, entry[:, :cfg.n_routed_experts], router_bias)
-            out = routed_experts(flat, experts, idx, weights, self.kernels)
-            out = out + swiglu_joined(entry[:, cfg.n_routed_experts:].astype(flat.dtype), shared_down,
-                                      functools.partial(_linear, kernels=self.kernels))
-            return out.reshape(*lead, d)
-        mesh = sharding.active_mesh()
         shared = DenseMLP(cfg, dt, self.kernels, name="shared")() if cfg.n_shared_experts else None
-        if shared is not None and router.dtype == flat.dtype and _joinable(router, shared["gate"], shared["up"]):
-            # x @ [router | shared gate | shared up] in one product, float32 out: the router's logits from the same
-            # operands as `route` (a router stored in x's dtype: kernels.prepare_params keeps a K2.x checkpoint's
-            # bf16 router so; products of two bf16 are exact in float32), the shared expert's rounded to x's dtype.
-            # At one row the norm's row scale comes after the product (layers.rms_norm_matmul, as the MLA's input
-            # norm): the operand is then x * w rounded to x's dtype instead of the normed row, so near-ties may
-            # route differently from a multi-row call (as any two roundings may)
-            e = cfg.n_routed_experts
-            w = jnp.concatenate([router, shared["gate"], shared["up"]], axis=1)
-            y = (rms_norm_matmul(h.reshape(-1, d), norm, cfg.rms_norm_eps, w, jnp.float32)
-                 if flat.shape[0] == 1 and _row_scale_after(h)
-                 else dots.matmul(flat, w, preferred_element_type=jnp.float32))  # [N, E + 2 I]
-            idx, weights = route_logits(cfg, y[:, :e], router_bias)
+
+        def joined(y):
+            """The block from y = x @ [router | shared gate | shared up], float32 [N, E + 2 I]: the router's logits
+            unrounded (a bf16 router joins bf16 weights once prepare_params keeps it bf16; bf16 products are exact in
+            float32), the shared expert's rounded to x's dtype."""
+            assert shared is not None  # only a model with a shared expert joins it
+            idx, weights = route_logits(cfg, y[:, :cfg.n_routed_experts], router_bias)
             out = routed_experts(flat, experts, idx, weights, self.kernels)
-            out = out + swiglu_joined(y[:, e:].astype(flat.dtype), shared["down"],
+            out = out + swiglu_joined(y[:, cfg.n_routed_experts:].astype(flat.dtype), shared["down"],
                                       functools.partial(_linear, kernels=self.kernels))
             return out.reshape(*lead, d)
+
+        if self.has_variable("params", "entry"):  # fold_params: [router | shared gate | shared up], one matmul
+            return joined(cast(Matrix, self.get_variable("params", "entry"))(flat, jnp.float32))
+        if shared is not None and router.dtype == flat.dtype and _joinable(router, shared["gate"], shared["up"]):
+            # the same product unfolded (a router in x's dtype: prepare_params keeps a K2.x checkpoint's so). With the
+            # norm's row scale after it (layers.rms_norm_matmul, as the MLA's input norm) the operand is x * w rounded
+            # to x's dtype instead of the normed row, so near-ties may route differently from a multi-row call
+            w = jnp.concatenate([router, shared["gate"], shared["up"]], axis=1)
+            return joined(rms_norm_matmul(h.reshape(-1, d), norm, cfg.rms_norm_eps, w, jnp.float32)
+                          if _row_scale_after(h) else dots.matmul(flat, w, preferred_element_type=jnp.float32))
         idx, weights = route(cfg, flat, router, router_bias)
+        mesh = sharding.active_mesh()
         if mesh is not None:
             return moe_sharded(mesh, flat, idx, weights, experts, shared or {}, self.kernels).reshape(*lead, d)
         out = routed_experts(flat, experts, idx, weights, self.kernels)
