@@ -15,7 +15,7 @@
 #   k26/          the K2.6 layer slice (one MoE layer), T = 1 / 9 / 33 at S = 4096 / 32768, the AR step's extrapolation
 #   k26_timeline/ that layer's launches at T = 1 / 9, S = 4096, from the device's timeline (no CUPTI), each XLA fusion
 #                 named from the layer's HLO (gzipped beside it)
-# and OUT/targets.log: each step's start, end and exit status; at the end all of it packed as OUT/results.tgz (a
+# and OUT/targets.log: each step's start, end and exit status; after every step all of it packed as OUT/results.tgz (a
 # device tool that returns few files then loses none: take the archive). Pass the commit as BENCH_GIT_COMMIT where the
 # tree's git metadata is not the commit's (a copied working tree). Exits 0 when every step ran and passed.
 set -uo pipefail
@@ -23,39 +23,24 @@ set -uo pipefail
 LIMIT_S=${LIMIT_S:-560}
 PY=${PYTHON:-python3}
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-end=$(( $(date +%s) + LIMIT_S ))
-left() { echo $(( end - $(date +%s) )); }
-log="$OUT/targets.log"
-: > "$log"
-status=0
-step() {  # NAME CAP_S CMD...: CMD with stdout/stderr in OUT/NAME.log, for at most CAP_S seconds or the time left
-    local name=$1 cap=$2 t rc; shift 2
-    t=$(left); (( t > cap )) && t=$cap
-    if (( t <= 20 )); then
-        echo "$name: skipped (no time left)" | tee -a "$log"; (( status == 0 )) && status=124; return
-    fi
-    echo "$name: start, ${t}s at most" | tee -a "$log"
-    timeout "$t" "$@" > "$OUT/$name.log" 2>&1
-    rc=$?; (( rc != 0 && status == 0 )) && status=$rc
-    echo "$name: rc=$rc" | tee -a "$log"
-}
-step attn_t1 60 $PY benchmarks/bench_tree_attention.py --out "$OUT/attn_t1" --budget-s 5 --shapes 32768:1 \
+source "$(dirname "$0")/steps.sh"
+steps_init targets.log
+steps_run attn_t1 60 $PY benchmarks/bench_tree_attention.py --out "$OUT/attn_t1" --budget-s 5 --shapes 32768:1 \
     --splits 128 --schedules replicated
-step attn_t33 70 $PY benchmarks/bench_tree_attention.py --out "$OUT/attn_t33" --budget-s 30 --shapes 32768:33 4096:33 \
-    --splits 4 --schedules shared_qk
-step attn_t129 60 $PY benchmarks/bench_tree_attention.py --out "$OUT/attn_t129" --budget-s 5 --shapes 32768:129 \
+steps_run attn_t33 70 $PY benchmarks/bench_tree_attention.py --out "$OUT/attn_t33" --budget-s 30 \
+    --shapes 32768:33 4096:33 --splits 4 --schedules shared_qk
+steps_run attn_t129 60 $PY benchmarks/bench_tree_attention.py --out "$OUT/attn_t129" --budget-s 5 --shapes 32768:129 \
     --splits 1 --schedules shared_qk
-step w4a16 110 $PY benchmarks/bench_w4a16.py --out "$OUT/w4a16" --deadline-s 70 --shapes 7168:18432 7168:2048 \
+steps_run w4a16 110 $PY benchmarks/bench_w4a16.py --out "$OUT/w4a16" --deadline-s 70 --shapes 7168:18432 7168:2048 \
     18432:7168 2048:7168 --ms 1 8 16
-step moe 110 $PY benchmarks/bench_moe_mgpu.py --out "$OUT/moe" --ts 1,9,33 \
+steps_run moe 110 $PY benchmarks/bench_moe_mgpu.py --out "$OUT/moe" --ts 1,9,33 \
     --variants bn64:bk256:s4,bn64:bk256:s4+fused --loop-calls 20 --deadline-s 70
-step moe_timeline 80 $PY benchmarks/bench_moe_mgpu.py --out "$OUT/moe_timeline" --ts 1,9 \
+steps_run moe_timeline 80 $PY benchmarks/bench_moe_mgpu.py --out "$OUT/moe_timeline" --ts 1,9 \
     --variants bn64:bk256:s4,bn64:bk256:s4+fused --loop-calls 20 --timeline
-step k26 150 $PY benchmarks/bench_k26_slice.py --out "$OUT/k26" --layers 1 --ts 1,9,33 --ss 4096,32768 \
+steps_run k26 150 $PY benchmarks/bench_k26_slice.py --out "$OUT/k26" --layers 1 --ts 1,9,33 --ss 4096,32768 \
     --no-baselines --deadline-s 100
-step k26_timeline 90 $PY benchmarks/bench_k26_slice.py --timeline --out "$OUT/k26_timeline" --layers 1 --ts 1,9 \
+steps_run k26_timeline 90 $PY benchmarks/bench_k26_slice.py --timeline --out "$OUT/k26_timeline" --layers 1 --ts 1,9 \
     --ss 4096
 gzip -f "$OUT"/k26_timeline/*.hlo.txt 2>/dev/null
-# The device tool returns at most 8 files: everything (logs and result folders) also goes into one archive.
-tar czf "$OUT/results.tgz" --exclude=results.tgz -C "$OUT" . && echo "packed $OUT/results.tgz" | tee -a "$log"
-exit "$status"
+steps_pack
+exit "$STEPS_STATUS"

@@ -23,34 +23,23 @@ SS=${SS:-4096}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 [[ -d "$OLD/kdtree_jax" ]] || { echo "k26_layer_ab: $OLD has no kdtree_jax/" >&2; exit 2; }
-end=$(( $(date +%s) + LIMIT_S ))
-left() { echo $(( end - $(date +%s) )); }
-log="$OUT/ab.log"
-: > "$log"
-status=0
+source "$(dirname "$0")/steps.sh"
+steps_init ab.log
 new_tree=$PWD
 old_tree=$(mktemp -d /tmp/k26-ab-old.XXXXXX)
 cp -r kdtree_jax pallas_kernels benchmarks reference "$old_tree"/
 cp -r "$OLD"/. "$old_tree"/
-pack() { tar czf "$old_tree.tgz" --exclude=results.tgz -C "$OUT" . && mv "$old_tree.tgz" "$OUT/results.tgz"; }
-step() {  # NAME TREE CAP_S ARGS...: bench_k26_slice.py ARGS run in TREE (its own code) into OUT/NAME
-    local name=$1 tree=$2 cap=$3 t rc; shift 3
-    t=$(left); (( t > cap )) && t=$cap
-    if (( t <= 20 )); then
-        echo "$name: skipped (no time left)" | tee -a "$log"; (( status == 0 )) && status=124; return
-    fi
-    echo "$name: start, ${t}s at most" | tee -a "$log"
+step() {  # NAME TREE CAP_S ARGS...: bench_k26_slice.py ARGS run in TREE (its own code) into OUT/NAME, its table rows logged
+    local name=$1 tree=$2 cap=$3; shift 3
     mkdir -p "$OUT/$name"
-    (cd "$tree" && PYTHONPATH="$tree" timeout "$t" $PY benchmarks/bench_k26_slice.py --out "$OUT/$name" --layers 1 \
-        --ts "$TS" --ss "$SS" "$@" > "$OUT/$name.log" 2>&1)
-    rc=$?; (( rc != 0 && status == 0 )) && status=$rc
-    echo "$name: rc=$rc" | tee -a "$log"
-    grep -hE "^\| [0-9]+ \| [0-9]+ \|" "$OUT/$name"/*.md 2>/dev/null | tee -a "$log"
-    pack
+    steps_run "$name" "$cap" env -C "$tree" PYTHONPATH="$tree" $PY benchmarks/bench_k26_slice.py --out "$OUT/$name" \
+        --layers 1 --ts "$TS" --ss "$SS" "$@"
+    grep -hE "^\| [0-9]+ \| [0-9]+ \|" "$OUT/$name"/*.md 2>/dev/null | tee -a "$STEPS_LOG"
+    steps_pack
 }
 step tl_old "$old_tree" 100 --timeline
 step tl_new "$new_tree" 100 --timeline
 step sl_new "$new_tree" 120 --no-baselines --deadline-s 80
 step sl_old "$old_tree" 120 --no-baselines --deadline-s 80
 rm -rf "$old_tree"
-exit $status
+exit "$STEPS_STATUS"

@@ -461,3 +461,26 @@ def test_k26_layer_ab_script_runs_old_then_new_and_packs_each_step(tmp_path):
     env["OLD"] = str(tmp_path)
     refused = subprocess.run(["bash", str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "has no kdtree_jax/" in refused.stderr
+
+
+def test_device_steps_run_in_the_time_left_and_pack_after_each_step(tmp_path):
+    """benchmarks/steps.sh (sourced by gpu_targets.sh and k26_layer_ab.sh): a step runs with its output in
+    OUT/NAME.log and its status logged, one cut at its cap counts as status 124, one not started for lack of time is
+    logged as skipped, the first failure is the exit status, and OUT/results.tgz holds every step that ran."""
+    import tarfile
+
+    out = tmp_path / "out"
+    out.mkdir()
+    script = ("source benchmarks/steps.sh; steps_init s.log\n"
+              "steps_run ok 30 echo hello\n"
+              "steps_run cut 21 sleep 30\n"
+              "steps_run late 60 echo never\n"
+              'exit "$STEPS_STATUS"\n')
+    env = {**os.environ, "OUT": str(out), "LIMIT_S": "41"}  # the cut step leaves <= 20 s
+    run = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    log = (out / "s.log").read_text()
+    assert run.returncode == 124, (run.stdout, run.stderr)
+    assert "ok: rc=0" in log and "cut: rc=124" in log and "late: skipped (no time left)" in log, log
+    assert (out / "ok.log").read_text() == "hello\n" and not (out / "late.log").exists()
+    with tarfile.open(out / "results.tgz") as tar:
+        assert {"./ok.log", "./cut.log", "./s.log"} <= set(tar.getnames())

@@ -1,0 +1,40 @@
+# Sourced by the device scripts (gpu_targets.sh, k26_layer_ab.sh): steps run one after the other, each in the time
+# left of one device call, with the results packed after every step, so a call cut at its limit still returns what ran.
+#
+#   source benchmarks/steps.sh; steps_init LOG_NAME        # needs OUT; LIMIT_S (default 560) from now on
+#   steps_run NAME CAP_S CMD...                            # CMD, stdout/stderr in OUT/NAME.log, for at most
+#                                                          # CAP_S seconds or the time left; then steps_pack
+#   exit "$STEPS_STATUS"                                   # 0 when every step ran and passed
+#
+# A step not started with 20 s or less left is logged as skipped (status 124, as a step cut at its limit). The log
+# (OUT/LOG_NAME) has each step's start, time cap and exit status. steps_pack tars all of OUT (but itself) into
+# OUT/results.tgz: the device tool returns few files, so the archive is the one to take.
+
+steps_init() {
+    STEPS_END=$(( $(date +%s) + ${LIMIT_S:-560} ))
+    STEPS_LOG="$OUT/$1"
+    STEPS_STATUS=0
+    : > "$STEPS_LOG"
+}
+
+steps_left() { echo $(( STEPS_END - $(date +%s) )); }
+
+steps_pack() {
+    local tmp
+    tmp=$(mktemp /tmp/steps-pack.XXXXXX)
+    tar czf "$tmp" --exclude=results.tgz -C "$OUT" . && mv "$tmp" "$OUT/results.tgz"
+}
+
+steps_run() {  # NAME CAP_S CMD...
+    local name=$1 cap=$2 t rc; shift 2
+    t=$(steps_left); (( t > cap )) && t=$cap
+    if (( t <= 20 )); then
+        echo "$name: skipped (no time left)" | tee -a "$STEPS_LOG"; (( STEPS_STATUS == 0 )) && STEPS_STATUS=124
+        return
+    fi
+    echo "$name: start, ${t}s at most" | tee -a "$STEPS_LOG"
+    timeout "$t" "$@" > "$OUT/$name.log" 2>&1
+    rc=$?; (( rc != 0 && STEPS_STATUS == 0 )) && STEPS_STATUS=$rc
+    echo "$name: rc=$rc" | tee -a "$STEPS_LOG"
+    steps_pack
+}
