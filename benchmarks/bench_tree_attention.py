@@ -247,6 +247,8 @@ def mosaic_main(args):
         except Exception as ex:  # noqa: BLE001
             rec["error"] = repr(ex)[:400]
         write_json(stem, meta, dict(rows=rows))
+    for row in rows:
+        row.update(row_summary(row))
     results = dict(rows=rows, elapsed_s=time.time() - t_begin)
     write_results(stem, meta, results, mosaic_table(meta, rows))
     print(mosaic_table(meta, rows))
@@ -387,6 +389,18 @@ def best_mosaic(row) -> dict | None:
     None."""
     good = [m for m in row["mosaic"] if passed(m) and "source" not in m]
     return min(good, key=lambda m: m["us"]) if good else None
+
+
+def row_summary(row) -> dict:
+    """A shape's result as flat numbers beside its records (issue 20 asks for rows with S, T, kernel_us, xla_us,
+    floor_us): kernel_us / kernel_wall_us the call of the fastest passing Mosaic variant of this tree's kernel (CUPTI,
+    all its kernels / wall clock per op; None when none passed), kernel_variant its schedule and split count,
+    xla_us / xla_wall_us XLA's call (None when it failed)."""
+    best, xla = best_mosaic(row), row.get("xla", {})
+    xla_ok = passed(xla) and "us" in xla
+    return dict(kernel_us=best["us"] if best else None, kernel_wall_us=best.get("wall_us") if best else None,
+                kernel_variant=f"{best.get('schedule', 'replicated')}, {best['num_splits']} splits" if best else None,
+                xla_us=xla["us"] if xla_ok else None, xla_wall_us=xla.get("wall_us") if xla_ok else None)
 
 
 def mosaic_table(meta, rows) -> str:

@@ -63,13 +63,21 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
 
 def write_rows(latent: jax.Array, rows: jax.Array, start: jax.Array, layer: int | None = None) -> jax.Array:
     """latent [B, S, C] (or the whole cache [L, B, S, C] and a `layer`: that layer's rows) with rows [B, T, C]
-    written at slots start[b] + t. A scatter, not dynamic_update_slice (which would clamp the start and overwrite
-    committed rows): rows that fall past S are dropped; callers size S so that none do."""
+    written at slots start[b] + t. The rows must fit: start[b] + T <= S, as `decoding.cache_length` sizes every cache
+    the engine writes. One batch row (a decode step, a verify, the compaction at batch 1) is a dynamic_update_slice:
+    one in-place launch, where XLA runs the scatter of several rows as three (a bounds check, a read of the rows it
+    would overwrite, the write; docs/k26_verify_cost.md), but one that clamps a start past S - T and so overwrites
+    committed rows. Several batch rows are a scatter that drops the rows past S."""
     batch, steps = rows.shape[:2]
+    rows = rows.astype(latent.dtype)
+    if batch == 1:
+        corner = (0, start[0], 0)
+        return jax.lax.dynamic_update_slice(latent, rows, corner) if layer is None else \
+            jax.lax.dynamic_update_slice(latent, rows[None], (layer, *corner))
     slots = start[:, None] + jnp.arange(steps, dtype=start.dtype)[None, :]  # [B, T]
     batch_index = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, steps))
     index = (batch_index, slots) if layer is None else (layer, batch_index, slots)
-    return latent.at[index].set(rows.astype(latent.dtype), mode="drop")
+    return latent.at[index].set(rows, mode="drop")
 
 
 @jax.tree_util.register_dataclass

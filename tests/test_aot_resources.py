@@ -209,6 +209,7 @@ def test_decode_calls_launch_no_more_glue(compiled):
     # the router and top-k, the shared expert, the MoE's pad and transpose; the weighted sum fused into the residual;
     # 37 since session 31: x @ [q_a | kv_a] one product, the top-k without a sort, W_UK with the query's RoPE;
     # 33 since session 32: the input and post-attention norms with their row scale after the product, one launch
-    # each instead of two, and the router, a checkpoint's bf16, in the shared expert's gate | up product)
+    # each instead of two, and the router, a checkpoint's bf16, in the shared expert's gate | up product; 31 since
+    # session 33: batch 1 writes its cache row by a dynamic_update_slice, where the scatter was three launches)
     layer = calls[("decoder layer", "K2.6 MoE layer, T=1 S=4096, as the engine runs it on Hopper")]
-    assert count(layer, "custom-call mosaic_gpu_v2") == 2 and len(layer) <= 33, layer
+    assert count(layer, "custom-call mosaic_gpu_v2") == 2 and len(layer) <= 31, layer

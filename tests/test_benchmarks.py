@@ -71,6 +71,11 @@ def test_tree_attention_smoke_run(tmp_path):
     assert {(m["schedule"], m["num_splits"]) for m in row["mosaic"]} == {
         (s, n) for s in ("replicated", "shared_qk") for n in (1, 2)}
     assert all({"us", "wall_us", "rel_err"} <= set(m) for m in [row["xla"], *row["mosaic"]])
+    # the shape's flat summary (issue 20's rows: S, T, kernel_us, xla_us, floor_us): the fastest variant, XLA's call
+    best = min(row["mosaic"], key=lambda m: m["us"])
+    assert (row["kernel_us"], row["kernel_wall_us"]) == (best["us"], best["wall_us"]) and row["floor_us"] > 0
+    assert row["kernel_variant"] == f"{best['schedule']}, {best['num_splits']} splits"
+    assert (row["xla_us"], row["xla_wall_us"]) == (row["xla"]["us"], row["xla"]["wall_us"])
     assert stored["meta"]["wall_after_cupti"] is False
     assert stored["meta"]["smoke"] and "these numbers are NOT measurements" in (
         tmp_path / "tree_attention_mosaic_smoke.md").read_text()

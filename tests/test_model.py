@@ -152,6 +152,27 @@ def test_decode_loop_writes_the_cache_in_place(tiny_params, folded):
     assert (np.abs(latent[:, :3]).sum(-1) > 0).all() and not latent[:, 3:].any()
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("layer", [None, 1])
+def test_write_rows_writes_each_batch_rows_at_its_start(batch, layer):
+    """write_rows puts row t of batch row b at slot start[b] + t (of `layer` in a whole [L, B, S, C] cache) and
+    leaves every other slot as it was; at batch 1 as one dynamic_update_slice (no scatter: XLA runs a scatter as a
+    bounds check, a read of the old rows and the write, three launches where this is one)."""
+    rng = np.random.default_rng(batch)
+    shape = (batch, 16, 5) if layer is None else (2, batch, 16, 5)
+    latent = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    rows = jnp.asarray(rng.standard_normal((batch, 3, 5)), jnp.float32)
+    start = jnp.asarray([4, 13, 0][:batch], jnp.int32)
+    got = np.asarray(model.write_rows(latent, rows, start, layer))
+    want = np.array(latent)
+    for b in range(batch):
+        target = want[b] if layer is None else want[layer, b]
+        target[int(start[b]):int(start[b]) + 3] = rows[b]
+    np.testing.assert_array_equal(got, want)
+    jaxpr = str(jax.make_jaxpr(model.write_rows, static_argnums=3)(latent, rows, start, layer))
+    assert ("scatter" in jaxpr) == (batch > 1) and ("dynamic_update_slice" in jaxpr) == (batch == 1), jaxpr
+
+
 @pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
 @pytest.mark.parametrize("name", ["tiny", "no_q_lora_no_yarn"])
 def test_folded_mla_projections_match_the_separate_ones_and_the_reference(name, transposed, monkeypatch):
