@@ -26,32 +26,56 @@ def max_row_tiles(num_assignments: int, num_experts: int, block_m: int) -> int:
     return (num_assignments + (block_m - 1) * min(num_experts, num_assignments)) // block_m
 
 
+# Up to this many compares (padded rows x assignments) the grouping compares all pairs instead of sorting and
+# scattering: a verify's few assignments (T = 9 / 33 / 129 at K2.6's top-8: 72 / 264 / 1032) in ~9 fewer launches
+# (deviceless census for an H100: the T = 9 MoE call 24 -> 15 launches); a prefill's thousands keep the sort.
+COMPARE_ALL_MAX = 1 << 24
+
+
 def group_assignments(expert_ids: jax.Array, weights: jax.Array, num_experts: int, block_m: int) -> Grouping:
-    """Sort the T*k assignments by expert into block_m-aligned per-expert row groups (on device)."""
+    """Sort the T*k assignments by expert into block_m-aligned per-expert row groups (on device): each expert's
+    assignments in (token, choice) order from the first row of its group, groups in expert order. Few assignments
+    (padded rows x assignments <= COMPARE_ALL_MAX) by comparing all pairs, more by an argsort and scatters: the same
+    tables either way (tests/kernels/test_moe_w4a16.py)."""
     num_tokens, top_k = expert_ids.shape
     a = num_tokens * top_k
     flat_w = weights.reshape(a).astype(jnp.float32)  # [A]
     keep = flat_w != 0.0  # a zero-weight choice adds nothing and must not make an expert touched
     flat_e = jnp.where(keep, expert_ids.reshape(a).astype(jnp.int32), num_experts)  # [A]; E = dropped
-    order = jnp.argsort(flat_e, stable=True)  # [A]
-    sorted_e = flat_e[order]  # [A]
-    counts = jnp.zeros((num_experts + 1,), jnp.int32).at[flat_e].add(1)[:num_experts]  # [E]
-    starts = jnp.cumsum(counts) - counts  # [E] first sorted slot of each expert
-    padded = (counts + block_m - 1) // block_m * block_m  # [E]
-    padded_ends = jnp.cumsum(padded)  # [E]
-    padded_starts = padded_ends - padded
-    e_safe = jnp.minimum(sorted_e, num_experts - 1)
-    rank = jnp.arange(a, dtype=jnp.int32) - starts[e_safe]
-    pos_sorted = jnp.where(sorted_e < num_experts, padded_starts[e_safe] + rank, 0)  # [A]
-    position = jnp.zeros((a,), jnp.int32).at[order].set(pos_sorted)  # [A]: slot -> padded row
-
     n_tiles = max_row_tiles(a, num_experts, block_m)
     p = n_tiles * block_m
-    slot_token = jnp.arange(a, dtype=jnp.int32) // top_k
-    target = jnp.where(keep, position, p)  # dropped assignments scatter out of bounds (mode="drop")
-    row_token = jnp.zeros((p,), jnp.int32).at[target].set(slot_token, mode="drop")
-    row_weight = jnp.zeros((p,), jnp.float32).at[target].set(flat_w, mode="drop")
-    row_valid = jnp.zeros((p,), jnp.bool_).at[target].set(True, mode="drop")
+    slot = jnp.arange(a, dtype=jnp.int32)
+    slot_token = slot // top_k
+    e_safe = jnp.minimum(flat_e, num_experts - 1)
+    if p * a <= COMPARE_ALL_MAX:
+        # Without a sort or a scatter (each scatter needs its zeroed buffer first: a launch of its own on a GPU):
+        # an expert's count, an assignment's rank among the earlier ones of its expert, and each padded row's
+        # assignment are sums of compares.
+        counts = jnp.sum(flat_e[:, None] == jnp.arange(num_experts, dtype=jnp.int32), axis=0, dtype=jnp.int32)
+        rank = jnp.sum((flat_e[None, :] == flat_e[:, None]) & (slot[None, :] < slot[:, None]), axis=1,
+                       dtype=jnp.int32)  # [A]
+        padded = (counts + block_m - 1) // block_m * block_m  # [E]
+        padded_ends = jnp.cumsum(padded)  # [E]
+        position = jnp.where(keep, (padded_ends - padded)[e_safe] + rank, 0)  # [A]: slot -> padded row
+        hit = (position[None, :] == jnp.arange(p, dtype=jnp.int32)[:, None]) & keep[None, :]  # [P, A]
+        row_token = jnp.sum(jnp.where(hit, slot_token, 0), axis=1, dtype=jnp.int32)
+        row_weight = jnp.sum(jnp.where(hit, flat_w, 0.0), axis=1)
+        row_valid = jnp.any(hit, axis=1)
+    else:
+        order = jnp.argsort(flat_e, stable=True)  # [A]
+        sorted_e = flat_e[order]  # [A]
+        counts = jnp.zeros((num_experts + 1,), jnp.int32).at[flat_e].add(1)[:num_experts]  # [E]
+        starts = jnp.cumsum(counts) - counts  # [E] first sorted slot of each expert
+        padded = (counts + block_m - 1) // block_m * block_m  # [E]
+        padded_ends = jnp.cumsum(padded)  # [E]
+        sorted_safe = jnp.minimum(sorted_e, num_experts - 1)
+        rank = slot - starts[sorted_safe]
+        pos_sorted = jnp.where(sorted_e < num_experts, (padded_ends - padded)[sorted_safe] + rank, 0)  # [A]
+        position = jnp.zeros((a,), jnp.int32).at[order].set(pos_sorted)  # [A]: slot -> padded row
+        target = jnp.where(keep, position, p)  # dropped assignments scatter out of bounds (mode="drop")
+        row_token = jnp.zeros((p,), jnp.int32).at[target].set(slot_token, mode="drop")
+        row_weight = jnp.zeros((p,), jnp.float32).at[target].set(flat_w, mode="drop")
+        row_valid = jnp.zeros((p,), jnp.bool_).at[target].set(True, mode="drop")
     tile_start = jnp.arange(n_tiles, dtype=jnp.int32) * block_m
     # The expert owning row tile_start: the first e whose padded range ends after it. compare_all: one fusion of
     # R x E compares; the default binary search is a loop of log2(E) steps that XLA runs as a while loop, ~4 launches
