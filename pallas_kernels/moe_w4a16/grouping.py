@@ -57,6 +57,9 @@ def group_assignments(expert_ids: jax.Array, weights: jax.Array, num_experts: in
         padded = (counts + block_m - 1) // block_m * block_m  # [E]
         padded_ends = jnp.cumsum(padded)  # [E]
         position = jnp.where(keep, (padded_ends - padded)[e_safe] + rank, 0)  # [A]: slot -> padded row
+        # Computed once: left to itself XLA recomputes it (the counts' cumulative sum, a gather) inside each consumer's
+        # fusion, the MoE's final per-choice gather included (7.2 -> 13.9 us at T = 9 on an H100, session 33)
+        position = jax.lax.optimization_barrier(position)
         hit = (position[None, :] == jnp.arange(p, dtype=jnp.int32)[:, None]) & keep[None, :]  # [P, A]
         row_token = jnp.sum(jnp.where(hit, slot_token, 0), axis=1, dtype=jnp.int32)
         row_weight = jnp.sum(jnp.where(hit, flat_w, 0.0), axis=1)
