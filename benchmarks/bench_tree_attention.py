@@ -399,7 +399,8 @@ def row_summary(row) -> dict:
     best, xla = best_mosaic(row), row.get("xla", {})
     xla_ok = passed(xla) and "us" in xla
     return dict(kernel_us=best["us"] if best else None, kernel_wall_us=best.get("wall_us") if best else None,
-                kernel_variant=f"{best.get('schedule', 'replicated')}, {best['num_splits']} splits" if best else None,
+                kernel_variant=(f"{best.get('schedule', 'replicated')}, {best['num_splits']} "
+                                f"split{'s' if best['num_splits'] != 1 else ''}") if best else None,
                 xla_us=xla["us"] if xla_ok else None, xla_wall_us=xla.get("wall_us") if xla_ok else None)
 
 

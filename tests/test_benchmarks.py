@@ -74,7 +74,7 @@ def test_tree_attention_smoke_run(tmp_path):
     # the shape's flat summary (issue 20's rows: S, T, kernel_us, xla_us, floor_us): the fastest variant, XLA's call
     best = min(row["mosaic"], key=lambda m: m["us"])
     assert (row["kernel_us"], row["kernel_wall_us"]) == (best["us"], best["wall_us"]) and row["floor_us"] > 0
-    assert row["kernel_variant"] == f"{best['schedule']}, {best['num_splits']} splits"
+    assert row["kernel_variant"] == f"{best['schedule']}, {best['num_splits']} split{'s' * (best['num_splits'] > 1)}"
     assert (row["xla_us"], row["xla_wall_us"]) == (row["xla"]["us"], row["xla"]["wall_us"])
     assert stored["meta"]["wall_after_cupti"] is False
     assert stored["meta"]["smoke"] and "these numbers are NOT measurements" in (
