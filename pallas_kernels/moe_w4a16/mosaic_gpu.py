@@ -209,7 +209,10 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
     grp = group_assignments(expert_ids, weights, num_experts, block_m)
     rows = grp.tile_expert.shape[0] * block_m
     x_rows = jnp.where(grp.row_valid[:, None], x[grp.row_token], 0).astype(jnp.bfloat16)  # [P, D]
-    y = swiglu_tiles(x_rows, grp.tile_expert).transpose(0, 2, 1).reshape(rows, hidden)  # [P, D] f32
+    # the used tiles as weights (1 / 0), computed beside the tile table: without them the kernels' weight operand
+    # would be a separately launched all-ones buffer
+    used = (grp.tile_expert >= 0).astype(jnp.float32)
+    y = swiglu_tiles(x_rows, grp.tile_expert, used).transpose(0, 2, 1).reshape(rows, hidden)  # [P, D] f32
     y = y * grp.row_weight[:, None]
     per_choice = jnp.where(grp.keep[..., None], y[grp.position], 0.0)  # [T, k, D]
     return jnp.sum(per_choice, axis=1).astype(out_dtype)
