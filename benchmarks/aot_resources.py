@@ -387,8 +387,8 @@ def census_cases() -> list[Case]:
     entry point itself refuses the CPU that compiles) at T = 1 / 33, S = 32768, the routed MoE of one K2.6 layer
     (E 384, top-8, 7168 -> 2048 -> 7168) at T = 1, in three launches and with gate / up fused, XLA's attention
     (what runs at T = 1, S = 4096) over one layer of a whole two-layer cache, as the model calls it, and a whole K2.6
-    MoE decoder layer at T = 1, S = 4096 as the engine runs it on Hopper (the model traced with the dispatcher's
-    choices for an H100: `_dispatching_for_hopper`)."""
+    MoE decoder layer at T = 1 and 9, S = 4096 as the engine runs it on Hopper (the model traced with the
+    dispatcher's choices for an H100: `_dispatching_for_hopper`)."""
     import jax
     import jax.numpy as jnp
 
@@ -430,8 +430,9 @@ def census_cases() -> list[Case]:
 
     # 4096 cache rows exactly: at other counts (4160) XLA also pads the value GEMM's operand for its split-K
     out.append(Case("attention call", "XLA, T=1 S=4096, layer 1 of 2", lambda: xla_attention(1, 4096)))
-    out.append(Case("decoder layer", "K2.6 MoE layer, T=1 S=4096, as the engine runs it on Hopper",
-                    lambda: _k26_layer(1, 4096), donate=(3,)))
+    for T in (1, 9):  # an AR step's layer and a budget-8 verify's
+        out.append(Case("decoder layer", f"K2.6 MoE layer, T={T} S=4096, as the engine runs it on Hopper",
+                        lambda T=T: _k26_layer(T, 4096), donate=(3,)))
     return out
 
 

@@ -239,6 +239,7 @@ def mosaic_main(args):
                 rec["error"] = repr(ex)[:400]
             print(S, T, rec, flush=True)
         rows.append(row)
+        row.update(row_summary(row))
         write_json(stem, meta, dict(rows=rows))
     # Pass 2, device time of the same programs (their wall clocks stay pass 1's).
     for rec, prog, sets, ref0 in measured:
@@ -246,9 +247,9 @@ def mosaic_main(args):
             rec.update({k: v for k, v in timed(device_timer, prog, sets, ref0).items() if k != "wall_us"})
         except Exception as ex:  # noqa: BLE001
             rec["error"] = repr(ex)[:400]
+        for row in rows:
+            row.update(row_summary(row))
         write_json(stem, meta, dict(rows=rows))
-    for row in rows:
-        row.update(row_summary(row))
     results = dict(rows=rows, elapsed_s=time.time() - t_begin)
     write_results(stem, meta, results, mosaic_table(meta, rows))
     print(mosaic_table(meta, rows))
@@ -473,6 +474,8 @@ def summarize_mosaic(paths):
         for row in run["rows"]:
             merged[(row["S"], row["T"])] = dict(row, run_date=run["meta"]["date"], run_commit=run["meta"].get("commit"))
     rows = [merged[k] for k in sorted(merged, key=lambda st: (-st[0], st[1]))]
+    for row in rows:
+        row.update(row_summary(row))  # the merged records' fastest variant
     meta = dict(runs[0]["meta"], runs=[r["meta"] for r in runs], merged_from=[str(p) for p in paths],
                 merged_by=metadata())
     stem = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tree_attention_mosaic_h200")

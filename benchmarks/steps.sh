@@ -22,7 +22,7 @@ steps_left() { echo $(( STEPS_END - $(date +%s) )); }
 steps_pack() {
     local tmp
     tmp=$(mktemp /tmp/steps-pack.XXXXXX)
-    tar czf "$tmp" --exclude=results.tgz -C "$OUT" . && mv "$tmp" "$OUT/results.tgz"
+    tar czf "$tmp" --exclude=results.tgz -C "$OUT" . && mv "$tmp" "$OUT/results.tgz" || rm -f "$tmp"
 }
 
 steps_run() {  # NAME CAP_S CMD...

@@ -64,10 +64,10 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
 def write_rows(latent: jax.Array, rows: jax.Array, start: jax.Array, layer: int | None = None) -> jax.Array:
     """latent [B, S, C] (or the whole cache [L, B, S, C] and a `layer`: that layer's rows) with rows [B, T, C]
     written at slots start[b] + t. The rows must fit: start[b] + T <= S, as `decoding.cache_length` sizes every cache
-    the engine writes. One batch row (a decode step, a verify, the compaction at batch 1) is a dynamic_update_slice:
-    one in-place launch, where XLA runs the scatter of several rows as three (a bounds check, a read of the rows it
-    would overwrite, the write; docs/k26_verify_cost.md), but one that clamps a start past S - T and so overwrites
-    committed rows. Several batch rows are a scatter that drops the rows past S."""
+    the engine writes. At batch 1 (a prefill, a decode step, a verify, the compaction) this is a
+    dynamic_update_slice, one in-place launch where XLA runs a batch-1 scatter as three (a bounds check, a read of
+    the rows it would overwrite, the write; docs/k26_verify_cost.md); it would clamp a start past S - T and so
+    overwrite committed rows. Several batch rows are a scatter that drops the rows past S."""
     batch, steps = rows.shape[:2]
     rows = rows.astype(latent.dtype)
     if batch == 1:
@@ -273,7 +273,7 @@ class MLA(nn.Module):
         layers.rms_norm_matmul); positions [B, T]. Without a cache: naive causal attention over x itself.
         With latent_cache [B, S, c+r] (or the whole cache [L, B, S, c+r]: then this module's `layer` of it) and
         start [B]: writes the T new rows at start+t, attends with `visibility` [B, T, T] among the new tokens,
-        returns (out [B, T, D], new latent_cache). The whole cache is written in place (a scatter of T rows into
+        returns (out [B, T, D], new latent_cache). The whole cache is written in place (`write_rows`: T rows into
         the loop-carried buffer); per-layer caches stacked again after the layers would make XLA build a new
         whole cache every forward (a concatenate and a copy, 4-6x the cache's bytes: tests/test_model.py)."""
         cfg = self.cfg
@@ -704,9 +704,15 @@ def forward_with_cache(params: Params, cfg: ModelConfig, tokens: jax.Array, posi
                        cache: KVCache, visibility: jax.Array | None = None,
                        hidden_layers: tuple[int, ...] = (), kernels: Kernels | None = None):
     """One cached forward (traceable; call inside jit). tokens/positions [B, T]; the T new latent rows
-    are written at cache slots lengths[b] + t; new token t sees every committed row and the new rows u
-    with visibility[b, t, u] (default causal). Returns (logits [B, T, V] f32, hidden [B, T, n, D],
-    cache with the rows written; `lengths` unchanged - the caller commits). kernels: as in `forward`."""
+    are written at cache slots lengths[b] + t, which must fit the cache: lengths[b] + T <= S (`write_rows`; the
+    engine sizes its caches so, `decoding.cache_length`; called with concrete lengths that do not fit, this raises).
+    New token t sees every committed row and the new rows u with visibility[b, t, u] (default causal). Returns
+    (logits [B, T, V] f32, hidden [B, T, n, D], cache with the rows written; `lengths` unchanged - the caller
+    commits). kernels: as in `forward`."""
+    # (traced lengths, inside jit, cannot be checked here; the engine's sizing keeps them in range)
+    if not isinstance(cache.lengths, Tracer) and int(np.max(cache.lengths)) + tokens.shape[1] > cache.latent.shape[-2]:
+        raise ValueError(f"{tokens.shape[1]} new rows at length {int(np.max(cache.lengths))} do not fit a cache of "
+                         f"{cache.latent.shape[-2]} rows")
     out = Transformer(cfg, _param_dtype(params), as_kernels(kernels)).apply(
         {"params": params}, tokens, positions, cache.latent, cache.lengths, visibility,
         hidden_layers=tuple(hidden_layers))

@@ -216,3 +216,9 @@ def test_decode_calls_launch_no_more_glue(compiled):
     # session 33: batch 1 writes its cache row by a dynamic_update_slice, where the scatter was three launches)
     layer = calls[("decoder layer", "K2.6 MoE layer, T=1 S=4096, as the engine runs it on Hopper")]
     assert count(layer, "custom-call mosaic_gpu_v2") == 2 and len(layer) <= 31, layer
+    # the same layer at T = 9 (a budget-8 verify): 53 launches before session 33, 40 since (the cache rows written by
+    # one dynamic_update_slice; the expert grouping by compares, its padded rows computed once, the tile weights beside
+    # the tile table); XLA's attention, the three MoE kernels
+    verify = calls[("decoder layer", "K2.6 MoE layer, T=9 S=4096, as the engine runs it on Hopper")]
+    assert count(verify, "custom-call mosaic_gpu_v2") == 3 and count(verify, "while") == 0, verify
+    assert len(verify) <= 40, (len(verify), verify)

@@ -162,7 +162,7 @@ def test_write_rows_writes_each_batch_rows_at_its_start(batch, layer):
     shape = (batch, 16, 5) if layer is None else (2, batch, 16, 5)
     latent = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     rows = jnp.asarray(rng.standard_normal((batch, 3, 5)), jnp.float32)
-    start = jnp.asarray([4, 13, 0][:batch], jnp.int32)
+    start = jnp.asarray([13, 4, 0][:batch], jnp.int32)  # 13 + 3 = S: the last rows of the cache
     got = np.asarray(model.write_rows(latent, rows, start, layer))
     want = np.array(latent)
     for b in range(batch):
@@ -171,6 +171,17 @@ def test_write_rows_writes_each_batch_rows_at_its_start(batch, layer):
     np.testing.assert_array_equal(got, want)
     jaxpr = str(jax.make_jaxpr(model.write_rows, static_argnums=3)(latent, rows, start, layer))
     assert ("scatter" in jaxpr) == (batch > 1) and ("dynamic_update_slice" in jaxpr) == (batch == 1), jaxpr
+
+
+def test_cached_forward_refuses_rows_past_the_cache(tiny_params):
+    """With concrete lengths, forward_with_cache refuses new rows that would not fit the cache (a batch-1 write
+    would clamp onto committed rows) and runs the ones that end at its last row."""
+    cache = kj.init_cache(TINY, 1, 8)._replace(lengths=jnp.asarray([6], jnp.int32))
+    tokens = jnp.zeros((1, 3), jnp.int32)
+    with pytest.raises(ValueError, match="3 new rows at length 6 do not fit a cache of 8 rows"):
+        kj.forward_with_cache(tiny_params, TINY, tokens, 6 + jnp.arange(3)[None], cache)
+    _, _, written = kj.forward_with_cache(tiny_params, TINY, tokens[:, :2], 6 + jnp.arange(2)[None], cache)
+    assert np.abs(np.asarray(written.latent[:, 0, 6:])).sum() > 0 and not np.asarray(written.latent[:, 0, :6]).any()
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])

@@ -200,16 +200,18 @@ def test_grouping_compiles_without_a_loop():
     np.testing.assert_array_equal(np.asarray(grp.tile_expert), want)
 
 
-@pytest.mark.parametrize("T,k,E,bm", [(1, 8, 384, 8), (9, 8, 384, 8), (33, 8, 384, 8), (9, 4, 8, 16), (40, 3, 5, 8)])
-def test_grouping_compare_form_equals_the_sort_form(T, k, E, bm, monkeypatch):
+@pytest.mark.parametrize("T,k,E,bm,dropped", [(1, 8, 384, 8, 0.2), (9, 8, 384, 8, 0.2), (33, 8, 384, 8, 0.2),
+                                               (9, 4, 8, 16, 0.2), (40, 3, 5, 8, 0.2), (9, 8, 384, 8, 1.0)])
+def test_grouping_compare_form_equals_the_sort_form(T, k, E, bm, dropped, monkeypatch):
     """A verify's few assignments are grouped by comparing all pairs (no sort, no scatter: ~9 fewer launches on a GPU
-    at T = 9); a prefill's many by an argsort and scatters. Both give the same tables, with dropped (weight 0)
-    choices, an expert chosen twice by one token, and experts shared by many tokens (E = 5, 8)."""
+    at T = 9); a prefill's many by an argsort and scatters. Both give the same tables, values and dtypes, with dropped
+    (weight 0) choices (every one, in the last case), an expert chosen twice by one token, and experts shared by many
+    tokens (E = 5, 8)."""
     from pallas_kernels.moe_w4a16 import grouping
 
     rng = np.random.default_rng(T * 100 + E)
     ids, weights = _routing(rng, T, k, E)
-    weights = jnp.where(jnp.asarray(rng.random((T, k)) < 0.2), 0.0, weights)
+    weights = jnp.where(jnp.asarray(rng.random((T, k)) < dropped), 0.0, weights)
     ids = ids.at[0, 1].set(ids[0, 0])  # one token's two choices of one expert: two rows of its group
     compare = jax.jit(functools.partial(grouping.group_assignments, num_experts=E, block_m=bm))
     hlo = compare.lower(ids, weights).compile().as_text()
@@ -219,6 +221,7 @@ def test_grouping_compare_form_equals_the_sort_form(T, k, E, bm, monkeypatch):
     want = grouping.group_assignments(ids, weights, E, bm)
     for name, g, w in zip(grouping.Grouping._fields, got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+        assert g.dtype == w.dtype, (name, g.dtype, w.dtype)
     assert int(got.touched) == len({int(e) for e, w in zip(np.asarray(ids).ravel(), np.asarray(weights).ravel(),
                                                            strict=True) if w != 0})
 
