@@ -709,10 +709,11 @@ def forward_with_cache(params: Params, cfg: ModelConfig, tokens: jax.Array, posi
     New token t sees every committed row and the new rows u with visibility[b, t, u] (default causal). Returns
     (logits [B, T, V] f32, hidden [B, T, n, D], cache with the rows written; `lengths` unchanged - the caller
     commits). kernels: as in `forward`."""
-    # (traced lengths, inside jit, cannot be checked here; the engine's sizing keeps them in range)
-    if not isinstance(cache.lengths, Tracer) and int(np.max(cache.lengths)) + tokens.shape[1] > cache.latent.shape[-2]:
-        raise ValueError(f"{tokens.shape[1]} new rows at length {int(np.max(cache.lengths))} do not fit a cache of "
-                         f"{cache.latent.shape[-2]} rows")
+    if not isinstance(cache.lengths, Tracer):  # (traced lengths, inside jit, are kept in range by the engine's sizing)
+        longest = int(np.asarray(cache.lengths).max())  # numpy's max: jnp's would be traced inside a caller's trace
+        if longest + tokens.shape[1] > cache.latent.shape[-2]:
+            raise ValueError(f"{tokens.shape[1]} new rows at length {longest} do not fit a cache of "
+                             f"{cache.latent.shape[-2]} rows")
     out = Transformer(cfg, _param_dtype(params), as_kernels(kernels)).apply(
         {"params": params}, tokens, positions, cache.latent, cache.lengths, visibility,
         hidden_layers=tuple(hidden_layers))
