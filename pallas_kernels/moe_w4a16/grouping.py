@@ -27,8 +27,8 @@ def max_row_tiles(num_assignments: int, num_experts: int, block_m: int) -> int:
 
 
 # Up to this many compares (padded rows x assignments) the grouping compares all pairs instead of sorting and
-# scattering: a verify's few assignments (T = 9 / 33 / 129 at K2.6's top-8: 72 / 264 / 1032) in ~9 fewer launches
-# (deviceless census for an H100: the T = 9 MoE call 24 -> 15 launches); a prefill's thousands keep the sort.
+# scattering: a verify's few assignments (T = 9 / 33 / 129 at K2.6's top-8: 72 / 264 / 1032) in 9 fewer launches
+# (deviceless census for an H100: the T = 9 MoE call 24 -> 15 by this alone); a prefill's thousands keep the sort.
 COMPARE_ALL_MAX = 1 << 24
 
 
