@@ -72,8 +72,9 @@ def write_rows(latent: jax.Array, rows: jax.Array, start: jax.Array, layer: int 
     rows = rows.astype(latent.dtype)
     if batch == 1:
         corner = (0, start[0], 0)
-        return jax.lax.dynamic_update_slice(latent, rows, corner) if layer is None else \
-            jax.lax.dynamic_update_slice(latent, rows[None], (layer, *corner))
+        if layer is not None:
+            rows, corner = rows[None], (layer, *corner)
+        return jax.lax.dynamic_update_slice(latent, rows, corner)
     slots = start[:, None] + jnp.arange(steps, dtype=start.dtype)[None, :]  # [B, T]
     batch_index = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, steps))
     index = (batch_index, slots) if layer is None else (layer, batch_index, slots)

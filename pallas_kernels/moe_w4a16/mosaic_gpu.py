@@ -175,9 +175,8 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
         raise ValueError(f"expert_ids {expert_ids.shape} and weights {weights.shape} must both be [T, k], "
                          f"T={x.shape[0]}")
 
-    def swiglu_tiles(x_rows, tile_expert, tile_weight=None):  # [R bm, D] rows -> [R, D, bm] f32 (0: unused tiles)
-        used = tile_expert >= 0 if tile_weight is None else tile_weight != 0
-        used = used[:, None, None]  # unused tiles' outputs are never written: mask them
+    def swiglu_tiles(x_rows, tile_expert, tile_weight):  # [R bm, D] rows -> [R, D, bm] f32 (0: unused tiles)
+        used = (tile_weight != 0)[:, None, None]  # unused tiles' outputs are never written: mask them
         rows = x_rows.shape[0]
 
         def run(rows_in, w, s, config):  # -> [R, N, block_m] f32
@@ -211,8 +210,8 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
     x_rows = jnp.where(grp.row_valid[:, None], x[grp.row_token], 0).astype(jnp.bfloat16)  # [P, D]
     # the used tiles as weights (1 / 0), computed beside the tile table: without them the kernels' weight operand
     # would be a separately launched all-ones buffer
-    used = (grp.tile_expert >= 0).astype(jnp.float32)
-    y = swiglu_tiles(x_rows, grp.tile_expert, used).transpose(0, 2, 1).reshape(rows, hidden)  # [P, D] f32
+    tile_used = (grp.tile_expert >= 0).astype(jnp.float32)
+    y = swiglu_tiles(x_rows, grp.tile_expert, tile_used).transpose(0, 2, 1).reshape(rows, hidden)  # [P, D] f32
     y = y * grp.row_weight[:, None]
     per_choice = jnp.where(grp.keep[..., None], y[grp.position], 0.0)  # [T, k, D]
     return jnp.sum(per_choice, axis=1).astype(out_dtype)
