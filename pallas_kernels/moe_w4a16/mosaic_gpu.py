@@ -9,8 +9,10 @@ no sort. Then three launches of `grouped_w4a16_mgpu_kernel` (gate, up, down; tok
 dimension, so block_m = 8 wastes nothing at decode sizes) with the SwiGLU, the combine weights and the
 per-token sum in XLA between them; or, with `fused_gate_up` (the default at T = 1), two:
 `grouped_gate_up_mgpu_kernel` runs a tile's gate and up products in one CTA and applies the SwiGLU in its epilogue,
-then the down launch.
-Roundings follow the Triton path (gate/up/down outputs rounded to bf16). Status and numbers: docs/w4a16_mgpu.md.
+then the down launch. At T = 1, `down_choice_splits` (off by default: not timed yet) makes the down launch sum the
+choices itself (`summed_down_mgpu_kernel`: the choices' K steps in one pipeline a CTA).
+Roundings follow the Triton path (gate/up/down outputs rounded to bf16; with down_choice_splits the weighted SwiGLU
+output is rounded and the choices' sum is not). Status and numbers: docs/w4a16_mgpu.md.
 """
 
 from __future__ import annotations
