@@ -442,6 +442,17 @@ def census_cases() -> list[Case]:
         return fn, (S((1, T, 64, 576), jnp.bfloat16), S((2, 1, rows, 576), jnp.bfloat16),
                     S((1,), jnp.int32), S((1, T, T), jnp.bool_))
 
+    def dense(m: int, k: int, n: int):  # the dense W4A16 call as the model's INT4 linears run it on Hopper
+        from pallas_kernels.w4a16 import w4a16_matmul
+
+        def fn(x, w, s):
+            with _dispatching_for_hopper():
+                return w4a16_matmul(x, MosaicInt4Weight(w, s))
+
+        return fn, (S((m, k), jnp.bfloat16), S((n, k), jnp.int4), S((k // 32, n), jnp.bfloat16))
+
+    for m in (1, 8):  # a decode step's one row (the kernel reads it as an 8-row tile, no pad) and a full tile
+        out.append(Case("dense W4A16 call", f"K=7168 N=2048 M={m}", lambda m=m: dense(m, 7168, 2048)))
     # 4096 cache rows exactly: at other counts (4160) XLA also pads the value GEMM's operand for its split-K
     out.append(Case("attention call", "XLA, T=1 S=4096, layer 1 of 2", lambda: xla_attention(1, 4096)))
     for T in (1, 9):  # an AR step's layer and a budget-8 verify's

@@ -205,6 +205,11 @@ def test_decode_calls_launch_no_more_glue(compiled):
                           ("T=1, gate+up fused, the down launch summing the choices (1 split)", 2)):
         moe = calls[("routed MoE call", case)]
         assert count(moe, "custom-call mosaic_gpu_v2") == kernels and count(moe, "fusion") <= 3, (case, moe)
+    # the dense W4A16 call at one row (a decode step's INT4 linear): the kernel and the output's slice, no pad of x to
+    # the 8-row token tile (3 launches before 2026-12-06: the kernel reads the tile past the last row instead)
+    for m in (1, 8):
+        dense = calls[("dense W4A16 call", f"K=7168 N=2048 M={m}")]
+        assert count(dense, "custom-call mosaic_gpu_v2") == 1 and len(dense) <= 2, (m, dense)
     # the grouped path at T = 9: no while loop (jnp.searchsorted's default binary search was one, 36 of a call's 69
     # launches on the device, H200, 2026-12-06; now compare_all) and the three kernels
     moe9 = calls[("routed MoE call", "T=9, three launches (the grouped path)")]

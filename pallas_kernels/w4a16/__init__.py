@@ -64,12 +64,10 @@ def w4a16_matmul(x: jax.Array, w: Int4Weight | MosaicInt4Weight, *, impl: str = 
     if config is None:
         config = tuned_config if not interpret else MgpuConfig(block_n=tuned_config.block_n,
                                                                block_k=tuned_config.block_k, a_operand="smem")
-    mp = -(-m // 8) * 8
-    x_p = jnp.pad(x, ((0, mp - m), (0, 0)))  # [Mp, K]
     interp = gpu_interpret_params() if interpret is True else (interpret or None)
     if split_k is None:
         split_k = tuned_split
         whole_tiles = tuned_whole if whole_tiles is None else whole_tiles
-    y_t = w4a16_matmul_mgpu_kernel(x_p, w.w_i4, w.scale_t, config=config, split_k=split_k,
+    y_t = w4a16_matmul_mgpu_kernel(x, w.w_i4, w.scale_t, config=config, split_k=split_k,
                                    whole_tiles=whole_tiles or 0, interpret=interp)  # [N, Mp] f32
     return y_t[:, :m].T.astype(x.dtype)  # [M, N]

@@ -236,7 +236,9 @@ def scratch_types(config: MgpuConfig, mp: int) -> dict:
 
 def w4a16_matmul_mgpu_kernel(x: jax.Array, w_i4: jax.Array, scale_t: jax.Array, *, config: MgpuConfig = MgpuConfig(),
                              split_k: int = 1, whole_tiles: int = 0, interpret=None) -> jax.Array:
-    """The dense GEMM: x bf16 [Mp, K] (Mp % 8 == 0), w_i4 int4 [N, K], scale_t bf16 [K/32, N] -> y^T float32 [N, Mp].
+    """The dense GEMM: x bf16 [M, K], w_i4 int4 [N, K], scale_t bf16 [K/32, N] -> y^T float32 [N, Mp], Mp = M rounded
+    up to a multiple of 8 (the wgmma N): the token tile's rows past M are read out of bounds, which the TMA fills with
+    zeros, so x needs no pad (an XLA launch at M = 1, a decode step); they reach only y^T's columns past M.
 
     One launch, one CTA per work item: the first `whole_tiles` block_n slices of W each stream the whole K (one CTA
     a slice), the other slices are split into split_k K chunks (one CTA a chunk, writing a float32 partial
@@ -245,7 +247,8 @@ def w4a16_matmul_mgpu_kernel(x: jax.Array, w_i4: jax.Array, scale_t: jax.Array, 
     split-K; whole_tiles = N / block_n (split_k 1) no split. Mixing the two evens out the SMs' work where the
     slices alone do not divide over them (tuned.dense_config). (Splitting the whole slices' K too, for 4 CTAs an SM
     instead of 2, was slower: 37.5 against 30.6 us at 7168 x 18432, M = 8, H100: w4a16_h100_s30_lead_split.md.)"""
-    mp, k = x.shape
+    m, k = x.shape
+    mp = -(-m // 8) * 8
     n = w_i4.shape[0]
     if n % config.block_n:
         raise ValueError(f"N={n} must be divisible by block_n={config.block_n}")

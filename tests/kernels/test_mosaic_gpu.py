@@ -46,9 +46,10 @@ def _rel_err(got, want):
     return np.max(np.abs(np.asarray(got.astype(jnp.float32), np.float64) - want)) / np.max(np.abs(want))
 
 
-# (M, N, K, config, split_k, whole_tiles): padded M (5 -> 8, 1 -> 8), 2 N tiles x 2 K steps with 4 groups per
-# step, block_n 128; split-K: 2 and 4 K chunks (each its own scale rows), with 2 N tiles; mixed: of 3 N tiles the
-# first 1 or 2 whole, the rest in 2 or 4 K chunks (two pipelines of different lengths in one launch).
+# (M, N, K, config, split_k, whole_tiles): M not a multiple of 8 (5, 1, 3, 9, 2: no pad, the kernel reads an 8-row
+# token tile past the last row, which only reaches output columns that are dropped), 2 N tiles x 2 K steps with 4
+# groups per step, block_n 128; split-K: 2 and 4 K chunks (each its own scale rows), with 2 N tiles; mixed: of 3 N
+# tiles the first 1 or 2 whole, the rest in 2 or 4 K chunks (two pipelines of different lengths in one launch).
 INTERPRET_CASES = [
     (5, 64, 64, MgpuConfig(a_operand="smem"), 1, 0),
     (16, 128, 256, MgpuConfig(block_n=64, block_k=128, max_concurrent_steps=2, a_operand="smem"), 1, 0),
