@@ -171,7 +171,7 @@ def test_w4a16_tile_loop_fits_four_ctas_an_sm_without_spills(compiled):
     one warpgroup fit an SM's 64 K registers), and at most 400 instructions a 256-column step: 322-387 with the
     lane-order cast (2026-12-06), 418-483 with Mosaic's relayout and cast of column-order int4 (2026-12-05), which
     fails here. The down launch that sums a decode step's choices also finds each step's choice (which used choice,
-    its token tile and expert: 416 instructions a step on 2026-12-06), so its bound is 440."""
+    its token tile and expert: 413 instructions a step on 2026-12-06), so its bound is 440."""
     for row in compiled["w4a16"] + compiled["moe"]:
         assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0, row["case"]
         assert row["registers"] <= 128, (row["case"], row["registers"])

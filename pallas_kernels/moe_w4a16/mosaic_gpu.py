@@ -100,13 +100,21 @@ def summed_down_mgpu_kernel(h_rows: jax.Array, w_i4: jax.Array, scale_t: jax.Arr
         first = lax.axis_index("s") * per
         used = [cw_gmem[first + i] != 0 for i in range(per)]
         experts = [e_gmem[first + i] for i in range(per)]
+        # slot p = the p-th used choice of this split: its token tile and expert, found once before the pipeline
+        slot_rows, slot_experts = [first] * per, [experts[0]] * per
+        seen = jnp.int32(0)
+        for i in range(per):
+            for p in range(i + 1):  # choice i can only be slot 0..i
+                hit = used[i] & (seen == p)
+                slot_rows[p] = jnp.where(hit, first + i, slot_rows[p])
+                slot_experts[p] = jnp.where(hit, experts[i], slot_experts[p])
+            seen = seen + used[i].astype(jnp.int32)
 
-        def pick(step):  # (token tile, expert) of the choice that pipeline step `step` streams
-            want, row, expert, seen = step // k_iters, first, experts[0], jnp.int32(0)
-            for i in range(per):  # the want-th used choice of this split
-                hit = used[i] & (seen == want)
-                row, expert = jnp.where(hit, first + i, row), jnp.where(hit, experts[i], expert)
-                seen = seen + used[i].astype(jnp.int32)
+        def pick(step):  # (token tile, expert) of the slot that pipeline step `step` streams
+            want, row, expert = step // k_iters, slot_rows[0], slot_experts[0]
+            for p in range(1, per):
+                row = jnp.where(want == p, slot_rows[p], row)
+                expert = jnp.where(want == p, slot_experts[p], expert)
             return row, expert
 
         specs = mosaic.tile_specs(
