@@ -9,11 +9,11 @@ unquantized) and the memory / compute floor, in one run.
                                     # other tilings, split-K counts and whole slices of the kernel, in the same run
   python benchmarks/bench_w4a16.py --plot DIR/w4a16_results.json     # the figure again (CPU is fine)
 
-Timing: benchmarks/common.py Timer (CUPTI summed kernel time of everything the jitted call launches: for the
-kernel the x padding, the Mosaic kernel and the split-K sum; one window per call, median of --iters after a
-warm-up). The weights are already in each path's layout (the Mosaic layout is made once at load time). Every
-Mosaic output is checked against the float32 reference before it is timed; a wrong or failing variant is
-reported as such, never timed. Writes DIR/w4a16_results.{json,md,png} with the run's metadata.
+Timing: benchmarks/common.py Timer (CUPTI summed kernel time of everything the jitted call launches: for the kernel
+the Mosaic kernel, the split-K sum and the output's slice (x padded only above 8 rows, since 2026-12-06); one window
+per call, median of --iters after a warm-up). The weights are already in each path's layout (the Mosaic layout is
+made once at load time). Every Mosaic output is checked against the float32 reference before it is timed; a wrong or
+failing variant is reported as such, never timed. Writes DIR/w4a16_results.{json,md,png} with the run's metadata.
 """
 
 from __future__ import annotations

@@ -90,8 +90,8 @@ def summed_down_mgpu_kernel(h_rows: jax.Array, w_i4: jax.Array, scale_t: jax.Arr
         raise ValueError(f"choice_splits={choice_splits} must be a positive divisor of the {k} choices")
     mp = rows // k
     mosaic.check_config(config, n, inter, mp, interpret)
-    if scale_t.shape != (w_i4.shape[0], inter // GROUP_SIZE, n):
-        raise ValueError(f"scale_t {scale_t.shape} does not match w_i4 {w_i4.shape}")
+    if w_i4.shape[2] != inter or scale_t.shape != (w_i4.shape[0], inter // GROUP_SIZE, n):
+        raise ValueError(f"w_i4 {w_i4.shape} / scale_t {scale_t.shape} do not match h_rows' I={inter}")
     block_n, per, k_iters = config.block_n, k // choice_splits, inter // config.block_k
     make_step = mosaic.make_tile_step(config, interpret)
 

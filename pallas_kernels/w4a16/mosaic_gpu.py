@@ -4,7 +4,8 @@ MoE kernel (`pallas_kernels.moe_w4a16.mosaic_gpu`), and the dense GEMM on it (`w
 model's INT4 dense linears, chosen by `pallas_kernels.dispatch.choose_linear`).
 
 "Swap AB": the weights are the wgmma A operand (block_n output features per CTA) and the tokens are the
-narrow wgmma N dimension (M padded to a multiple of 8), so tiny decode batches waste no tensor-core rows.
+narrow wgmma N dimension (an Mp-row tile, M rounded up to a multiple of 8; the dense kernel reads it past row M < 8,
+which the TMA fills with zeros), so tiny decode batches waste no tensor-core rows.
 Grid: one CTA (one warpgroup) per block_n rows of W; inside it emit_pipeline streams, per K step, an int4
 [block_n, block_k] weight tile, a bf16 [Mp, block_k] activation tile and the bf16 [block_k/32, block_n]
 scales into SMEM with TMA. The warpgroup loads the int4 tile with the WGMMA_UPCAST_4X layout (a 32-bit word of 8
@@ -102,7 +103,7 @@ def check_config(config: MgpuConfig, n: int, k: int, mp: int, interpret) -> None
     if n % config.block_n:
         raise ValueError(f"N={n} must be divisible by block_n={config.block_n}")
     if mp % 8 or mp > 256:
-        raise ValueError(f"padded M={mp} must be a multiple of 8 and <= 256 (wgmma N)")
+        raise ValueError(f"the token tile's Mp={mp} rows must be a multiple of 8 and <= 256 (wgmma N)")
     if (need := smem_bytes(config, mp)) > MAX_SMEM_BYTES:
         raise ValueError(f"tiling {config} at M={mp} needs {need} B of shared memory, the H200 has {MAX_SMEM_BYTES}: "
                          "use a smaller block_k or fewer pipeline steps")
@@ -198,8 +199,9 @@ def tile_specs(config: MgpuConfig, mp: int, w_index, x_index, s_index, *, squeez
 
 
 def make_tile_matmul(config: MgpuConfig, k: int, mp: int, interpret=None):
-    """The shared inner loop: (w_gmem [block_n, K] int4 in lane order, x_gmem [Mp, K] bf16, s_gmem [K/32, block_n]
-    bf16, a_smem or None) -> f32 [block_n, Mp] = dequant(w) @ x^T, as registers (call inside a kernel).
+    """The shared inner loop: (w_gmem [block_n, K] int4 in lane order, x_gmem bf16 [M, K] with M = Mp or M < 8 = Mp
+    (rows past M are read as the TMA's zeros), s_gmem [K/32, block_n] bf16, a_smem or None) -> f32 [block_n, Mp] =
+    dequant(w) @ x_tile^T, as registers (call inside a kernel).
     interpret: None natively, else the GPU interpreter's parameters (the tile's lane order undone by array ops)."""
     k_iters = k // config.block_k
     make_step = make_tile_step(config, interpret)
@@ -237,8 +239,9 @@ def scratch_types(config: MgpuConfig, mp: int) -> dict:
 def w4a16_matmul_mgpu_kernel(x: jax.Array, w_i4: jax.Array, scale_t: jax.Array, *, config: MgpuConfig = MgpuConfig(),
                              split_k: int = 1, whole_tiles: int = 0, interpret=None) -> jax.Array:
     """The dense GEMM: x bf16 [M, K], w_i4 int4 [N, K], scale_t bf16 [K/32, N] -> y^T float32 [N, Mp], Mp = M rounded
-    up to a multiple of 8 (the wgmma N): the token tile's rows past M are read out of bounds, which the TMA fills with
-    zeros, so x needs no pad (an XLA launch at M = 1, a decode step); they reach only y^T's columns past M.
+    up to a multiple of 8 (the wgmma N). At M < 8 (a decode step) the token tile's rows past M are read out of bounds,
+    which the TMA fills with zeros, so x needs no pad (an XLA launch); they reach only y^T's columns past M. Mosaic
+    takes such a TMA only for fewer rows than its 8-row tiling: above 8, an M that is not a multiple of 8 is padded.
 
     One launch, one CTA per work item: the first `whole_tiles` block_n slices of W each stream the whole K (one CTA
     a slice), the other slices are split into split_k K chunks (one CTA a chunk, writing a float32 partial
@@ -249,6 +252,8 @@ def w4a16_matmul_mgpu_kernel(x: jax.Array, w_i4: jax.Array, scale_t: jax.Array, 
     instead of 2, was slower: 37.5 against 30.6 us at 7168 x 18432, M = 8, H100: w4a16_h100_s30_lead_split.md.)"""
     m, k = x.shape
     mp = -(-m // 8) * 8
+    if m > 8 and m % 8:  # Mosaic tiles a TMA's GMEM rows by 8: fewer rows than that, or a multiple (else, pad)
+        x = jnp.pad(x, ((0, mp - m), (0, 0)))
     n = w_i4.shape[0]
     if n % config.block_n:
         raise ValueError(f"N={n} must be divisible by block_n={config.block_n}")

@@ -478,11 +478,12 @@ def test_mgpu_grouped_kernel_skips_unused_tiles_and_reuses_experts(block_k, weig
         assert _rel(y_t[t].T, np.asarray(want, np.float64)) < 1e-2
 
 
-@pytest.mark.parametrize("splits,zero", [(1, ()), (2, (1,)), (2, (0, 1)), (4, (2,))])
+@pytest.mark.parametrize("splits,zero", [(1, ()), (1, (0, 2)), (2, (0,)), (2, (1,)), (2, (0, 1)), (4, (2,))])
 def test_mgpu_decode_down_summing_the_choices_matches_numpy(splits, zero):
     """down_choice_splits (T = 1): the down launch sums the weighted choices in its K loop (summed_down_mgpu_kernel) ==
     float64 NumPy, in interpret mode with the race detector on: one split, two (one of them with no used choice at
-    zero=(0, 1): its CTAs stream nothing and write zeros) and four; zero-weight choices get an expert id outside the
+    zero=(0, 1): its CTAs stream nothing and write zeros) and four; unused choices before used ones of their split
+    (zero=(0, 2) and (0,): the slots skip them); zero-weight choices get an expert id outside the
     stack, as another shard's expert may have (that no unused choice is read is checked by the kernel's own test
     below: the interpreter does not fail on such a read)."""
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
@@ -513,9 +514,9 @@ def test_mgpu_decode_down_summing_the_choices_matches_numpy(splits, zero):
 
 def test_mgpu_summed_down_kernel_sums_each_split():
     """summed_down_mgpu_kernel itself: split s of its output is the sum over split s's used choices of the choice's
-    expert times its token tile (all 8 rows of a tile, not only row 0), against w4a16_matmul_reference; a split whose
-    choices are all unused is zero, although its first choice names a valid expert and has a nonzero token tile (a
-    kernel that streamed unused choices fails here)."""
+    expert times its token tile (all 8 rows of a tile, not only row 0), against w4a16_matmul_reference; an unused
+    choice before a used one, and a split whose choices are all unused (zero), each with a valid expert and a nonzero
+    token tile: a kernel that streamed unused choices, or the first `count` choices of a split, fails here."""
     from pallas_kernels.moe_w4a16.mosaic_gpu import summed_down_mgpu_kernel
     from pallas_kernels.w4a16 import w4a16_matmul_reference
     from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig
@@ -525,7 +526,8 @@ def test_mgpu_summed_down_kernel_sums_each_split():
     leaf = experts["gate"]  # [4, 64, 128/4]: N = 64, K = 128
     mosaic = leaf.to_mosaic()
     ids = jnp.asarray([2, 0, 3, 3, 1, 9], jnp.int32)  # expert 3 twice; choice 5 (id 9, outside the stack) unused
-    weight = jnp.asarray([1.0, 0.5, 2.0, 1.0, 0.0, 0.0], jnp.float32)  # split 2 (choices 4, 5): nothing used
+    # choice 0 unused before a used one (its split's one slot is choice 1); split 2 (choices 4, 5): nothing used
+    weight = jnp.asarray([0.0, 0.5, 2.0, 1.0, 0.0, 0.0], jnp.float32)
     h_rows = jnp.asarray(rng.standard_normal((6 * 8, 128)), jnp.bfloat16)
     try:
         y = jax.block_until_ready(summed_down_mgpu_kernel(
@@ -564,6 +566,8 @@ def test_mgpu_summed_down_bad_arguments_raise():
                                 choice_splits=0)
     with pytest.raises(ValueError, match="not a multiple of the 4 choices"):
         summed_down_mgpu_kernel(jnp.zeros((30, 64), jnp.bfloat16), down.w_i4, down.scale_t, ids[0], weights[0])
+    with pytest.raises(ValueError, match="do not match h_rows' I=128"):
+        summed_down_mgpu_kernel(jnp.zeros((32, 128), jnp.bfloat16), down.w_i4, down.scale_t, ids[0], weights[0])
     with pytest.raises(ValueError, match=r"choice_weight \(3,\) must be \[k\]"):
         summed_down_mgpu_kernel(jnp.zeros((32, 64), jnp.bfloat16), down.w_i4, down.scale_t, ids[0], weights[0, :3])
 
@@ -590,3 +594,5 @@ def test_mgpu_grouped_moe_lowers_for_cuda_at_k26_shapes():
     for splits in (1, 2, 4):  # the decode path's down launch summing the choices: gate + up, then down
         summed = lower_for_h200(functools.partial(grouped_moe_w4a16_mgpu, down_choice_splits=splits), *args)
         assert custom_calls(summed).count("mosaic_gpu_v2") == 2, splits
+        # the down launch's output: one [7168, 8] sum a split, not the per-choice launch's 8 products
+        assert f"tensor<{splits}x7168x8xf32>" in summed and "tensor<8x7168x8xf32>" not in summed, splits

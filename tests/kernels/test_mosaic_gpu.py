@@ -46,10 +46,10 @@ def _rel_err(got, want):
     return np.max(np.abs(np.asarray(got.astype(jnp.float32), np.float64) - want)) / np.max(np.abs(want))
 
 
-# (M, N, K, config, split_k, whole_tiles): M not a multiple of 8 (5, 1, 3, 9, 2: no pad, the kernel reads an 8-row
-# token tile past the last row, which only reaches output columns that are dropped), 2 N tiles x 2 K steps with 4
-# groups per step, block_n 128; split-K: 2 and 4 K chunks (each its own scale rows), with 2 N tiles; mixed: of 3 N
-# tiles the first 1 or 2 whole, the rest in 2 or 4 K chunks (two pipelines of different lengths in one launch).
+# (M, N, K, config, split_k, whole_tiles): M not a multiple of 8 (5, 1, 3, 2: no pad, the kernel reads an 8-row
+# token tile past the last row, which only reaches output columns that are dropped; 9: padded to 16), 2 N tiles x 2
+# K steps with 4 groups per step, block_n 128; split-K: 2 and 4 K chunks (each its own scale rows), with 2 N tiles;
+# mixed: of 3 N tiles the first 1 or 2 whole, the rest in 2 or 4 K chunks (two pipelines of different lengths).
 INTERPRET_CASES = [
     (5, 64, 64, MgpuConfig(a_operand="smem"), 1, 0),
     (16, 128, 256, MgpuConfig(block_n=64, block_k=128, max_concurrent_steps=2, a_operand="smem"), 1, 0),
@@ -114,6 +114,8 @@ def test_dense_tiling_rule():
 def test_lowers_for_cuda_at_k2_shapes():
     """Mosaic GPU lowering (layouts, int4 upcast, register-A wgmma) runs on CPU against an abstract H200."""
     for m, n, k, cfg, split, whole in [(8, 7168, 2048, MgpuConfig(), 1, 0),
+                                       (1, 2048, 7168, *dense_config(7168, 2048)),  # one row: no pad, 8-row tile
+                                       (13, 512, 1024, MgpuConfig(), 1, 0),  # padded to 16: Mosaic's TMA
                                        (16, 2048, 7168, MgpuConfig(block_n=128, block_k=128), 1, 0),
                                        (64, 512, 7168, MgpuConfig(a_operand="smem"), 1, 0),
                                        (8, 2048, 7168, *dense_config(7168, 2048)),  # split-K 7
@@ -123,7 +125,7 @@ def test_lowers_for_cuda_at_k2_shapes():
         f = lambda x, w, s, cfg=cfg, split=split, whole=whole: w4a16_matmul_mgpu_kernel(  # noqa: E731
             x, w, s, config=cfg, split_k=split, whole_tiles=whole)
         with abstract_h200():
-            assert jax.eval_shape(f, *args).shape == (n, m)
+            assert jax.eval_shape(f, *args).shape == (n, -(-m // 8) * 8)  # y^T [N, Mp]
         assert custom_calls(lower_for_h200(f, *args)) == ["mosaic_gpu_v2"]  # one launch, however the work splits
 
 
