@@ -131,7 +131,7 @@ def test_lowers_for_cuda_at_k2_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("a_operand", ["registers", "smem"])
-@pytest.mark.parametrize("m,n,k", [(1, 7168, 2048), (16, 2048, 7168), (5, 256, 512)])
+@pytest.mark.parametrize("m,n,k", [(1, 7168, 2048), (16, 2048, 7168), (5, 256, 512), (13, 512, 1024)])
 def test_native_gpu(m, n, k, a_operand):
     if not dispatch.is_hopper(jax.devices()[0]):
         pytest.skip("the Mosaic GPU kernel needs a Hopper GPU (sm_90)")
