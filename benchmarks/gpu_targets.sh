@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 20's targets in one call on a Hopper GPU (an H200 is the targets' device), from the repo root:
 #
-#   OUT=DIR [LIMIT_S=560] [BENCH_GIT_COMMIT=SHA] bash benchmarks/gpu_targets.sh
+#   OUT=DIR [LIMIT_S=560] [BENCH_GIT_COMMIT=SHA] [STEPS="attn_t1 w4a16 ..."] bash benchmarks/gpu_targets.sh
 #
 # One after the other, each in the time left (a step not started with 20 s or less left is logged as skipped), each
 # writing its results files (benchmarks/README.md: json + md + png with the run's record) into a folder under OUT:

@@ -6,6 +6,9 @@
 #                                                          # CAP_S seconds or the time left; then steps_pack
 #   exit "$STEPS_STATUS"                                   # 0 when every step ran and passed
 #
+# STEPS="NAME ..." (optional, from the caller's environment) runs only the steps named there; the others are logged
+# as "not selected" and do not count as skipped.
+#
 # A step not started with 20 s or less left is logged as skipped (status 124, as a step cut at its limit). The log
 # (OUT/LOG_NAME) has each step's start, time cap and exit status. steps_pack tars all of OUT (but itself) into
 # OUT/results.tgz: the device tool returns few files, so the archive is the one to take.
@@ -27,6 +30,10 @@ steps_pack() {
 
 steps_run() {  # NAME CAP_S CMD...
     local name=$1 cap=$2 t rc; shift 2
+    if [[ -n "${STEPS:-}" && " $STEPS " != *" $name "* ]]; then
+        echo "$name: not selected (STEPS=$STEPS)" >> "$STEPS_LOG"
+        return
+    fi
     t=$(steps_left); (( t > cap )) && t=$cap
     if (( t <= 20 )); then
         echo "$name: skipped (no time left)" | tee -a "$STEPS_LOG"; (( STEPS_STATUS == 0 )) && STEPS_STATUS=124
