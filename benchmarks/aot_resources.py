@@ -310,11 +310,7 @@ def cases(only: list[str]) -> list[Case]:
     import jax.numpy as jnp
 
     from pallas_kernels.int4 import GROUP_SIZE
-    from pallas_kernels.moe_w4a16.mosaic_gpu import (
-        grouped_gate_up_mgpu_kernel,
-        grouped_w4a16_mgpu_kernel,
-        summed_down_mgpu_kernel,
-    )
+    from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_gate_up_mgpu_kernel, grouped_w4a16_mgpu_kernel
     from pallas_kernels.moe_w4a16.tuned import default_mosaic_config
     from pallas_kernels.tree_attention import tuned as attention_tuned
     from pallas_kernels.w4a16.mosaic_gpu import w4a16_matmul_mgpu_kernel
@@ -355,17 +351,10 @@ def cases(only: list[str]) -> list[Case]:
                     (x, w, s, w, s, tile_expert))
         return (lambda x, w, s, t: grouped_w4a16_mgpu_kernel(x, w, s, t, config=config)), (x, w, s, tile_expert)
 
-    def summed_down():  # T = 1's down launch with the 8 choices' sum in its K loop (down_choice_splits=1)
-        config = default_mosaic_config(2048)
-        w, s = _expert_stack(7168, 2048)
-        return ((lambda x, w, s, e, cw: summed_down_mgpu_kernel(x, w, s, e, cw, config=config)),
-                (S((8 * 8, 2048), jnp.bfloat16), w, s, S((8,), jnp.int32), S((8,), jnp.float32)))
-
     if "moe" in only:  # the kernel's code does not depend on the tile count (a grid dimension): T = 1's 8 tiles
         out.append(Case("moe", "gate or up, K=7168 N=2048, 8 tiles of 8 rows", lambda: grouped(7168, 2048, 8, False)))
         out.append(Case("moe", "fused gate+up, K=7168 N=2048, 8 tiles of 8 rows", lambda: grouped(7168, 2048, 8, True)))
         out.append(Case("moe", "down, K=2048 N=7168, 8 tiles of 8 rows", lambda: grouped(2048, 7168, 8, False)))
-        out.append(Case("moe", "down summing the choices, K=2048 N=7168, 8 choices, 1 split", summed_down))
     return out
 
 
@@ -414,14 +403,13 @@ def census_cases() -> list[Case]:
         out.append(Case("attention call", f"T={T} S=32768",
                         lambda T=T, config=config: _k2_attention(T, 32768, config)))
 
-    def moe(T: int, fused: bool, down_choice_splits: int | None = None):
+    def moe(T: int, fused: bool):
         d, i, k = 7168, 2048, 8
 
         def fn(x, gw, gs, uw, us, dw, ds, ids, wts):
             stack = {"gate": MosaicInt4Weight(gw, gs), "up": MosaicInt4Weight(uw, us),
                      "down": MosaicInt4Weight(dw, ds)}
-            return grouped_moe_w4a16_mgpu(x, stack, ids, wts, fused_gate_up=fused,
-                                          down_choice_splits=down_choice_splits)
+            return grouped_moe_w4a16_mgpu(x, stack, ids, wts, fused_gate_up=fused)
 
         return fn, (S((T, d), jnp.bfloat16), *_expert_stack(i, d), *_expert_stack(i, d), *_expert_stack(d, i),
                     S((T, k), jnp.int32), S((T, k), jnp.float32))
@@ -429,8 +417,6 @@ def census_cases() -> list[Case]:
     for fused in (False, True):
         out.append(Case("routed MoE call", f"T=1, {'gate+up fused' if fused else 'three launches'}",
                         lambda fused=fused: moe(1, fused)))
-    out.append(Case("routed MoE call", "T=1, gate+up fused, the down launch summing the choices (1 split)",
-                    lambda: moe(1, True, 1)))
     out.append(Case("routed MoE call", "T=9, three launches (the grouped path)", lambda: moe(9, False)))
 
     def xla_attention(T: int, rows: int):  # XLA's form over one layer of the engine's whole [L, B, S, C] cache

@@ -12,8 +12,6 @@
 #   moe/          routed MoE, one K2.6 layer, T = 1 / 9 / 33, three launches and gate + up fused, CUPTI and the wall
 #                 clock in a jitted loop
 #   moe_timeline/ that loop's device timeline at T = 1 and 9 (span, busy, gaps, one call's launches; no CUPTI)
-#   moe_sum/      the decode MoE (T = 1) with its down launch summing the choices (down_choice_splits 1 / 2 / 4, one
-#                 with 8 pipeline steps) against the default, CUPTI and in a loop
 #   k26/          the K2.6 layer slice (one MoE layer), T = 1 / 9 / 33 at S = 4096 / 32768, the AR step's extrapolation
 #   k26_timeline/ that layer's launches at T = 1 / 9, S = 4096, from the device's timeline (no CUPTI), each XLA fusion
 #                 named from the layer's HLO (gzipped beside it)
@@ -39,10 +37,6 @@ steps_run moe 110 $PY benchmarks/bench_moe_mgpu.py --out "$OUT/moe" --ts 1,9,33 
     --variants bn64:bk256:s4,bn64:bk256:s4+fused --loop-calls 20 --deadline-s 70
 steps_run moe_timeline 80 $PY benchmarks/bench_moe_mgpu.py --out "$OUT/moe_timeline" --ts 1,9 \
     --variants bn64:bk256:s4,bn64:bk256:s4+fused --loop-calls 20 --timeline
-sums=bn64:bk256:s4+fused,bn64:bk256:s4+fused+sum1,bn64:bk256:s4/bn64:bk256:s8+fused+sum1
-sums+=,bn64:bk256:s4+fused+sum2,bn64:bk256:s4+fused+sum4
-steps_run moe_sum 80 $PY benchmarks/bench_moe_mgpu.py --out "$OUT/moe_sum" --ts 1 --loop-calls 20 --iters 9 \
-    --variants "$sums"
 steps_run k26 150 $PY benchmarks/bench_k26_slice.py --out "$OUT/k26" --layers 1 --ts 1,9,33 --ss 4096,32768 \
     --no-baselines --deadline-s 100
 steps_run k26_timeline 90 $PY benchmarks/bench_k26_slice.py --timeline --out "$OUT/k26_timeline" --layers 1 --ts 1,9 \

@@ -9,10 +9,8 @@ no sort. Then three launches of `grouped_w4a16_mgpu_kernel` (gate, up, down; tok
 dimension, so block_m = 8 wastes nothing at decode sizes) with the SwiGLU, the combine weights and the
 per-token sum in XLA between them; or, with `fused_gate_up` (the default at T = 1), two:
 `grouped_gate_up_mgpu_kernel` runs a tile's gate and up products in one CTA and applies the SwiGLU in its epilogue,
-then the down launch. At T = 1, `down_choice_splits` (off by default: not timed yet) makes the down launch sum the
-choices itself (`summed_down_mgpu_kernel`: the choices' K steps in one pipeline a CTA).
-Roundings follow the Triton path (gate/up/down outputs rounded to bf16; with down_choice_splits the weighted SwiGLU
-output is rounded and the choices' sum is not). Status and numbers: docs/w4a16_mgpu.md.
+then the down launch.
+Roundings follow the Triton path (gate/up/down outputs rounded to bf16). Status and numbers: docs/w4a16_mgpu.md.
 """
 
 from __future__ import annotations
@@ -66,79 +64,6 @@ def grouped_w4a16_mgpu_kernel(x_rows: jax.Array, w_i4: jax.Array, scale_t: jax.A
 
     return _grouped_launch(kernel, r, n, mp, config, interpret)(*_tile_table(tile_expert, tile_weight), x_rows, w_i4,
                                                                 scale_t)
-
-
-def summed_down_mgpu_kernel(h_rows: jax.Array, w_i4: jax.Array, scale_t: jax.Array, expert_ids: jax.Array,
-                            choice_weight: jax.Array, *, choice_splits: int = 1, config: MgpuConfig = MgpuConfig(),
-                            interpret=None) -> jax.Array:
-    """A decode step's down launch with the sum over its k choices inside the K loop: h_rows bf16 [k * Mp, I] (choice
-    j's token tile in rows [j Mp, (j + 1) Mp), already scaled by its routing weight), w_i4 int4 [E, N, I], scale_t bf16
-    [E, I/32, N], expert_ids int32 [k], choice_weight float [k] (0 = unused: its expert's weights are never read) ->
-    f32 [choice_splits, N, Mp]: split s = the sum over its used choices j of dequant(W[expert_ids[j]]) @ tile_j^T.
-
-    Grid (N / block_n, choice_splits): a CTA streams its N slice of every used choice's expert of its split through
-    one pipeline (the choices' K steps back to back), so it fills the pipeline once, not once a choice as the
-    per-choice launch (`grouped_w4a16_mgpu_kernel`, one CTA per choice and slice) does, and writes one [block_n, Mp]
-    sum instead of k. The pipeline's length is the split's used-choice count times I / block_k (a dynamic grid); a
-    split with no used choice writes zeros."""
-    (k,), (rows, inter), (_, n, _) = expert_ids.shape, h_rows.shape, w_i4.shape
-    if rows % k:
-        raise ValueError(f"h_rows has {rows} rows, not a multiple of the {k} choices")
-    if choice_weight.shape != (k,):
-        raise ValueError(f"choice_weight {choice_weight.shape} must be [k] = [{k}]")
-    if choice_splits < 1 or k % choice_splits:
-        raise ValueError(f"choice_splits={choice_splits} must be a positive divisor of the {k} choices")
-    mp = rows // k
-    mosaic.check_config(config, n, inter, mp, interpret)
-    if w_i4.shape[2] != inter or scale_t.shape != (w_i4.shape[0], inter // GROUP_SIZE, n):
-        raise ValueError(f"w_i4 {w_i4.shape} / scale_t {scale_t.shape} do not match h_rows' I={inter}")
-    block_n, per, k_iters = config.block_n, k // choice_splits, inter // config.block_k
-    make_step = mosaic.make_tile_step(config, interpret)
-
-    def kernel(e_gmem, cw_gmem, x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
-        n_slice = pl.ds(lax.axis_index("n") * block_n, block_n)
-        first = lax.axis_index("s") * per
-        used = [cw_gmem[first + i] != 0 for i in range(per)]
-        experts = [e_gmem[first + i] for i in range(per)]
-        # slot p = the p-th used choice of this split: its token tile and expert, found once before the pipeline
-        slot_rows, slot_experts = [first] * per, [experts[0]] * per
-        seen = jnp.int32(0)
-        for i in range(per):
-            for p in range(i + 1):  # choice i can only be slot 0..i
-                hit = used[i] & (seen == p)
-                slot_rows[p] = jnp.where(hit, first + i, slot_rows[p])
-                slot_experts[p] = jnp.where(hit, experts[i], slot_experts[p])
-            seen = seen + used[i].astype(jnp.int32)
-
-        def pick(step):  # (token tile, expert) of the slot that pipeline step `step` streams
-            want, row, expert = step // k_iters, slot_rows[0], slot_experts[0]
-            for p in range(1, per):
-                row = jnp.where(want == p, slot_rows[p], row)
-                expert = jnp.where(want == p, slot_experts[p], expert)
-            return row, expert
-
-        specs = mosaic.tile_specs(
-            config, mp, lambda st: (pick(st)[1], 0, st % k_iters), lambda st: (pick(st)[0], st % k_iters),
-            lambda st: (pick(st)[1], st % k_iters, 0), squeeze_expert=True)
-        count = sum(u.astype(jnp.int32) for u in used)
-
-        def body(acc_ref):
-            plgpu.emit_pipeline(make_step(acc_ref, a_smem), grid=(count * k_iters,), in_specs=specs,
-                                max_concurrent_steps=config.max_concurrent_steps,
-                                )(w_gmem.at[:, n_slice], x_gmem, s_gmem.at[:, :, n_slice])
-            return acc_ref[...]
-
-        acc = pl.run_scoped(body, plgpu.WGMMAAccumulatorRef((block_n, mp), jnp.float32))
-        mosaic.store_tile(acc, o_smem, o_gmem.at[lax.axis_index("s"), n_slice])
-
-    return plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((choice_splits, n, mp), jnp.float32),
-        grid=(n // block_n, choice_splits),
-        grid_names=("n", "s"),
-        scratch_types=mosaic.scratch_types(config, mp),
-        interpret=interpret,
-    )(expert_ids.astype(jnp.int32), choice_weight.astype(jnp.float32), h_rows, w_i4, scale_t)
 
 
 def _tile_table(tile_expert: jax.Array, tile_weight: jax.Array | None) -> tuple[jax.Array, jax.Array]:
@@ -214,12 +139,11 @@ def grouped_gate_up_mgpu_kernel(x_rows: jax.Array, gate_w: jax.Array, gate_s: ja
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "config_up", "config_down", "interpret", "out_dtype",
-                                             "fused_gate_up", "down_choice_splits"))
+                                             "fused_gate_up"))
 def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Array, weights: jax.Array, *,
                            block_m: int = 8, config_up: MgpuConfig | None = None,
                            config_down: MgpuConfig | None = None, interpret=None,
-                           out_dtype=jnp.bfloat16, fused_gate_up: bool | None = None,
-                           down_choice_splits: int | None = None) -> jax.Array:
+                           out_dtype=jnp.bfloat16, fused_gate_up: bool | None = None) -> jax.Array:
     """sum_j weights[t, j] * SwiGLU_{expert_ids[t, j]}(x[t]) -> [T, D] in out_dtype (summed in float32).
 
     x bf16 [T, D]; experts_mgpu {"gate","up","down"} of stacked MosaicInt4Weight (int4 [E, N, K], bf16
@@ -230,11 +154,7 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
     a_operand="smem"). fused_gate_up: gate and up in one launch with the SwiGLU in its epilogue
     (`grouped_gate_up_mgpu_kernel`), two launches instead of three; None (default): at T = 1 only, where it
     measured faster (H200 2026-12-03: 84.6 vs 85.8 us; H100 2026-12-06, lane-order cast: 87.2 vs 90.6 us), not at
-    T >= 9 (H200: +0.5%; H100: -1.9%: within run-to-run noise, docs/w4a16_mgpu.md).
-    down_choice_splits (T = 1 only; None: the per-choice down launch and an XLA weighted sum): the down launch sums
-    the choices itself (`summed_down_mgpu_kernel`, this many CTAs an N slice), with each choice's SwiGLU output
-    scaled by its routing weight and rounded to bf16 before the down product, and the choices' products summed in
-    float32 without a bf16 rounding each."""
+    T >= 9 (H200: +0.5%; H100: -1.9%: within run-to-run noise, docs/w4a16_mgpu.md)."""
     if x.ndim != 2 or x.dtype != jnp.bfloat16:
         raise ValueError(f"x must be bf16 [T, D], got {x.dtype} {x.shape}")
     if fused_gate_up is None:
@@ -254,30 +174,26 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
     if expert_ids.shape != weights.shape or expert_ids.shape[0] != x.shape[0]:
         raise ValueError(f"expert_ids {expert_ids.shape} and weights {weights.shape} must both be [T, k], "
                          f"T={x.shape[0]}")
-    if down_choice_splits is not None and (x.shape[0] != 1 or down_choice_splits < 1
-                                           or expert_ids.shape[1] % down_choice_splits):
-        raise ValueError(f"down_choice_splits={down_choice_splits} needs T = 1 (got {x.shape[0]}) and must divide the "
-                         f"{expert_ids.shape[1]} choices")
 
-    def run(rows_in, w, s, config, tile_expert, tile_weight, used):  # -> [R, N, block_m] f32, 0 in unused tiles
-        y_t = grouped_w4a16_mgpu_kernel(rows_in, w, s, tile_expert, tile_weight=tile_weight, config=config,
-                                        interpret=interpret)
-        return jnp.where(used, y_t, 0.0)  # unused tiles' outputs are never written: mask them
+    def swiglu_tiles(x_rows, tile_expert, tile_weight):  # [R bm, D] rows -> [R, D, bm] f32 (0: unused tiles)
+        used = (tile_weight != 0)[:, None, None]  # unused tiles' outputs are never written: mask them
+        rows = x_rows.shape[0]
 
-    def hidden_tiles(x_rows, tile_expert, tile_weight, used):  # [R bm, D] rows -> SwiGLU [R, I, bm] f32, bf16 values
+        def run(rows_in, w, s, config):  # -> [R, N, block_m] f32
+            y_t = grouped_w4a16_mgpu_kernel(rows_in, w, s, tile_expert, tile_weight=tile_weight, config=config,
+                                            interpret=interpret)
+            return jnp.where(used, y_t, 0.0)
+
         if fused_gate_up:
             h_t = grouped_gate_up_mgpu_kernel(x_rows, gate_w, gate_s, up_w, up_s, tile_expert, tile_weight=tile_weight,
                                               config=config_up, interpret=interpret)
-            return jnp.where(used, h_t, 0.0)  # the kernel rounded to bf16
-        g = _bf16(run(x_rows, gate_w, gate_s, config_up, tile_expert, tile_weight, used))  # [R, I, bm]
-        u = _bf16(run(x_rows, up_w, up_s, config_up, tile_expert, tile_weight, used))
-        return _bf16(_bf16(g * jax.nn.sigmoid(g)) * u)
-
-    def swiglu_tiles(x_rows, tile_expert, tile_weight):  # [R bm, D] rows -> [R, D, bm] f32 (0: unused tiles)
-        used = (tile_weight != 0)[:, None, None]
-        h = hidden_tiles(x_rows, tile_expert, tile_weight, used).astype(jnp.bfloat16)  # exact: bf16 values
-        h_rows = h.transpose(0, 2, 1).reshape(x_rows.shape[0], inter)  # [R bm, I]
-        return _bf16(run(h_rows, down_w, down_s, config_down, tile_expert, tile_weight, used))  # [R, D, bm]
+            h = jnp.where(used, h_t, 0.0).astype(jnp.bfloat16)  # [R, I, bm]: exact, the kernel rounded to bf16
+        else:
+            g = _bf16(run(x_rows, gate_w, gate_s, config_up))  # [R, I, bm]
+            u = run(x_rows, up_w, up_s, config_up).astype(jnp.bfloat16)
+            h = (g * jax.nn.sigmoid(g)).astype(jnp.bfloat16) * u  # [R, I, bm] bf16
+        h_rows = h.transpose(0, 2, 1).reshape(rows, inter)  # [R bm, I]
+        return _bf16(run(h_rows, down_w, down_s, config_down))  # [R, D, bm]
 
     if x.shape[0] == 1:
         # Decode (T = 1): one tile per choice, the token in its row 0; no sort, no scatter, no gathers (the
@@ -286,15 +202,8 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
         # themselves (tile_weight), so no XLA launch builds a tile table.
         top_k = expert_ids.shape[1]
         x_rows = jnp.zeros((top_k, block_m, hidden), jnp.bfloat16).at[:, 0].set(x[0]).reshape(top_k * block_m, hidden)
-        ids, w = expert_ids[0], weights[0].astype(jnp.float32)
-        if down_choice_splits is None:
-            y = swiglu_tiles(x_rows, ids, w)[:, :, 0]  # [k, D]
-            return jnp.sum(y * w[:, None], axis=0, keepdims=True).astype(out_dtype)
-        h = hidden_tiles(x_rows, ids, w, (w != 0)[:, None, None])  # [k, I, bm]
-        h_rows = (h * w[:, None, None]).astype(jnp.bfloat16).transpose(0, 2, 1).reshape(top_k * block_m, inter)
-        y = summed_down_mgpu_kernel(h_rows, down_w, down_s, ids, w, choice_splits=down_choice_splits,
-                                    config=config_down, interpret=interpret)  # [splits, D, bm]
-        return jnp.sum(y[:, :, 0], axis=0, keepdims=True).astype(out_dtype)
+        y = swiglu_tiles(x_rows, expert_ids[0], weights[0].astype(jnp.float32))[:, :, 0]  # [k, D]
+        return jnp.sum(y * weights[0].astype(jnp.float32)[:, None], axis=0, keepdims=True).astype(out_dtype)
 
     grp = group_assignments(expert_ids, weights, num_experts, block_m)
     rows = grp.tile_expert.shape[0] * block_m

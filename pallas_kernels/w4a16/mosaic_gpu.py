@@ -148,73 +148,54 @@ def dequantize_lane_order(w: jax.Array) -> jax.Array:
     return cast(w)  # pyright: ignore[reportCallIssue] (inline_mgpu's wrapper passes the launch context itself)
 
 
-def make_tile_step(config: MgpuConfig, interpret=None):
-    """The tile loop's pipeline step, for `plgpu.emit_pipeline` with `tile_specs`' operands: (acc_ref, a_smem or None)
-    -> step(indices, w_smem, x_smem, s_smem) that dequantizes an int4 [block_n, block_k] weight tile (lane order),
-    scales it by its [block_k / 32, block_n] group scales and accumulates it times the bf16 [Mp, block_k] token tile
-    into acc_ref (f32 [block_n, Mp]). interpret: None natively, else the GPU interpreter's parameters (the tile's lane
-    order undone by array ops)."""
-    block_n, groups = config.block_n, config.block_k // GROUP_SIZE
-
-    def for_acc(acc_ref, a_smem):
-        def step(_, w_smem, x_smem, s_smem):
-            w = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_UPCAST_4X)  # int4 [block_n, block_k], lane order
-            if interpret is None:
-                w = dequantize_lane_order(w)  # bf16, the WGMMA layout, column order
-            else:  # the interpreter has no inline_mgpu: the same values by array ops
-                w = from_lane_order(w.astype(jnp.bfloat16))
-            scales = [plgpu.load(s_smem.at[g], layout=plgpu.Layout.WGMMA.reduce(1))  # bf16 [block_n] each
-                      for g in range(groups)]
-            # Group g = columns [32 g, 32 g + 32): a static slice of the WGMMA tiling (8 columns per
-            # register tile) is a subset of each thread's registers, so this moves no data.
-            w = jnp.concatenate(
-                [w[:, g * GROUP_SIZE:(g + 1) * GROUP_SIZE] * lax.broadcast_in_dim(s, (block_n, GROUP_SIZE), [0])
-                 for g, s in enumerate(scales)], axis=1)
-            if a_smem is None:
-                a = w  # register-A: the dequantized tile feeds wgmma straight from registers
-            else:
-                a_smem[...] = w  # SMEM-A (interpret mode): stage the dequantized tile in SMEM
-                plgpu.commit_smem()
-                a = a_smem
-            plgpu.wgmma(acc_ref, a, x_smem.T)  # [block_n, block_k] @ [block_k, Mp]
-            plgpu.wgmma_wait(0)  # the A tile is reused next step: finish reading it first
-
-        return step
-
-    return for_acc
-
-
-def tile_specs(config: MgpuConfig, mp: int, w_index, x_index, s_index, *, squeeze_expert: bool = False) -> list:
-    """The tile loop's three pipeline operands' BlockSpecs, in `make_tile_step`'s order: the int4 weight tile
-    [block_n, block_k], the bf16 token tile [Mp, block_k] and the bf16 scale rows [block_k / 32, block_n], each at the
-    block index its function of the pipeline indices gives. squeeze_expert: the weight and scale operands keep a
-    leading expert dimension (a stack [E, ...]) that the index picks and the block drops."""
-    block_n, block_k = config.block_n, config.block_k
-    lead = (None,) if squeeze_expert else ()
-    return [
-        plgpu.BlockSpec((*lead, block_n, block_k), w_index, transforms=smem_transforms(block_k, jnp.int4)),
-        plgpu.BlockSpec((mp, block_k), x_index, transforms=smem_transforms(block_k, jnp.bfloat16)),
-        plgpu.BlockSpec((*lead, block_k // GROUP_SIZE, block_n), s_index),
-    ]
-
-
 def make_tile_matmul(config: MgpuConfig, k: int, mp: int, interpret=None):
     """The shared inner loop: (w_gmem [block_n, K] int4 in lane order, x_gmem bf16 [M, K] with M = Mp or M < 8 = Mp
     (rows past M are read as the TMA's zeros), s_gmem [K/32, block_n] bf16, a_smem or None) -> f32 [block_n, Mp] =
     dequant(w) @ x_tile^T, as registers (call inside a kernel).
     interpret: None natively, else the GPU interpreter's parameters (the tile's lane order undone by array ops)."""
-    k_iters = k // config.block_k
-    make_step = make_tile_step(config, interpret)
-    specs = tile_specs(config, mp, lambda ki: (0, ki), lambda ki: (0, ki), lambda ki: (ki, 0))
+    block_n, block_k = config.block_n, config.block_k
+    groups = block_k // GROUP_SIZE
+    k_iters = k // block_k
+    w_tr = smem_transforms(block_k, jnp.int4)
+    x_tr = smem_transforms(block_k, jnp.bfloat16)
 
     def tile_matmul(w_gmem, x_gmem, s_gmem, a_smem):
         def body(acc_ref):
-            plgpu.emit_pipeline(make_step(acc_ref, a_smem), grid=(k_iters,), in_specs=specs,
-                                max_concurrent_steps=min(config.max_concurrent_steps, k_iters),
-                                )(w_gmem, x_gmem, s_gmem)
+            def step(_, w_smem, x_smem, s_smem):
+                w = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_UPCAST_4X)  # int4 [block_n, block_k], lane order
+                if interpret is None:
+                    w = dequantize_lane_order(w)  # bf16, the WGMMA layout, column order
+                else:  # the interpreter has no inline_mgpu: the same values by array ops
+                    w = from_lane_order(w.astype(jnp.bfloat16))
+                scales = [plgpu.load(s_smem.at[g], layout=plgpu.Layout.WGMMA.reduce(1))  # bf16 [block_n] each
+                          for g in range(groups)]
+                # Group g = columns [32 g, 32 g + 32): a static slice of the WGMMA tiling (8 columns per
+                # register tile) is a subset of each thread's registers, so this moves no data.
+                w = jnp.concatenate(
+                    [w[:, g * GROUP_SIZE:(g + 1) * GROUP_SIZE] * lax.broadcast_in_dim(s, (block_n, GROUP_SIZE), [0])
+                     for g, s in enumerate(scales)], axis=1)
+                if a_smem is None:
+                    a = w  # register-A: the dequantized tile feeds wgmma straight from registers
+                else:
+                    a_smem[...] = w  # SMEM-A (interpret mode): stage the dequantized tile in SMEM
+                    plgpu.commit_smem()
+                    a = a_smem
+                plgpu.wgmma(acc_ref, a, x_smem.T)  # [block_n, block_k] @ [block_k, Mp]
+                plgpu.wgmma_wait(0)  # the A tile is reused next step: finish reading it first
+
+            plgpu.emit_pipeline(
+                step,
+                grid=(k_iters,),
+                in_specs=[
+                    plgpu.BlockSpec((block_n, block_k), lambda ki: (0, ki), transforms=w_tr),
+                    plgpu.BlockSpec((mp, block_k), lambda ki: (0, ki), transforms=x_tr),
+                    plgpu.BlockSpec((groups, block_n), lambda ki: (ki, 0)),
+                ],
+                max_concurrent_steps=min(config.max_concurrent_steps, k_iters),
+            )(w_gmem, x_gmem, s_gmem)
             return acc_ref[...]
 
-        return pl.run_scoped(body, plgpu.WGMMAAccumulatorRef((config.block_n, mp), jnp.float32))  # [block_n, Mp]
+        return pl.run_scoped(body, plgpu.WGMMAAccumulatorRef((block_n, mp), jnp.float32))  # [block_n, Mp] f32
 
     return tile_matmul
 

@@ -377,28 +377,6 @@ def test_fused_gate_up_native_gpu_k26_shapes(T):
     assert _rel(fused, np.asarray(three.astype(jnp.float32), np.float64)) < 1e-2
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("splits", [1, 2, 4])
-def test_summed_down_native_gpu_k26_shapes(splits):
-    """The decode path with the down launch summing the choices (down_choice_splits) natively at K2.6 expert shapes:
-    against the float32 XLA path, and within bf16 rounding of the per-choice down launch; and with two choices of
-    weight 0 (ids outside the stack, as another shard's experts)."""
-    from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_moe_w4a16_mgpu
-
-    if not dispatch.is_hopper(jax.devices()[0]):
-        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU (sm_90)")
-    x, experts, ids, weights, want = _k26_native_problem(1)
-    experts = {n: w.to_mosaic() for n, w in experts.items()}
-    summed = grouped_moe_w4a16_mgpu(x, experts, ids, weights, down_choice_splits=splits)
-    per_choice = grouped_moe_w4a16_mgpu(x, experts, ids, weights)
-    assert _rel(summed, want) < 3e-2
-    assert _rel(summed, np.asarray(per_choice.astype(jnp.float32), np.float64)) < 1e-2
-    dropped = weights.at[0, 2:4].set(0.0)
-    got = grouped_moe_w4a16_mgpu(x, experts, ids.at[0, 2:4].set(10_000), dropped, down_choice_splits=splits)
-    ref = grouped_moe_w4a16_mgpu(x, experts, ids, dropped)
-    assert _rel(got, np.asarray(ref.astype(jnp.float32), np.float64)) < 1e-2
-
-
 # ------------------------------------ the Mosaic GPU grouped MoE kernel (pallas_kernels/moe_w4a16/mosaic_gpu.py)
 def _mgpu_interpret():
     from pallas_kernels.w4a16.mosaic_gpu import gpu_interpret_params
@@ -478,100 +456,6 @@ def test_mgpu_grouped_kernel_skips_unused_tiles_and_reuses_experts(block_k, weig
         assert _rel(y_t[t].T, np.asarray(want, np.float64)) < 1e-2
 
 
-@pytest.mark.parametrize("splits,zero", [(1, ()), (1, (0, 2)), (2, (0,)), (2, (1,)), (2, (0, 1)), (4, (2,))])
-def test_mgpu_decode_down_summing_the_choices_matches_numpy(splits, zero):
-    """down_choice_splits (T = 1): the down launch sums the weighted choices in its K loop (summed_down_mgpu_kernel) ==
-    float64 NumPy, in interpret mode with the race detector on: one split, two (one of them with no used choice at
-    zero=(0, 1): its CTAs stream nothing and write zeros) and four; unused choices before used ones of their split
-    (zero=(0, 2) and (0,): the slots skip them); zero-weight choices get an expert id outside the
-    stack, as another shard's expert may have (that no unused choice is read is checked by the kernel's own test
-    below: the interpreter does not fail on such a read)."""
-    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
-
-    from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_moe_w4a16_mgpu
-    from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig
-
-    D, I, E, k = 128, 64, 8, 4  # noqa: E741 (I: intermediate size)
-    rng = np.random.default_rng(7 + splits)
-    experts, dense = _experts(rng, E, D, I)
-    ids, weights = _routing(rng, 1, k, E)
-    for j in zero:
-        weights = weights.at[0, j].set(0.0)
-    x = jnp.asarray(rng.standard_normal((1, D)), jnp.bfloat16)
-    want = _numpy_moe(x, dense, ids, weights)
-    bad_ids = ids.at[0, list(zero)].set(E + 5) if zero else ids  # never read: weight 0
-    cfg = MgpuConfig(block_n=64, block_k=64, a_operand="smem")
-    try:
-        got = jax.block_until_ready(grouped_moe_w4a16_mgpu(
-            x, {n: w.to_mosaic() for n, w in experts.items()}, bad_ids, weights, config_up=cfg, config_down=cfg,
-            interpret=_mgpu_interpret(), fused_gate_up=True, down_choice_splits=splits))
-        assert not get_races().races_found
-    finally:
-        _reset_mgpu_interpreter()
-    assert got.shape == (1, D) and got.dtype == jnp.bfloat16
-    assert _rel(got, want) < 3e-2
-
-
-def test_mgpu_summed_down_kernel_sums_each_split():
-    """summed_down_mgpu_kernel itself: split s of its output is the sum over split s's used choices of the choice's
-    expert times its token tile (all 8 rows of a tile, not only row 0), against w4a16_matmul_reference; an unused
-    choice before a used one, and a split whose choices are all unused (zero), each with a valid expert and a nonzero
-    token tile: a kernel that streamed unused choices, or the first `count` choices of a split, fails here."""
-    from pallas_kernels.moe_w4a16.mosaic_gpu import summed_down_mgpu_kernel
-    from pallas_kernels.w4a16 import w4a16_matmul_reference
-    from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig
-
-    rng = np.random.default_rng(11)
-    experts, _ = _experts(rng, 4, 128, 64)
-    leaf = experts["gate"]  # [4, 64, 128/4]: N = 64, K = 128
-    mosaic = leaf.to_mosaic()
-    ids = jnp.asarray([2, 0, 3, 3, 1, 9], jnp.int32)  # expert 3 twice; choice 5 (id 9, outside the stack) unused
-    # choice 0 unused before a used one (its split's one slot is choice 1); split 2 (choices 4, 5): nothing used
-    weight = jnp.asarray([0.0, 0.5, 2.0, 1.0, 0.0, 0.0], jnp.float32)
-    h_rows = jnp.asarray(rng.standard_normal((6 * 8, 128)), jnp.bfloat16)
-    try:
-        y = jax.block_until_ready(summed_down_mgpu_kernel(
-            h_rows, mosaic.w_i4, mosaic.scale_t, ids, weight, choice_splits=3, interpret=_mgpu_interpret(),
-            config=MgpuConfig(block_n=64, block_k=64, a_operand="smem")))
-    finally:
-        _reset_mgpu_interpreter()
-    assert y.shape == (3, 64, 8) and y.dtype == jnp.float32
-    for split in range(3):
-        want = np.zeros((8, 64))
-        for j in (2 * split, 2 * split + 1):
-            if float(weight[j]) != 0:
-                want += np.asarray(w4a16_matmul_reference(h_rows[j * 8:(j + 1) * 8].astype(jnp.float32),
-                                                          jax.tree.map(lambda a, e=int(ids[j]): a[e], leaf)))
-        if split == 2:
-            assert not np.any(np.asarray(y[split]))
-        else:
-            assert _rel(y[split].T, want) < 1e-2
-
-
-def test_mgpu_summed_down_bad_arguments_raise():
-    from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_moe_w4a16_mgpu, summed_down_mgpu_kernel
-
-    rng = np.random.default_rng(5)
-    experts, _ = _experts(rng, 4, 128, 64)
-    stack = {n: w.to_mosaic() for n, w in experts.items()}
-    ids, weights = _routing(rng, 2, 4, 4)
-    x = jnp.zeros((2, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match="needs T = 1"):
-        grouped_moe_w4a16_mgpu(x, stack, ids, weights, down_choice_splits=1)
-    with pytest.raises(ValueError, match="must divide the 4 choices"):
-        grouped_moe_w4a16_mgpu(x[:1], stack, ids[:1], weights[:1], down_choice_splits=3)
-    down = stack["down"]
-    with pytest.raises(ValueError, match="positive divisor"):
-        summed_down_mgpu_kernel(jnp.zeros((32, 64), jnp.bfloat16), down.w_i4, down.scale_t, ids[0], weights[0],
-                                choice_splits=0)
-    with pytest.raises(ValueError, match="not a multiple of the 4 choices"):
-        summed_down_mgpu_kernel(jnp.zeros((30, 64), jnp.bfloat16), down.w_i4, down.scale_t, ids[0], weights[0])
-    with pytest.raises(ValueError, match="do not match h_rows' I=128"):
-        summed_down_mgpu_kernel(jnp.zeros((32, 128), jnp.bfloat16), down.w_i4, down.scale_t, ids[0], weights[0])
-    with pytest.raises(ValueError, match=r"choice_weight \(3,\) must be \[k\]"):
-        summed_down_mgpu_kernel(jnp.zeros((32, 64), jnp.bfloat16), down.w_i4, down.scale_t, ids[0], weights[0, :3])
-
-
 def test_mgpu_grouped_moe_lowers_for_cuda_at_k26_shapes():
     """The grouped MoE (register-A wgmma, the default tilings) lowers for an abstract H200 at K2.6 expert
     shapes, in three launches, or two with gate and up fused."""
@@ -590,9 +474,3 @@ def test_mgpu_grouped_moe_lowers_for_cuda_at_k26_shapes():
         # by default gate and up share a launch at T = 1 only (the AR step: measured faster there)
         default = lower_for_h200(grouped_moe_w4a16_mgpu, *args)
         assert custom_calls(default).count("mosaic_gpu_v2") == (2 if T == 1 else 3), T
-    args = (S((1, D), jnp.bfloat16), experts, S((1, 8), jnp.int32), S((1, 8), jnp.float32))
-    for splits in (1, 2, 4):  # the decode path's down launch summing the choices: gate + up, then down
-        summed = lower_for_h200(functools.partial(grouped_moe_w4a16_mgpu, down_choice_splits=splits), *args)
-        assert custom_calls(summed).count("mosaic_gpu_v2") == 2, splits
-        # the down launch's output: one [7168, 8] sum a split, not the per-choice launch's 8 products
-        assert f"tensor<{splits}x7168x8xf32>" in summed and "tensor<8x7168x8xf32>" not in summed, splits
