@@ -13,12 +13,12 @@
 #                 clock in a jitted loop
 #   moe_timeline/ that loop's device timeline at T = 1 and 9 (span, busy, gaps, one call's launches; no CUPTI)
 #   k26/          the K2.6 layer slice (one MoE layer), T = 1 / 9 / 33 at S = 4096 / 32768, the AR step's extrapolation
-#   k26_timeline/ that layer's launches at T = 1 / 9, S = 4096, from the device's timeline (no CUPTI), each XLA fusion
-#                 named from the layer's HLO (gzipped beside it)
 #   attn_t1_4096/ the AR step's attention at S = 4096 (T = 1; XLA runs it there): the kernel at 16 / 32 / 64 splits,
 #                 both schedules, vs XLA vs floor
 #   k26_mosaic_t1/ the K2.6 layer at T = 1, S = 4096 with the Mosaic attention kernel in place of XLA's (against k26/'s
 #                 T = 1, S = 4096 row of the same call: whether the AR step should run the kernel)
+#   k26_timeline/ that layer's launches at T = 1 / 9, S = 4096, from the device's timeline (no CUPTI), each XLA fusion
+#                 named from the layer's HLO (gzipped beside it)
 # and OUT/targets.log: each step's start, end and exit status; after every step all of it packed as OUT/results.tgz (a
 # device tool that returns few files then loses none: take the archive). Pass the commit as BENCH_GIT_COMMIT where the
 # tree's git metadata is not the commit's (a copied working tree). Exits 0 when every step ran and passed.
@@ -43,12 +43,12 @@ steps_run moe_timeline 80 $PY benchmarks/bench_moe_mgpu.py --out "$OUT/moe_timel
     --variants bn64:bk256:s4,bn64:bk256:s4+fused --loop-calls 20 --timeline
 steps_run k26 150 $PY benchmarks/bench_k26_slice.py --out "$OUT/k26" --layers 1 --ts 1,9,33 --ss 4096,32768 \
     --no-baselines --deadline-s 100
-steps_run k26_timeline 90 $PY benchmarks/bench_k26_slice.py --timeline --out "$OUT/k26_timeline" --layers 1 --ts 1,9 \
-    --ss 4096
-gzip -f "$OUT"/k26_timeline/*.hlo.txt 2>/dev/null
 steps_run attn_t1_4096 60 $PY benchmarks/bench_tree_attention.py --out "$OUT/attn_t1_4096" --budget-s 30 \
     --shapes 4096:1 --splits 16 32 64 --schedules replicated shared_qk
 steps_run k26_mosaic_t1 80 $PY benchmarks/bench_k26_slice.py --out "$OUT/k26_mosaic_t1" --layers 1 --ts 1 --ss 4096 \
     --no-baselines --attention mosaic_gpu --deadline-s 50
+steps_run k26_timeline 90 $PY benchmarks/bench_k26_slice.py --timeline --out "$OUT/k26_timeline" --layers 1 --ts 1,9 \
+    --ss 4096
+gzip -f "$OUT"/k26_timeline/*.hlo.txt 2>/dev/null
 steps_pack
-exit "$STEPS_STATUS"
+steps_exit

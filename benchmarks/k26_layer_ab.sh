@@ -42,4 +42,4 @@ step tl_new "$new_tree" 100 --timeline
 step sl_new "$new_tree" 120 --no-baselines --deadline-s 80
 step sl_old "$old_tree" 120 --no-baselines --deadline-s 80
 rm -rf "$old_tree"
-exit "$STEPS_STATUS"
+steps_exit

@@ -4,10 +4,11 @@
 #   source benchmarks/steps.sh; steps_init LOG_NAME        # needs OUT; LIMIT_S (default 560) from now on
 #   steps_run NAME CAP_S CMD...                            # CMD, stdout/stderr in OUT/NAME.log, for at most
 #                                                          # CAP_S seconds or the time left; then steps_pack
-#   exit "$STEPS_STATUS"                                   # 0 when every step ran and passed
+#   steps_exit                                             # exit 0 when every step ran and passed
 #
-# STEPS="NAME ..." (optional, from the caller's environment) runs only the steps named there; the others are logged
-# as "not selected" and do not count as skipped.
+# STEPS="NAME ..." (optional, from the caller's environment; names separated by spaces) runs only the steps named
+# there; the others are logged as "not selected" and do not count as skipped. A name in STEPS that no step has (a typo)
+# is an error: steps_exit says so and exits 2 (after running the steps it did match).
 #
 # A step not started with 20 s or less left is logged as skipped (status 124, as a step cut at its limit). The log
 # (OUT/LOG_NAME) has each step's start, time cap and exit status. steps_pack tars all of OUT (but itself) into
@@ -17,6 +18,7 @@ steps_init() {
     STEPS_END=$(( $(date +%s) + ${LIMIT_S:-560} ))
     STEPS_LOG="$OUT/$1"
     STEPS_STATUS=0
+    STEPS_SEEN=" "
     : > "$STEPS_LOG"
 }
 
@@ -30,8 +32,9 @@ steps_pack() {
 
 steps_run() {  # NAME CAP_S CMD...
     local name=$1 cap=$2 t rc; shift 2
+    STEPS_SEEN+="$name "
     if [[ -n "${STEPS:-}" && " $STEPS " != *" $name "* ]]; then
-        echo "$name: not selected (STEPS=$STEPS)" >> "$STEPS_LOG"
+        echo "$name: not selected (STEPS=$STEPS)" | tee -a "$STEPS_LOG"
         return
     fi
     t=$(steps_left); (( t > cap )) && t=$cap
@@ -44,4 +47,16 @@ steps_run() {  # NAME CAP_S CMD...
     rc=$?; (( rc != 0 && STEPS_STATUS == 0 )) && STEPS_STATUS=$rc
     echo "$name: rc=$rc" | tee -a "$STEPS_LOG"
     steps_pack
+}
+
+steps_exit() {  # exit with the first failing step's status; 2 for a name in STEPS that no step has
+    local want
+    for want in ${STEPS:-}; do
+        if [[ "$STEPS_SEEN" != *" $want "* ]]; then
+            echo "STEPS names '$want', which is no step of this script (its steps:$STEPS_SEEN)" | tee -a "$STEPS_LOG" >&2
+            (( STEPS_STATUS == 0 )) && STEPS_STATUS=2
+            steps_pack
+        fi
+    done
+    exit "$STEPS_STATUS"
 }

@@ -493,17 +493,27 @@ def test_device_steps_run_in_the_time_left_and_pack_after_each_step(tmp_path):
 
 def test_device_steps_run_only_the_selected_steps(tmp_path):
     """STEPS="a b" runs only the steps named there: the others write no log, are noted as not selected and leave
-    the exit status 0 (a step left out on purpose is not a step skipped for lack of time)."""
-    out = tmp_path / "out"
-    out.mkdir()
+    the exit status 0 (a step left out on purpose is not a step skipped for lack of time); a name no step has (a typo,
+    or names joined by a comma) runs the steps that do match, then steps_exit names it and exits 2."""
     script = ("source benchmarks/steps.sh; steps_init s.log\n"
               "steps_run one 30 echo one\n"
               "steps_run other 30 false\n"
               "steps_run two 30 echo two\n"
-              'exit "$STEPS_STATUS"\n')
-    env = {**os.environ, "OUT": str(out), "LIMIT_S": "60", "STEPS": "one two"}
-    run = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-    log = (out / "s.log").read_text()
-    assert run.returncode == 0, (run.stdout, run.stderr, log)
+              "steps_exit\n")
+
+    def run(steps):
+        out = tmp_path / steps.replace(" ", "_").replace(",", "-")
+        out.mkdir()
+        env = {**os.environ, "OUT": str(out), "LIMIT_S": "60", "STEPS": steps}
+        done = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        return done, out, (out / "s.log").read_text()
+
+    done, out, log = run("one two")
+    assert done.returncode == 0, (done.stdout, done.stderr, log)
     assert "one: rc=0" in log and "two: rc=0" in log and "other: not selected" in log, log
     assert (out / "two.log").read_text() == "two\n" and not (out / "other.log").exists()
+    done, out, log = run("two,one")
+    assert done.returncode == 2 and "STEPS names 'two,one', which is no step" in done.stderr, (done.stdout, log)
+    assert not (out / "one.log").exists() and not (out / "two.log").exists()
+    done, out, log = run("one tw")
+    assert done.returncode == 2 and "'tw'" in log and "one: rc=0" in log, log
