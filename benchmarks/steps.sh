@@ -50,13 +50,16 @@ steps_run() {  # NAME CAP_S CMD...
 }
 
 steps_exit() {  # exit with the first failing step's status; 2 for a name in STEPS that no step has
-    local want
+    local want unknown=0
     for want in ${STEPS:-}; do
         if [[ "$STEPS_SEEN" != *" $want "* ]]; then
             echo "STEPS names '$want', which is no step of this script (its steps:$STEPS_SEEN)" | tee -a "$STEPS_LOG" >&2
-            (( STEPS_STATUS == 0 )) && STEPS_STATUS=2
-            steps_pack
+            unknown=1
         fi
     done
+    if (( unknown )); then
+        (( STEPS_STATUS == 0 )) && STEPS_STATUS=2
+        steps_pack  # the log's new lines into the archive
+    fi
     exit "$STEPS_STATUS"
 }
