@@ -34,18 +34,16 @@ from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig, gpu_interpret_params
 def grouped_w4a16_mgpu_kernel(x_rows: jax.Array, w_i4: jax.Array, scale_t: jax.Array, tile_expert: jax.Array, *,
                               tile_weight: jax.Array | None = None, config: MgpuConfig = MgpuConfig(),
                               interpret=None) -> jax.Array:
-    """Grouped (per-tile expert) W4A16: x_rows bf16 [R * Mp, K] (row tile t = rows [t Mp, (t + 1) Mp)),
-    w_i4 int4 [E, N, K], scale_t bf16 [E, K/32, N], tile_expert int32 [R] (the expert of each row tile,
+    """Grouped (per-tile expert) W4A16: x_rows bf16 [R * Mp, K] (row tile t = rows [t Mp, (t + 1) Mp)) or [M < 8, K]
+    (one token tile for every row tile, Mp = 8: `_token_tiles`), w_i4 int4 [E, N, K], scale_t bf16 [E, K/32, N], tile_expert int32 [R] (the expert of each row tile,
     -1 = unused) -> y^T f32 [R, N, Mp], tile t = dequant(W[tile_expert[t]]) @ x_tile^T.
 
     Grid (R, N / block_n): a CTA reads its tile's expert id from global memory and skips the tile when it
     is -1, so untouched experts and unused tiles cost no weight bytes. tile_weight (float32 [R], optional): a
     tile whose weight is 0 is unused too (the decode path passes the routing weights as they are, so no XLA
     launch has to build the table). The output of an unused tile is NOT written (undefined): mask it."""
-    (r,), (rows, k), (num_experts, n, _) = tile_expert.shape, x_rows.shape, w_i4.shape
-    if rows % r:
-        raise ValueError(f"x_rows has {rows} rows, not a multiple of the {r} row tiles")
-    mp = rows // r
+    (r,), (num_experts, n, k) = tile_expert.shape, w_i4.shape
+    mp, x_tile = _token_tiles(x_rows, r, k)
     mosaic.check_config(config, n, k, mp, interpret)
     if w_i4.shape != (num_experts, n, k) or scale_t.shape != (num_experts, k // GROUP_SIZE, n):
         raise ValueError(f"w_i4 {w_i4.shape} / scale_t {scale_t.shape} do not match E={num_experts}, N={n}, K={k}")
@@ -59,11 +57,28 @@ def grouped_w4a16_mgpu_kernel(x_rows: jax.Array, w_i4: jax.Array, scale_t: jax.A
 
         @pl.when(expert >= 0)
         def _():
-            mosaic.store_tile(tile_matmul(w_gmem.at[expert, n_slice], x_gmem.at[pl.ds(t * mp, mp)],
+            mosaic.store_tile(tile_matmul(w_gmem.at[expert, n_slice], x_tile(x_gmem, t),
                                           s_gmem.at[expert, :, n_slice], a_smem), o_smem, o_gmem.at[t, n_slice])
 
     return _grouped_launch(kernel, r, n, mp, config, interpret)(*_tile_table(tile_expert, tile_weight), x_rows, w_i4,
                                                                 scale_t)
+
+
+def _token_tiles(x_rows: jax.Array, r: int, k: int):
+    """A grouped kernel's token tiles: x_rows bf16 [R * Mp, K] (row tile t = rows [t Mp, (t + 1) Mp)), or [M, K] with
+    M < 8, one token tile that every row tile reads (Mp = 8: the TMA fills rows M..7 with zeros, which reach only
+    output columns past M; the decode step's token, with no XLA launch to pad or repeat it). -> (Mp, a function
+    (x_gmem, t) -> row tile t's [Mp, K] ref, to call inside the kernel)."""
+    rows = x_rows.shape[0]
+    if x_rows.ndim != 2 or x_rows.shape[1] != k:
+        raise ValueError(f"x_rows {x_rows.shape} must be [rows, K={k}]")
+    if rows < 8:
+        return 8, lambda x_gmem, _t: x_gmem
+    if rows % r:
+        raise ValueError(f"x_rows has {rows} rows, not a multiple of the {r} row tiles (nor fewer than 8 rows, "
+                         "one token tile for every row tile)")
+    mp = rows // r
+    return mp, lambda x_gmem, t: x_gmem.at[pl.ds(t * mp, mp)]
 
 
 def _tile_table(tile_expert: jax.Array, tile_weight: jax.Array | None) -> tuple[jax.Array, jax.Array]:
@@ -102,7 +117,8 @@ def _bf16(v):
 def grouped_gate_up_mgpu_kernel(x_rows: jax.Array, gate_w: jax.Array, gate_s: jax.Array, up_w: jax.Array,
                                 up_s: jax.Array, tile_expert: jax.Array, *, tile_weight: jax.Array | None = None,
                                 config: MgpuConfig = MgpuConfig(), interpret=None) -> jax.Array:
-    """The gate and up launches in one, SwiGLU in the epilogue: x_rows bf16 [R * Mp, K], gate_w / up_w int4
+    """The gate and up launches in one, SwiGLU in the epilogue: x_rows bf16 [R * Mp, K] or [M < 8, K] (as
+    `grouped_w4a16_mgpu_kernel`), gate_w / up_w int4
     [E, N, K], gate_s / up_s bf16 [E, K/32, N], tile_expert int32 [R] (-1 = unused) -> h^T f32 [R, N, Mp]
     with h = bf16(bf16(silu(bf16(g))) * bf16(u)), g / u the tile's gate / up products (values exactly
     representable in bf16; the same roundings as the three-launch path's XLA SwiGLU).
@@ -110,10 +126,8 @@ def grouped_gate_up_mgpu_kernel(x_rows: jax.Array, gate_w: jax.Array, gate_s: ja
     Grid (R, N / block_n) as `grouped_w4a16_mgpu_kernel`: a CTA streams its expert's gate tile, then its up
     tile, through the same pipeline, with the token tile read twice from L2; tile_weight and unused tiles as in
     `grouped_w4a16_mgpu_kernel` (an unused tile's output is NOT written: mask it)."""
-    (r,), (rows, k), (num_experts, n, _) = tile_expert.shape, x_rows.shape, gate_w.shape
-    if rows % r:
-        raise ValueError(f"x_rows has {rows} rows, not a multiple of the {r} row tiles")
-    mp = rows // r
+    (r,), (num_experts, n, k) = tile_expert.shape, gate_w.shape
+    mp, token_tile = _token_tiles(x_rows, r, k)
     mosaic.check_config(config, n, k, mp, interpret)
     want_w, want_s = (num_experts, n, k), (num_experts, k // GROUP_SIZE, n)
     if not (gate_w.shape == up_w.shape == want_w and gate_s.shape == up_s.shape == want_s):
@@ -129,7 +143,7 @@ def grouped_gate_up_mgpu_kernel(x_rows: jax.Array, gate_w: jax.Array, gate_s: ja
 
         @pl.when(expert >= 0)
         def _():
-            x_tile = x_gmem.at[pl.ds(t * mp, mp)]
+            x_tile = token_tile(x_gmem, t)
             g = _bf16(tile_matmul(gw_gmem.at[expert, n_slice], x_tile, gs_gmem.at[expert, :, n_slice], a_smem))
             u = _bf16(tile_matmul(uw_gmem.at[expert, n_slice], x_tile, us_gmem.at[expert, :, n_slice], a_smem))
             mosaic.store_tile(_bf16(_bf16(g / (1.0 + jnp.exp(-g))) * u), o_smem, o_gmem.at[t, n_slice])
@@ -149,8 +163,8 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
     x bf16 [T, D]; experts_mgpu {"gate","up","down"} of stacked MosaicInt4Weight (int4 [E, N, K], bf16
     scale_t [E, K/32, N]); expert_ids [T, k] int32 in [0, E);
     weights [T, k] float (zero-weight choices are dropped: they touch nothing). block_m: rows per tile
-    (a multiple of 8, <= 256). config_up (gate and up launches) / config_down: tilings, by default
-    `tuned.default_mosaic_config` of their K. interpret: None natively, or InterpretGPUParams (needs
+    (a multiple of 8, <= 256; at T = 1 the tiles have 8 rows whatever it is). config_up (gate and up launches) /
+    config_down: tilings, by default `tuned.default_mosaic_config` of their K. interpret: None natively, or InterpretGPUParams (needs
     a_operand="smem"). fused_gate_up: gate and up in one launch with the SwiGLU in its epilogue
     (`grouped_gate_up_mgpu_kernel`), two launches instead of three; None (default): at T = 1 only, where it
     measured faster (H200 2026-12-03: 84.6 vs 85.8 us; H100 2026-12-06, lane-order cast: 87.2 vs 90.6 us), not at
@@ -175,9 +189,8 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
         raise ValueError(f"expert_ids {expert_ids.shape} and weights {weights.shape} must both be [T, k], "
                          f"T={x.shape[0]}")
 
-    def swiglu_tiles(x_rows, tile_expert, tile_weight):  # [R bm, D] rows -> [R, D, bm] f32 (0: unused tiles)
+    def swiglu_tiles(x_rows, tile_expert, tile_weight):  # [R bm, D] (or x's 1 row: bm 8) -> [R, D, bm] f32, 0: unused
         used = (tile_weight != 0)[:, None, None]  # unused tiles' outputs are never written: mask them
-        rows = x_rows.shape[0]
 
         def run(rows_in, w, s, config):  # -> [R, N, block_m] f32
             y_t = grouped_w4a16_mgpu_kernel(rows_in, w, s, tile_expert, tile_weight=tile_weight, config=config,
@@ -192,17 +205,16 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
             g = _bf16(run(x_rows, gate_w, gate_s, config_up))  # [R, I, bm]
             u = run(x_rows, up_w, up_s, config_up).astype(jnp.bfloat16)
             h = (g * jax.nn.sigmoid(g)).astype(jnp.bfloat16) * u  # [R, I, bm] bf16
-        h_rows = h.transpose(0, 2, 1).reshape(rows, inter)  # [R bm, I]
+        h_rows = h.transpose(0, 2, 1).reshape(-1, inter)  # [R bm, I]
         return _bf16(run(h_rows, down_w, down_s, config_down))  # [R, D, bm]
 
     if x.shape[0] == 1:
         # Decode (T = 1): one tile per choice, the token in its row 0; no sort, no scatter, no gathers (the
         # general grouping below costs more small XLA kernels than the bytes of 8 experts take to stream).
         # A zero-weight choice (another shard's expert) is an unused tile: the kernels read the routing weights
-        # themselves (tile_weight), so no XLA launch builds a tile table.
-        top_k = expert_ids.shape[1]
-        x_rows = jnp.zeros((top_k, block_m, hidden), jnp.bfloat16).at[:, 0].set(x[0]).reshape(top_k * block_m, hidden)
-        y = swiglu_tiles(x_rows, expert_ids[0], weights[0].astype(jnp.float32))[:, :, 0]  # [k, D]
+        # themselves (tile_weight), so no XLA launch builds a tile table. The gate and up launches read x itself
+        # as every tile's token tile (its rows 1..7 the TMA's zeros), so no XLA launch pads x into k tiles either.
+        y = swiglu_tiles(x, expert_ids[0], weights[0].astype(jnp.float32))[:, :, 0]  # [k, D]
         return jnp.sum(y * weights[0].astype(jnp.float32)[:, None], axis=0, keepdims=True).astype(out_dtype)
 
     grp = group_assignments(expert_ids, weights, num_experts, block_m)

@@ -456,6 +456,47 @@ def test_mgpu_grouped_kernel_skips_unused_tiles_and_reuses_experts(block_k, weig
         assert _rel(y_t[t].T, np.asarray(want, np.float64)) < 1e-2
 
 
+@pytest.mark.parametrize("m,fused", [(1, False), (3, False), (1, True)])
+def test_mgpu_grouped_kernels_share_one_token_tile(m, fused):
+    """x_rows of m < 8 rows is one token tile every row tile reads (the decode step's token, not padded into a tile a
+    choice by an XLA launch): tile t's columns [0, m) are expert tile_expert[t]'s products of those rows, in the
+    grouped kernel and in the gate + up kernel (its SwiGLU of them); the TMA's zero rows past m reach only the
+    columns past m. Rows that neither fill one tile nor a whole number of tiles are refused."""
+    from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_gate_up_mgpu_kernel, grouped_w4a16_mgpu_kernel
+    from pallas_kernels.w4a16 import w4a16_matmul_reference
+    from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig
+
+    rng = np.random.default_rng(11 + m)
+    experts, _ = _experts(rng, 4, 128, 64)  # gate / up: N = 64, K = 128
+    tile_expert = jnp.asarray([2, -1, 0, 3], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((m, 128)), jnp.bfloat16)
+    gate, up = experts["gate"].to_mosaic(), experts["up"].to_mosaic()
+    cfg = MgpuConfig(block_n=64, block_k=64, a_operand="smem")
+    try:
+        if fused:
+            y_t = grouped_gate_up_mgpu_kernel(x, gate.w_i4, gate.scale_t, up.w_i4, up.scale_t, tile_expert,
+                                              config=cfg, interpret=_mgpu_interpret())
+        else:
+            y_t = grouped_w4a16_mgpu_kernel(x, gate.w_i4, gate.scale_t, tile_expert, config=cfg,
+                                            interpret=_mgpu_interpret())
+        y_t = jax.block_until_ready(y_t)  # finish before the finally resets the interpreter
+    finally:
+        _reset_mgpu_interpreter()
+    assert y_t.shape == (4, 64, 8)
+    xf = x.astype(jnp.float32)
+    for t, e in enumerate(np.asarray(tile_expert)):
+        if e < 0:
+            continue
+        g = np.asarray(w4a16_matmul_reference(xf, jax.tree.map(lambda a, e=e: a[e], experts["gate"])), np.float64)
+        if fused:
+            u = np.asarray(w4a16_matmul_reference(xf, jax.tree.map(lambda a, e=e: a[e], experts["up"])), np.float64)
+            g = g / (1.0 + np.exp(-g)) * u  # [m, 64]
+        assert _rel(y_t[t, :, :m].T, g) < 2e-2, t
+    with pytest.raises(ValueError, match="not a multiple of the 4 row tiles"):
+        grouped_w4a16_mgpu_kernel(jnp.zeros((10, 128), jnp.bfloat16), gate.w_i4, gate.scale_t, tile_expert,
+                                  config=cfg, interpret=_mgpu_interpret())
+
+
 def test_mgpu_grouped_moe_lowers_for_cuda_at_k26_shapes():
     """The grouped MoE (register-A wgmma, the default tilings) lowers for an abstract H200 at K2.6 expert
     shapes, in three launches, or two with gate and up fused."""
@@ -474,3 +515,5 @@ def test_mgpu_grouped_moe_lowers_for_cuda_at_k26_shapes():
         # by default gate and up share a launch at T = 1 only (the AR step: measured faster there)
         default = lower_for_h200(grouped_moe_w4a16_mgpu, *args)
         assert custom_calls(default).count("mosaic_gpu_v2") == (2 if T == 1 else 3), T
+        if T == 1:  # the token is every tile's token tile as it is: no pad or scatter of x into a tile a choice
+            assert "stablehlo.pad" not in default and "stablehlo.scatter" not in default
