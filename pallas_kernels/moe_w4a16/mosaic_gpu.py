@@ -35,8 +35,9 @@ def grouped_w4a16_mgpu_kernel(x_rows: jax.Array, w_i4: jax.Array, scale_t: jax.A
                               tile_weight: jax.Array | None = None, config: MgpuConfig = MgpuConfig(),
                               interpret=None) -> jax.Array:
     """Grouped (per-tile expert) W4A16: x_rows bf16 [R * Mp, K] (row tile t = rows [t Mp, (t + 1) Mp)) or [M < 8, K]
-    (one token tile for every row tile, Mp = 8: `_token_tiles`), w_i4 int4 [E, N, K], scale_t bf16 [E, K/32, N], tile_expert int32 [R] (the expert of each row tile,
-    -1 = unused) -> y^T f32 [R, N, Mp], tile t = dequant(W[tile_expert[t]]) @ x_tile^T.
+    (one token tile for every row tile, Mp = 8: `_token_tiles`), w_i4 int4 [E, N, K], scale_t bf16 [E, K/32, N],
+    tile_expert int32 [R] (the expert of each row tile, -1 = unused) -> y^T f32 [R, N, Mp],
+    tile t = dequant(W[tile_expert[t]]) @ x_tile^T.
 
     Grid (R, N / block_n): a CTA reads its tile's expert id from global memory and skips the tile when it
     is -1, so untouched experts and unused tiles cost no weight bytes. tile_weight (float32 [R], optional): a
@@ -164,9 +165,9 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
     scale_t [E, K/32, N]); expert_ids [T, k] int32 in [0, E);
     weights [T, k] float (zero-weight choices are dropped: they touch nothing). block_m: rows per tile
     (a multiple of 8, <= 256; at T = 1 the tiles have 8 rows whatever it is). config_up (gate and up launches) /
-    config_down: tilings, by default `tuned.default_mosaic_config` of their K. interpret: None natively, or InterpretGPUParams (needs
-    a_operand="smem"). fused_gate_up: gate and up in one launch with the SwiGLU in its epilogue
-    (`grouped_gate_up_mgpu_kernel`), two launches instead of three; None (default): at T = 1 only, where it
+    config_down: tilings, by default `tuned.default_mosaic_config` of their K. interpret: None natively, or
+    InterpretGPUParams (needs a_operand="smem"). fused_gate_up: gate and up in one launch with the SwiGLU in its
+    epilogue (`grouped_gate_up_mgpu_kernel`), two launches instead of three; None (default): at T = 1 only, where it
     measured faster (H200 2026-12-03: 84.6 vs 85.8 us; H100 2026-12-06, lane-order cast: 87.2 vs 90.6 us), not at
     T >= 9 (H200: +0.5%; H100: -1.9%: within run-to-run noise, docs/w4a16_mgpu.md)."""
     if x.ndim != 2 or x.dtype != jnp.bfloat16:
