@@ -119,14 +119,16 @@ def grouped_gate_up_mgpu_kernel(x_rows: jax.Array, gate_w: jax.Array, gate_s: ja
                                 up_s: jax.Array, tile_expert: jax.Array, *, tile_weight: jax.Array | None = None,
                                 config: MgpuConfig = MgpuConfig(), interpret=None) -> jax.Array:
     """The gate and up launches in one, SwiGLU in the epilogue: x_rows bf16 [R * Mp, K] or [M < 8, K] (as
-    `grouped_w4a16_mgpu_kernel`), gate_w / up_w int4
-    [E, N, K], gate_s / up_s bf16 [E, K/32, N], tile_expert int32 [R] (-1 = unused) -> h^T f32 [R, N, Mp]
-    with h = bf16(bf16(silu(bf16(g))) * bf16(u)), g / u the tile's gate / up products (values exactly
-    representable in bf16; the same roundings as the three-launch path's XLA SwiGLU).
+    `grouped_w4a16_mgpu_kernel`), gate_w / up_w int4 [E, N, K], gate_s / up_s bf16 [E, K/32, N], tile_expert int32
+    [R] (-1 = unused) -> h bf16 [R, Mp, N], rows as x_rows' (the down launch's operand as it is), with
+    h = bf16(bf16(silu(bf16(g))) * bf16(u)), g / u the tile's gate / up products (the same roundings as the
+    three-launch path's XLA SwiGLU).
 
     Grid (R, N / block_n) as `grouped_w4a16_mgpu_kernel`: a CTA streams its expert's gate tile, then its up
-    tile, through the same pipeline, with the token tile read twice from L2; tile_weight and unused tiles as in
-    `grouped_w4a16_mgpu_kernel` (an unused tile's output is NOT written: mask it)."""
+    tile, through the same pipeline, with the token tile read twice from L2, and stores its [block_n, Mp] result
+    transposed into a bf16 [Mp, block_n] SMEM tile (2-byte stores: 4 a thread at Mp = 8), then by TMA to its rows'
+    slice; tile_weight and unused tiles as in `grouped_w4a16_mgpu_kernel` (an unused tile's rows are NOT written:
+    skip or mask them)."""
     (r,), (num_experts, n, k) = tile_expert.shape, gate_w.shape
     mp, token_tile = _token_tiles(x_rows, r, k)
     mosaic.check_config(config, n, k, mp, interpret)
@@ -147,10 +149,22 @@ def grouped_gate_up_mgpu_kernel(x_rows: jax.Array, gate_w: jax.Array, gate_s: ja
             x_tile = token_tile(x_gmem, t)
             g = _bf16(tile_matmul(gw_gmem.at[expert, n_slice], x_tile, gs_gmem.at[expert, :, n_slice], a_smem))
             u = _bf16(tile_matmul(uw_gmem.at[expert, n_slice], x_tile, us_gmem.at[expert, :, n_slice], a_smem))
-            mosaic.store_tile(_bf16(_bf16(g / (1.0 + jnp.exp(-g))) * u), o_smem, o_gmem.at[t, n_slice])
+            h = (_bf16(g / (1.0 + jnp.exp(-g))) * u).astype(jnp.bfloat16)  # [block_n, Mp]
+            o_smem.T[...] = h
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[t, :, n_slice])
+            plgpu.wait_smem_to_gmem(0)
 
-    return _grouped_launch(kernel, r, n, mp, config, interpret)(*_tile_table(tile_expert, tile_weight), x_rows,
-                                                                gate_w, gate_s, up_w, up_s)
+    scratch = mosaic.scratch_types(config, mp)
+    scratch["o_smem"] = plgpu.SMEM((mp, block_n), jnp.bfloat16)
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((r, mp, n), jnp.bfloat16),
+        grid=(r, n // config.block_n),
+        grid_names=("t", "n"),
+        scratch_types=scratch,
+        interpret=interpret,
+    )(*_tile_table(tile_expert, tile_weight), x_rows, gate_w, gate_s, up_w, up_s)
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "config_up", "config_down", "interpret", "out_dtype",
@@ -199,14 +213,16 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
             return jnp.where(used, y_t, 0.0)
 
         if fused_gate_up:
-            h_t = grouped_gate_up_mgpu_kernel(x_rows, gate_w, gate_s, up_w, up_s, tile_expert, tile_weight=tile_weight,
-                                              config=config_up, interpret=interpret)
-            h = jnp.where(used, h_t, 0.0).astype(jnp.bfloat16)  # [R, I, bm]: exact, the kernel rounded to bf16
+            # [R, bm, I] bf16 in the down launch's row layout: no XLA launch between the two; an unused tile's rows
+            # are never written, and the down launch skips the same tiles (its output is masked)
+            h_rows = grouped_gate_up_mgpu_kernel(x_rows, gate_w, gate_s, up_w, up_s, tile_expert,
+                                                 tile_weight=tile_weight, config=config_up,
+                                                 interpret=interpret).reshape(-1, inter)  # [R bm, I]
         else:
             g = _bf16(run(x_rows, gate_w, gate_s, config_up))  # [R, I, bm]
             u = run(x_rows, up_w, up_s, config_up).astype(jnp.bfloat16)
             h = (g * jax.nn.sigmoid(g)).astype(jnp.bfloat16) * u  # [R, I, bm] bf16
-        h_rows = h.transpose(0, 2, 1).reshape(-1, inter)  # [R bm, I]
+            h_rows = h.transpose(0, 2, 1).reshape(-1, inter)  # [R bm, I]
         return _bf16(run(h_rows, down_w, down_s, config_down))  # [R, D, bm]
 
     if x.shape[0] == 1:

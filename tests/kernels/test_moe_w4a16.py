@@ -461,7 +461,8 @@ def test_mgpu_grouped_kernels_share_one_token_tile(m, fused):
     """x_rows of m < 8 rows is one token tile every row tile reads (the decode step's token, not padded into a tile a
     choice by an XLA launch): tile t's columns [0, m) are expert tile_expert[t]'s products of those rows, in the
     grouped kernel and in the gate + up kernel (its SwiGLU of them); the TMA's zero rows past m reach only the
-    columns past m. Rows that neither fill one tile nor a whole number of tiles are refused."""
+    columns past m (the gate + up kernel's rows past m). Rows that neither fill one tile nor a whole number of tiles
+    are refused."""
     from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_gate_up_mgpu_kernel, grouped_w4a16_mgpu_kernel
     from pallas_kernels.w4a16 import w4a16_matmul_reference
     from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig
@@ -482,7 +483,8 @@ def test_mgpu_grouped_kernels_share_one_token_tile(m, fused):
         y_t = jax.block_until_ready(y_t)  # finish before the finally resets the interpreter
     finally:
         _reset_mgpu_interpreter()
-    assert y_t.shape == (4, 64, 8)
+    # the grouped kernel: y^T [R, N, Mp] float32; the gate + up kernel: h [R, Mp, N] bf16, the down launch's rows
+    assert y_t.shape == ((4, 8, 64) if fused else (4, 64, 8)) and y_t.dtype == (jnp.bfloat16 if fused else jnp.float32)
     xf = x.astype(jnp.float32)
     for t, e in enumerate(np.asarray(tile_expert)):
         if e < 0:
@@ -491,7 +493,7 @@ def test_mgpu_grouped_kernels_share_one_token_tile(m, fused):
         if fused:
             u = np.asarray(w4a16_matmul_reference(xf, jax.tree.map(lambda a, e=e: a[e], experts["up"])), np.float64)
             g = g / (1.0 + np.exp(-g)) * u  # [m, 64]
-        assert _rel(y_t[t, :, :m].T, g) < 2e-2, t
+        assert _rel(y_t[t, :m] if fused else y_t[t, :, :m].T, g) < 2e-2, t
     with pytest.raises(ValueError, match="not a multiple of the 4 row tiles"):
         grouped_w4a16_mgpu_kernel(jnp.zeros((10, 128), jnp.bfloat16), gate.w_i4, gate.scale_t, tile_expert,
                                   config=cfg, interpret=_mgpu_interpret())
