@@ -5,7 +5,9 @@ shared cache rows [c_kv | k_pe]; the value is the c-wide latent c_kv, so the out
 space (the caller applies W_UV). Visible rows for new token t of batch row b:
   * rows j < start[b]                       - the committed prefix, visible to every new token;
   * rows start[b] + u for u < T             - visible iff tree_mask[b, t, u] (ancestors + itself);
-  * rows j >= start[b] + T                  - never (garbage, may even hold NaN).
+  * rows j >= start[b] + T                  - never (garbage: the kernel and float32 / float16 keep even NaN there
+                                              out of the result; XLA's bf16 form needs them finite, as the engine's
+                                              cache is: `reference.tree_mla_attention_xla`).
 
 `tree_mla_attention` is the public entry point: it checks shapes and asks
 `pallas_kernels.dispatch.choose_attention` which implementation runs: "mosaic_gpu" (`mosaic_gpu.py`, Hopper,

@@ -37,13 +37,13 @@ def numpy_tree_attention(q, cache, start, tree_mask, scale, value_dim):
     return out
 
 
-def make_inputs(seed, B, T, H, c, r, S_max, starts, dtype, chain=False):
+def make_inputs(seed, B, T, H, c, r, S_max, starts, dtype, chain=False, garbage=np.nan):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((B, T, H, c + r)).astype(np.float32)
     cache = rng.standard_normal((B, S_max, c + r)).astype(np.float32)
     start = np.asarray(starts, np.int32)
-    for b in range(B):  # rows past start + T are garbage: NaN must not leak into the output
-        cache[b, start[b] + T:] = np.nan
+    for b in range(B):  # rows past start + T are garbage (NaN by default): they must not leak into the output
+        cache[b, start[b] + T:] = garbage
     if chain:
         tree = np.tril(np.ones((B, T, T), bool))
     else:  # random tree: each token's parent is an earlier token; visible = ancestors + itself
@@ -77,18 +77,25 @@ def test_reference_matches_numpy():
 
 
 def test_xla_impl_is_the_reference_in_float32_and_half_precision_einsums_in_bf16():
-    """impl="xla": float32 inputs get the reference bit for bit; bf16 inputs the bf16 einsum form (float32
-    accumulation and softmax), within bf16 rounding of the float64 truth, NaN garbage rows kept out."""
+    """impl="xla": float32 inputs get the reference bit for bit (NaN garbage rows kept out); bf16 inputs the bf16
+    einsum form (float32 accumulation and softmax) over the cache as it is, within bf16 rounding of the float64
+    truth, its garbage rows finite (the engine's) but huge: scores that overflow to inf there stay masked, and their
+    zero probabilities keep them out of the value sum; float16 zeroes its garbage rows first (NaN kept out)."""
     kw = dict(scale=0.3 / np.sqrt(80), value_dim=64)
     q, cache, start, tree, _ = make_inputs(1, B=2, T=5, S_max=40, starts=[0, 30], dtype=jnp.float32, **TINY)
     np.testing.assert_array_equal(np.asarray(tree_mla_attention_xla(q, cache, start, tree, **kw)),
                                   np.asarray(tree_mla_attention_reference(q, cache, start, tree, **kw)))
-    q, cache, start, tree, truth = make_inputs(1, B=2, T=5, S_max=40, starts=[0, 30], dtype=jnp.bfloat16, **TINY)
+    q, cache, start, tree, truth = make_inputs(1, B=2, T=5, S_max=40, starts=[0, 30], dtype=jnp.bfloat16,
+                                               garbage=1e38, **TINY)
     out = jax.jit(lambda *a: tree_mla_attention_xla(*a, **kw))(q, cache, start, tree)
-    assert out.dtype == jnp.bfloat16 and not np.isnan(np.asarray(out, np.float32)).any()
+    assert out.dtype == jnp.bfloat16 and np.isfinite(np.asarray(out, np.float32)).all()
     assert rel_err(out, truth) < 2e-2
     np.testing.assert_array_equal(np.asarray(tree_mla_attention(q, cache, start, tree, impl="xla", **kw)),
                                   np.asarray(out))
+    q, cache, start, tree, truth = make_inputs(1, B=2, T=5, S_max=40, starts=[0, 30], dtype=jnp.float16, **TINY)
+    out = jax.jit(lambda *a: tree_mla_attention_xla(*a, **kw))(q, cache, start, tree)
+    assert out.dtype == jnp.float16 and np.isfinite(np.asarray(out, np.float32)).all()
+    assert rel_err(out, truth) < 2e-2
 
 
 def test_auto_on_cpu_is_the_reference_path_and_an_explicit_kernel_raises():
