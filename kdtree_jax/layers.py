@@ -19,9 +19,23 @@ def rms_scale(x: jax.Array, eps: float) -> jax.Array:
     return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """y = weight * x / sqrt(mean(x^2) + eps); statistics in float32, result in x.dtype. x [..., D]."""
-    return (x.astype(jnp.float32) * rms_scale(x, eps) * weight.astype(jnp.float32)).astype(x.dtype)
+def rms_scales_of_parts(x: jax.Array, widths: tuple[int, ...], eps: float) -> tuple[jax.Array, ...]:
+    """rms_scale of each of x's leading parts x[..., :w0], x[..., w0:w0 + w1], ...: the same float32 numbers, as one
+    reduction of x's row (each part's squares masked over the same span, sibling reductions XLA computes in one
+    launch; separate slices are a launch each). x [..., D] with D >= sum(widths) -> ([..., 1] float32, ...)."""
+    span = sum(widths)
+    x32 = x[..., :span].astype(jnp.float32)
+    col = jnp.arange(span)
+    bounds = np.cumsum((0, *widths))
+    return tuple(jax.lax.rsqrt(jnp.sum(jnp.where((col >= lo) & (col < hi), x32 * x32, 0.0), axis=-1, keepdims=True)
+                               / (hi - lo) + eps) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, scale: jax.Array | None = None) -> jax.Array:
+    """y = weight * x / sqrt(mean(x^2) + eps); statistics in float32, result in x.dtype. x [..., D]. scale: the row
+    scale (`rms_scale(x, eps)`), if already computed."""
+    scale = rms_scale(x, eps) if scale is None else scale
+    return (x.astype(jnp.float32) * scale * weight.astype(jnp.float32)).astype(x.dtype)
 
 
 def rms_norm_matmul(x: jax.Array, weight: jax.Array, eps: float, w: jax.Array, out_dtype=None) -> jax.Array:

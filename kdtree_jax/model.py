@@ -34,7 +34,15 @@ from jax.sharding import PartitionSpec as P
 
 from kdtree_jax import attention, sharding
 from kdtree_jax.config import ModelConfig
-from kdtree_jax.layers import apply_rope, rms_norm, rms_norm_matmul, swiglu, swiglu_joined, yarn_inv_freq
+from kdtree_jax.layers import (
+    apply_rope,
+    rms_norm,
+    rms_norm_matmul,
+    rms_scales_of_parts,
+    swiglu,
+    swiglu_joined,
+    yarn_inv_freq,
+)
 from kdtree_jax.linear import linear as _linear
 from kdtree_jax.weights import declare
 from pallas_kernels import dispatch, dots
@@ -289,6 +297,7 @@ class MLA(nn.Module):
             return self._folded(folded, x, positions, latent_cache, start, visibility)
 
         # (the weights are fetched in the order init created them: flax draws their random values in that order)
+        scales = (None, None)  # the latent norms' row scales (c_q's, c_kv's) where computed together
         if cfg.q_lora_rank is None:
             q, kv_a = linear(x, _weight(self, "q")), linear(x, _weight(self, "kv_a"))
         else:
@@ -298,16 +307,18 @@ class MLA(nn.Module):
                 a = (rms_norm_matmul(h, norm, cfg.rms_norm_eps, w_a) if _row_scale_after(h)
                      else dots.matmul(x, w_a.astype(x.dtype)))
                 c_q, kv_a = a[..., :cfg.q_lora_rank], a[..., cfg.q_lora_rank:]
+                if _row_scale_after(h):  # both latent norms' row scales from one reduction of the product's row
+                    scales = rms_scales_of_parts(a, (cfg.q_lora_rank, c), cfg.latent_norm_eps)
             else:
                 c_q, kv_a = linear(x, q_a), linear(x, kv_a_w)
             # (q_a's norm stays before q_b: with its row scale after the product XLA dropped q_b's split-K for the
             # scaled float32 output, 15.1 -> 18.6 us a layer at K2.6, H100, benchmarks/results/k26_timeline_h100_s32_*)
-            q = linear(rms_norm(c_q, q_a_norm, cfg.latent_norm_eps), q_b)
+            q = linear(rms_norm(c_q, q_a_norm, cfg.latent_norm_eps, scale=scales[0]), q_b)
         q = q.reshape(batch, steps, heads, nope + rope)
         q_nope = q[..., :nope]  # [B, T, H, n]
         q_pe = apply_rope(q[..., nope:], positions, inv_freq, attention_factor)  # [B, T, H, r]
 
-        c_kv, k_pe = self._latent(kv_a, positions)  # [B, T, c], [B, T, r]
+        c_kv, k_pe = self._latent(kv_a, positions, scales[1])
         kv_b = _weight(self, "kv_b").reshape(c, heads, nope + vdim)
         w_uk, w_uv = kv_b[..., :nope], kv_b[..., nope:]  # [c, H, n], [c, H, v]
         w_o = _weight(self, "o")
@@ -345,12 +356,12 @@ class MLA(nn.Module):
             out = dots.einsum("bthc,hvc->bthv", out_latent.astype(h.dtype), per_head.uv.astype(h.dtype))
         return linear(out.reshape(batch, steps, heads * vdim), w_o), latent_cache
 
-    def _latent(self, kv_a, positions):
+    def _latent(self, kv_a, positions, scale=None):
         """kv_a [B, T, c+r] (x's kv_a projection) -> (c_kv [B, T, c] normed, k_pe [B, T, r] roped): a token's latent
-        cache row, in both absorbed forms and the naive one."""
+        cache row, in both absorbed forms and the naive one. scale: the norm's row scale, if already computed."""
         cfg = self.cfg
         c = cfg.kv_lora_rank
-        c_kv = rms_norm(kv_a[..., :c], _weight(self, "kv_a_norm"), cfg.latent_norm_eps)
+        c_kv = rms_norm(kv_a[..., :c], _weight(self, "kv_a_norm"), cfg.latent_norm_eps, scale=scale)
         return c_kv, apply_rope(kv_a[..., c:], positions, *yarn_inv_freq(cfg))
 
     def _write_and_attend(self, query, rows, latent_cache, start, visibility):

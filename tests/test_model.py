@@ -68,6 +68,24 @@ def test_rms_norm_matmul_is_the_norm_then_the_product():
     assert one.shape == (1, 40) and rel_err(one, truth[:1]) < 1e-6
 
 
+def test_rms_scales_of_parts_are_each_parts_rms_scale():
+    """layers.rms_scales_of_parts (the MLA's two latent norms at one row: one reduction of [c_q | c_kv | k_pe]'s row
+    instead of one a part) gives each part's own rms_scale, and rms_norm with it the part's rms_norm; the columns
+    past the parts (the RoPE keys) count in neither."""
+    rng = np.random.default_rng(7)
+    a = (rng.standard_normal((2, 1, 48 + 32 + 8)) * 5).astype(np.float32)
+    a[..., 80:] = 1e6  # past the parts: a scale that counted them would be far off
+    s_q, s_kv = layers.rms_scales_of_parts(jnp.asarray(a), (48, 32), 1e-6)
+    for got, part in ((s_q, a[..., :48]), (s_kv, a[..., 48:80])):
+        want = 1 / np.sqrt(np.mean(part.astype(np.float64) ** 2, axis=-1, keepdims=True) + 1e-6)
+        assert got.shape == (2, 1, 1) and rel_err(got, want) < 1e-6
+    w = rng.uniform(0.5, 1.5, 32).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(layers.rms_norm(jnp.asarray(a[..., 48:80]), jnp.asarray(w), 1e-6,
+                                                          scale=s_kv)),
+                               np.asarray(layers.rms_norm(jnp.asarray(a[..., 48:80]), jnp.asarray(w), 1e-6)),
+                               rtol=1e-6)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "group_routing", "no_shared_tied"])
 def test_routing_matches_reference(name):
