@@ -196,8 +196,8 @@ def test_decode_calls_launch_no_more_glue(compiled):
     t33 = calls[("attention call", "T=33 S=32768")]
     assert count(t33, "custom-call mosaic_gpu_v2") == 1 and count(t33, "fusion") <= 4, t33
     # XLA's attention over one layer of the whole cache: the score GEMM, the softmax, the value GEMM, its split-K sum
-    # and the output's slice; 6 before 2026-12-06 (two cache-sized copies: the garbage rows zeroed for each GEMM), 5
-    # until 2026-12-07 (one), 4 since (bf16 reads the cache as it is: its garbage rows are finite)
+    # with the output's slice (one fusion); 6 before 2026-12-06 (two cache-sized copies: the garbage rows zeroed for
+    # each GEMM), 5 until 2026-12-07 (one), 4 since (bf16 reads the cache as it is: its garbage rows are finite)
     xla = calls[("attention call", "XLA, T=1 S=4096, layer 1 of 2")]
     assert count(xla, "fusion") <= 4 and count(xla, "custom-call") == 0, xla
     # the routed MoE at T = 1: since 2026-12-06 the kernels read the routing weights themselves (no tile-table

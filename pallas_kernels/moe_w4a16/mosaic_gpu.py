@@ -126,7 +126,7 @@ def grouped_gate_up_mgpu_kernel(x_rows: jax.Array, gate_w: jax.Array, gate_s: ja
 
     Grid (R, N / block_n) as `grouped_w4a16_mgpu_kernel`: a CTA streams its expert's gate tile, then its up
     tile, through the same pipeline, with the token tile read twice from L2, and stores its [block_n, Mp] result
-    transposed into a bf16 [Mp, block_n] SMEM tile (4 values a thread at Mp = 8), then by TMA to its rows'
+    transposed into a bf16 [Mp, block_n] SMEM tile (4 values a thread at block_n 64, Mp 8), then by TMA to its rows'
     slice; tile_weight and unused tiles as in `grouped_w4a16_mgpu_kernel` (an unused tile's rows are NOT written:
     skip or mask them)."""
     (r,), (num_experts, n, k) = tile_expert.shape, gate_w.shape
