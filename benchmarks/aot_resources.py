@@ -305,7 +305,8 @@ def cases(only: list[str]) -> list[Case]:
     """The kernels at the shapes the engine runs them: tree attention at K2's MLA shape (H 64, c 512, r 64, bf16,
     S = 32768) with the tuned split count and schedule of each T and the other schedule; the dense W4A16 GEMM at
     K2.6's dense MLP and expert widths with its tuned tiling (M 8: a decode step); the grouped MoE launches at
-    K2.6's experts (384 x [2048, 7168]; a decode step's 8 tiles of 8 rows)."""
+    K2.6's experts (384 x [2048, 7168]; a decode step's 8 tiles: gate and up reading x's one row, down 8 rows a
+    tile)."""
     import jax
     import jax.numpy as jnp
 
@@ -340,10 +341,9 @@ def cases(only: list[str]) -> list[Case]:
                             + (f" whole_tiles={whole}" if whole else ""),
                             lambda k=k, n=n: dense(k, n, 8)))
 
-    def grouped(k: int, n: int, tiles: int, fused: bool):
-        block_m = 8
+    def grouped(k: int, n: int, tiles: int, fused: bool, rows: int):  # rows: x's (1: every tile reads that one)
         config = default_mosaic_config(k)
-        x = S((tiles * block_m, k), jnp.bfloat16)
+        x = S((rows, k), jnp.bfloat16)
         w, s = _expert_stack(n, k)
         tile_expert = S((tiles,), jnp.int32)
         if fused:
@@ -351,10 +351,13 @@ def cases(only: list[str]) -> list[Case]:
                     (x, w, s, w, s, tile_expert))
         return (lambda x, w, s, t: grouped_w4a16_mgpu_kernel(x, w, s, t, config=config)), (x, w, s, tile_expert)
 
-    if "moe" in only:  # the kernel's code does not depend on the tile count (a grid dimension): T = 1's 8 tiles
-        out.append(Case("moe", "gate or up, K=7168 N=2048, 8 tiles of 8 rows", lambda: grouped(7168, 2048, 8, False)))
-        out.append(Case("moe", "fused gate+up, K=7168 N=2048, 8 tiles of 8 rows", lambda: grouped(7168, 2048, 8, True)))
-        out.append(Case("moe", "down, K=2048 N=7168, 8 tiles of 8 rows", lambda: grouped(2048, 7168, 8, False)))
+    if "moe" in only:  # the kernel's code does not depend on the tile count (a grid dimension): T = 1's 8 tiles, as
+        # the decode step runs them (gate / up reading x's one row as every tile's token tile, down 8 rows a tile)
+        out.append(Case("moe", "gate or up, K=7168 N=2048, 8 tiles reading x's 1 row",
+                        lambda: grouped(7168, 2048, 8, False, 1)))
+        out.append(Case("moe", "fused gate+up, K=7168 N=2048, 8 tiles reading x's 1 row",
+                        lambda: grouped(7168, 2048, 8, True, 1)))
+        out.append(Case("moe", "down, K=2048 N=7168, 8 tiles of 8 rows", lambda: grouped(2048, 7168, 8, False, 64)))
     return out
 
 

@@ -494,6 +494,8 @@ def test_mgpu_grouped_kernels_share_one_token_tile(m, fused):
             u = np.asarray(w4a16_matmul_reference(xf, jax.tree.map(lambda a, e=e: a[e], experts["up"])), np.float64)
             g = g / (1.0 + np.exp(-g)) * u  # [m, 64]
         assert _rel(y_t[t, :m] if fused else y_t[t, :, :m].T, g) < 2e-2, t
+        past = np.asarray((y_t[t, m:] if fused else y_t[t, :, m:]).astype(jnp.float32))
+        assert (past == 0).all(), t  # the TMA's zero rows: zero products, and silu(0) * 0 = 0
     with pytest.raises(ValueError, match="not a multiple of the 4 row tiles"):
         grouped_w4a16_mgpu_kernel(jnp.zeros((10, 128), jnp.bfloat16), gate.w_i4, gate.scale_t, tile_expert,
                                   config=cfg, interpret=_mgpu_interpret())
