@@ -21,9 +21,9 @@ def rms_scale(x: jax.Array, eps: float) -> jax.Array:
 
 def rms_scales_of_parts(x: jax.Array, widths: tuple[int, ...], eps: float) -> tuple[jax.Array, ...]:
     """rms_scale of each of x's leading parts x[..., :w0], x[..., w0:w0 + w1], ...: the same numbers up to float32
-    summation order, as one
-    reduction of x's row (each part's squares masked over the same span, sibling reductions XLA computes in one
-    launch; separate slices are a launch each). x [..., D] with D >= sum(widths) -> ([..., 1] float32, ...)."""
+    summation order, as one reduction of x's row (each part's squares masked over the same span, sibling reductions
+    XLA computes in one launch; separate slices are a launch each). x [..., D] with D >= sum(widths) -> ([..., 1]
+    float32, ...)."""
     span = sum(widths)
     x32 = x[..., :span].astype(jnp.float32)
     col = jnp.arange(span)

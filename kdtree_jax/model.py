@@ -304,11 +304,12 @@ class MLA(nn.Module):
             q_a, q_a_norm, q_b, kv_a_w = (_weight(self, name) for name in ("q_a", "q_a_norm", "q_b", "kv_a"))
             if _joinable(q_a, kv_a_w):  # x's two projections in one product (K2.6's AR step: docs/k26_verify_cost.md)
                 w_a = jnp.concatenate([q_a, kv_a_w], axis=1)
-                a = (rms_norm_matmul(h, norm, cfg.rms_norm_eps, w_a) if _row_scale_after(h)
-                     else dots.matmul(x, w_a.astype(x.dtype)))
-                c_q, kv_a = a[..., :cfg.q_lora_rank], a[..., cfg.q_lora_rank:]
-                if _row_scale_after(h):  # both latent norms' row scales from one reduction of the product's row
+                if _row_scale_after(h):  # and both latent norms' row scales from one reduction of the product's row
+                    a = rms_norm_matmul(h, norm, cfg.rms_norm_eps, w_a)
                     scales = rms_scales_of_parts(a, (cfg.q_lora_rank, c), cfg.latent_norm_eps)
+                else:
+                    a = dots.matmul(x, w_a.astype(x.dtype))
+                c_q, kv_a = a[..., :cfg.q_lora_rank], a[..., cfg.q_lora_rank:]
             else:
                 c_q, kv_a = linear(x, q_a), linear(x, kv_a_w)
             # (q_a's norm stays before q_b: with its row scale after the product XLA dropped q_b's split-K for the

@@ -98,14 +98,21 @@ def _tile_expert(e_gmem, tw_gmem, t):
     return jnp.where(tw_gmem[t] != 0, e_gmem[t], -1)
 
 
-def _grouped_launch(kernel, r: int, n: int, mp: int, config: MgpuConfig, interpret):
-    """The grouped kernels' launch: grid (R row tiles, N / block_n), out f32 [R, N, Mp], the tile loop's scratch."""
+def _grouped_launch(kernel, r: int, n: int, mp: int, config: MgpuConfig, interpret, rows_out: bool = False):
+    """The grouped kernels' launch: grid (R row tiles, N / block_n), the tile loop's scratch, and out f32 [R, N, Mp]
+    staged through o_smem f32 [block_n, Mp]; rows_out: out bf16 [R, Mp, N] (token rows) through o_smem bf16
+    [Mp, block_n] instead."""
+    scratch = mosaic.scratch_types(config, mp)
+    out_type = jax.ShapeDtypeStruct((r, n, mp), jnp.float32)
+    if rows_out:
+        scratch["o_smem"] = plgpu.SMEM((mp, config.block_n), jnp.bfloat16)
+        out_type = jax.ShapeDtypeStruct((r, mp, n), jnp.bfloat16)
     return plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((r, n, mp), jnp.float32),
+        out_type=out_type,
         grid=(r, n // config.block_n),
         grid_names=("t", "n"),
-        scratch_types=mosaic.scratch_types(config, mp),
+        scratch_types=scratch,
         interpret=interpret,
     )
 
@@ -155,16 +162,8 @@ def grouped_gate_up_mgpu_kernel(x_rows: jax.Array, gate_w: jax.Array, gate_s: ja
             plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[t, :, n_slice])
             plgpu.wait_smem_to_gmem(0)
 
-    scratch = mosaic.scratch_types(config, mp)
-    scratch["o_smem"] = plgpu.SMEM((mp, block_n), jnp.bfloat16)
-    return plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((r, mp, n), jnp.bfloat16),
-        grid=(r, n // config.block_n),
-        grid_names=("t", "n"),
-        scratch_types=scratch,
-        interpret=interpret,
-    )(*_tile_table(tile_expert, tile_weight), x_rows, gate_w, gate_s, up_w, up_s)
+    return _grouped_launch(kernel, r, n, mp, config, interpret, rows_out=True)(
+        *_tile_table(tile_expert, tile_weight), x_rows, gate_w, gate_s, up_w, up_s)
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "config_up", "config_down", "interpret", "out_dtype",
