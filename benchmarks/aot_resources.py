@@ -388,7 +388,7 @@ def census_cases() -> list[Case]:
     """Whole engine calls, with their XLA glue: the tree attention as the dispatcher runs it on Hopper
     (`tree_attention_mosaic` with the tuned split count and schedule: mask words, the kernel, the split combine; the
     entry point itself refuses the CPU that compiles) at T = 1 / 33, S = 32768, the routed MoE of one K2.6 layer
-    (E 384, top-8, 7168 -> 2048 -> 7168) at T = 1, in three launches and with gate / up fused, XLA's attention
+    (E 384, top-8, 7168 -> 2048 -> 7168) at T = 1 and 9, in three launches and with gate / up fused, XLA's attention
     (what runs at T = 1, S = 4096) over one layer of a whole two-layer cache, as the model calls it, and a whole K2.6
     MoE decoder layer at T = 1 and 9, S = 4096 as the engine runs it on Hopper (the model traced with the
     dispatcher's choices for an H100: `_dispatching_for_hopper`)."""
@@ -420,7 +420,9 @@ def census_cases() -> list[Case]:
     for fused in (False, True):
         out.append(Case("routed MoE call", f"T=1, {'gate+up fused' if fused else 'three launches'}",
                         lambda fused=fused: moe(1, fused)))
-    out.append(Case("routed MoE call", "T=9, three launches (the grouped path)", lambda: moe(9, False)))
+    for fused in (False, True):
+        out.append(Case("routed MoE call", f"T=9, {'gate+up fused (the default)' if fused else 'three launches'}, "
+                        "the grouped path", lambda fused=fused: moe(9, fused)))
 
     def xla_attention(T: int, rows: int):  # XLA's form over one layer of the engine's whole [L, B, S, C] cache
         from pallas_kernels.tree_attention.reference import tree_mla_attention_xla

@@ -182,7 +182,7 @@ def test_w4a16_tile_loop_fits_four_ctas_an_sm_without_spills(compiled):
 def test_decode_calls_launch_no_more_glue(compiled):
     """The launches of one engine call at T = 1 (an AR step), XLA glue included: the attention is one Mosaic kernel
     and three XLA fusions (the split combine: total log2-sum-exp, weights, weighted sum); the routed MoE three Mosaic
-    kernels and two XLA fusions (SwiGLU / transpose, weighted sum), or, with gate / up fused (the T = 1 default), two
+    kernels and two XLA fusions (SwiGLU / transpose, weighted sum), or, with gate / up fused (the default), two
     kernels and the weighted sum alone (the fused launch writes h in the down launch's row layout); until 2026-12-06
     one more, a tile-table fusion, and until 2026-12-07 the token's pad into a tile a choice and the fused path's
     transpose. More glue fails here; less is an improvement to record."""
@@ -213,9 +213,13 @@ def test_decode_calls_launch_no_more_glue(compiled):
         assert count(dense, "custom-call mosaic_gpu_v2") == 1 and len(dense) <= 2, (m, dense)
     # the grouped path at T = 9: no while loop (jnp.searchsorted's default binary search was one, 36 of a call's 69
     # launches on the device, H200, 2026-12-06; now compare_all) and the three kernels
-    moe9 = calls[("routed MoE call", "T=9, three launches (the grouped path)")]
+    moe9 = calls[("routed MoE call", "T=9, three launches, the grouped path")]
     assert count(moe9, "while") == 0 and count(moe9, "custom-call mosaic_gpu_v2") == 3, moe9
     assert len(moe9) <= MOE_T9_LAUNCHES, (len(moe9), moe9)
+    # gate + up fused (the default since 2026-12-07): one kernel fewer and no transpose between the launches
+    moe9_fused = calls[("routed MoE call", "T=9, gate+up fused (the default), the grouped path")]
+    assert count(moe9_fused, "custom-call mosaic_gpu_v2") == 2, moe9_fused
+    assert len(moe9_fused) <= MOE_T9_LAUNCHES - 2, (len(moe9_fused), moe9_fused)
     # a whole K2.6 MoE decoder layer at T = 1, S = 4096 as the engine runs it on Hopper (2026-12-06: 41 launches, the
     # two Mosaic MoE kernels and 39 XLA fusions: norms, bf16 projections, RoPE, the cache row write, XLA's attention,
     # the router and top-k, the shared expert, the MoE's pad and transpose; the weighted sum fused into the residual;
@@ -231,8 +235,8 @@ def test_decode_calls_launch_no_more_glue(compiled):
     assert count(layer, "custom-call mosaic_gpu_v2") == 2 and len(layer) <= 28, layer
     # the same layer at T = 9 (a budget-8 verify): 53 launches before session 33, 40 since (the cache rows written by
     # one dynamic_update_slice; the expert grouping by compares, its padded rows computed once, the tile weights beside
-    # the tile table), 39 since session 36 (XLA's attention without the cache's zeroed copy); XLA's attention, the
-    # three MoE kernels
+    # the tile table), 39 since session 36 (XLA's attention without the cache's zeroed copy), 37 since session 37
+    # (gate + up fused at T >= 9 too: one MoE kernel and the transpose fewer); XLA's attention, the two MoE kernels
     verify = calls[("decoder layer", "K2.6 MoE layer, T=9 S=4096, as the engine runs it on Hopper")]
-    assert count(verify, "custom-call mosaic_gpu_v2") == 3 and count(verify, "while") == 0, verify
-    assert len(verify) <= 39, (len(verify), verify)
+    assert count(verify, "custom-call mosaic_gpu_v2") == 2 and count(verify, "while") == 0, verify
+    assert len(verify) <= 37, (len(verify), verify)

@@ -7,7 +7,7 @@ T > 1: the shared device-side grouping (`grouping.group_assignments`: assignment
 block_m-row tiles, a tile -> expert table, -1 for unused tiles); T = 1 (a decode step): one tile per choice,
 no sort. Then three launches of `grouped_w4a16_mgpu_kernel` (gate, up, down; tokens are the wgmma N
 dimension, so block_m = 8 wastes nothing at decode sizes) with the SwiGLU, the combine weights and the
-per-token sum in XLA between them; or, with `fused_gate_up` (the default at T = 1), two:
+per-token sum in XLA between them; or, with `fused_gate_up` (the default), two:
 `grouped_gate_up_mgpu_kernel` runs a tile's gate and up products in one CTA and applies the SwiGLU in its epilogue,
 then the down launch.
 Roundings follow the Triton path (gate/up/down outputs rounded to bf16). Status and numbers: docs/w4a16_mgpu.md.
@@ -171,7 +171,7 @@ def grouped_gate_up_mgpu_kernel(x_rows: jax.Array, gate_w: jax.Array, gate_s: ja
 def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Array, weights: jax.Array, *,
                            block_m: int = 8, config_up: MgpuConfig | None = None,
                            config_down: MgpuConfig | None = None, interpret=None,
-                           out_dtype=jnp.bfloat16, fused_gate_up: bool | None = None) -> jax.Array:
+                           out_dtype=jnp.bfloat16, fused_gate_up: bool = True) -> jax.Array:
     """sum_j weights[t, j] * SwiGLU_{expert_ids[t, j]}(x[t]) -> [T, D] in out_dtype (summed in float32).
 
     x bf16 [T, D]; experts_mgpu {"gate","up","down"} of stacked MosaicInt4Weight (int4 [E, N, K], bf16
@@ -179,14 +179,13 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
     weights [T, k] float (zero-weight choices are dropped: they touch nothing). block_m: rows per tile
     (a multiple of 8, <= 256; at T = 1 the tiles have 8 rows whatever it is). config_up (gate and up launches) /
     config_down: tilings, by default `tuned.default_mosaic_config` of their K. interpret: None natively, or
-    InterpretGPUParams (needs a_operand="smem"). fused_gate_up: gate and up in one launch with the SwiGLU in its
-    epilogue (`grouped_gate_up_mgpu_kernel`), two launches instead of three; None (default): at T = 1 only, where it
-    measured faster (H200 2026-12-03: 84.6 vs 85.8 us; H100 2026-12-06, lane-order cast: 87.2 vs 90.6 us), not at
-    T >= 9 (H200: +0.5%; H100: -1.9%: within run-to-run noise, docs/w4a16_mgpu.md)."""
+    InterpretGPUParams (needs a_operand="smem"). fused_gate_up (default True): gate and up in one launch with the
+    SwiGLU in its epilogue (`grouped_gate_up_mgpu_kernel`), writing h as the down launch's rows, so no XLA launch
+    runs between the two; False: the three launches (gate, up, down) with the SwiGLU and a transpose in XLA. The
+    fused form measured faster at T = 1 (H200 2026-12-03: 84.6 vs 85.8 us) and, since it writes h transposed, at
+    T = 9 too (H100 2026-12-07: 596.8 vs 613.5 us; T = 1 81.8 vs 87.8), docs/w4a16_mgpu.md."""
     if x.ndim != 2 or x.dtype != jnp.bfloat16:
         raise ValueError(f"x must be bf16 [T, D], got {x.dtype} {x.shape}")
-    if fused_gate_up is None:
-        fused_gate_up = x.shape[0] == 1
     if block_m % 8 or not 8 <= block_m <= 256:
         raise ValueError(f"block_m={block_m} must be a multiple of 8 in [8, 256] (the wgmma N dimension)")
     (gate_w, gate_s), (up_w, up_s), (down_w, down_s) = ((experts_mgpu[n].w_i4, experts_mgpu[n].scale_t)
