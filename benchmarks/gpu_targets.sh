@@ -43,7 +43,8 @@ steps_run moe_timeline 80 $PY benchmarks/bench_moe_mgpu.py --out "$OUT/moe_timel
     --variants bn64:bk256:s4,bn64:bk256:s4+fused --loop-calls 20 --timeline
 steps_run k26 150 $PY benchmarks/bench_k26_slice.py --out "$OUT/k26" --layers 1 --ts 1,9,33 --ss 4096,32768 \
     --no-baselines --deadline-s 100
-steps_run attn_t1_4096 60 $PY benchmarks/bench_tree_attention.py --out "$OUT/attn_t1_4096" --budget-s 30 \
+# (150 s: each of its six kernel variants compiles before its wall clock; in 60 s an H100 got two, 2026-12-07)
+steps_run attn_t1_4096 150 $PY benchmarks/bench_tree_attention.py --out "$OUT/attn_t1_4096" --budget-s 30 \
     --shapes 4096:1 --splits 16 32 64 --schedules replicated shared_qk
 steps_run k26_mosaic_t1 80 $PY benchmarks/bench_k26_slice.py --out "$OUT/k26_mosaic_t1" --layers 1 --ts 1 --ss 4096 \
     --no-baselines --attention mosaic_gpu --deadline-s 50
