@@ -852,13 +852,15 @@ def run() -> None:
 
 def _quiet_after_interrupt() -> None:
     """What interrupted work leaves behind is not something to act on, so "interrupted" stays the last line:
-    an async checkpoint write's never-awaited coroutine (a warning when it is garbage collected) and Orbax's
+    an async checkpoint write's never-awaited coroutine (a warning when it is garbage collected), Orbax's
     background commit thread, which logs an absl ERROR when it finds the temporary directory the abort
-    removed."""
+    removed, and an asyncio event loop the interrupt caught half-closed, whose __del__ then raises ("Exception
+    ignored in: BaseEventLoop.__del__ ... Invalid file descriptor: -1", seen in CI on 2026-12-07)."""
     import logging  # noqa: PLC0415
 
     warnings.simplefilter("ignore")
     logging.getLogger("absl").setLevel(logging.CRITICAL + 1)
+    sys.unraisablehook = lambda _unraisable: None
 
 
 if __name__ == "__main__":
