@@ -417,12 +417,10 @@ def census_cases() -> list[Case]:
         return fn, (S((T, d), jnp.bfloat16), *_expert_stack(i, d), *_expert_stack(i, d), *_expert_stack(d, i),
                     S((T, k), jnp.int32), S((T, k), jnp.float32))
 
-    for fused in (False, True):
-        out.append(Case("routed MoE call", f"T=1, {'gate+up fused' if fused else 'three launches'}",
-                        lambda fused=fused: moe(1, fused)))
-    for fused in (False, True):
-        out.append(Case("routed MoE call", f"T=9, {'gate+up fused (the default)' if fused else 'three launches'}, "
-                        "the grouped path", lambda fused=fused: moe(9, fused)))
+    for T in (1, 9):  # a decode step (one tile a choice) and a verify (the grouped path); fused is the default
+        for fused in (False, True):
+            out.append(Case("routed MoE call", f"T={T}, {'gate+up fused' if fused else 'three launches'}"
+                            + (", the grouped path" if T > 1 else ""), lambda T=T, fused=fused: moe(T, fused)))
 
     def xla_attention(T: int, rows: int):  # XLA's form over one layer of the engine's whole [L, B, S, C] cache
         from pallas_kernels.tree_attention.reference import tree_mla_attention_xla

@@ -217,7 +217,7 @@ def test_decode_calls_launch_no_more_glue(compiled):
     assert count(moe9, "while") == 0 and count(moe9, "custom-call mosaic_gpu_v2") == 3, moe9
     assert len(moe9) <= MOE_T9_LAUNCHES, (len(moe9), moe9)
     # gate + up fused (the default since 2026-12-07): one kernel fewer and no transpose between the launches
-    moe9_fused = calls[("routed MoE call", "T=9, gate+up fused (the default), the grouped path")]
+    moe9_fused = calls[("routed MoE call", "T=9, gate+up fused, the grouped path")]
     assert count(moe9_fused, "custom-call mosaic_gpu_v2") == 2, moe9_fused
     assert len(moe9_fused) <= MOE_T9_LAUNCHES - 2, (len(moe9_fused), moe9_fused)
     # a whole K2.6 MoE decoder layer at T = 1, S = 4096 as the engine runs it on Hopper (2026-12-06: 41 launches, the
