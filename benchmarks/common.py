@@ -208,29 +208,31 @@ def _dependent_loop(fn: Callable, calls: int) -> Callable:
     return jax.jit(lambda *a: jax.lax.fori_loop(0, calls, body, a)[0])
 
 
-def loop_wall_us(fn: Callable, args: tuple, calls: int, repeats: int = 5) -> float:
+def loop_wall_us(fn: Callable, args: tuple, calls: int, repeats: int = 9) -> float:
     """Microseconds per call of fn(*args) in a jitted fori_loop of dependent calls (each call's first argument takes
     a negligible term of the previous output: x + 1e-30 * y, or of its sum when the shapes differ, so XLA can
-    neither hoist nor drop a call): the marginal cost, (wall(2 calls) - wall(calls)) / calls, the medians of
-    `repeats` timed loops each after a compile, so the loop's own fixed cost (the executable's launch, the wait for
-    its end) is not spread over the calls: the per-call cost inside a decode loop. Raises where the longer loop was
+    neither hoist nor drop a call): the marginal cost, (wall(2 calls) - wall(calls)) / calls, so the loop's own fixed
+    cost (the executable's launch, the wait for its end) is not spread over the calls: the per-call cost inside a
+    decode loop. Both loops are compiled first, then timed in turn `repeats` times each, and the fastest run of each
+    is taken: a difference of two medians taken one loop after the other measured 23 us a call for a launch sequence
+    whose kernels alone took 85 us (H100, 2026-12-07: drift between the two series). Raises where the longer loop was
     not slower (the calls too cheap for the clock's noise). Take it before any CUPTI window (Timer)."""
     import jax
 
-    medians = []
-    for n in (calls, 2 * calls):
-        loop = _dependent_loop(fn, n)
+    loops = {n: _dependent_loop(fn, n) for n in (calls, 2 * calls)}
+    for loop in loops.values():
         jax.block_until_ready(loop(*args))
-        walls = []
-        for _ in range(repeats):
+    walls: dict[int, list[float]] = {n: [] for n in loops}
+    for _ in range(repeats):
+        for n, loop in loops.items():
             start = time.perf_counter()
             jax.block_until_ready(loop(*args))
-            walls.append(time.perf_counter() - start)
-        medians.append(statistics.median(walls))
-    if medians[1] <= medians[0]:
-        raise RuntimeError(f"loop_wall_us: {2 * calls} calls took no longer than {calls} ({medians[1] * 1e6:.1f} vs "
-                           f"{medians[0] * 1e6:.1f} us): too noisy to give a per-call time; use more calls")
-    return (medians[1] - medians[0]) / calls * 1e6
+            walls[n].append(time.perf_counter() - start)
+    short, long = min(walls[calls]), min(walls[2 * calls])
+    if long <= short:
+        raise RuntimeError(f"loop_wall_us: {2 * calls} calls took no longer than {calls} ({long * 1e6:.1f} vs "
+                           f"{short * 1e6:.1f} us): too noisy to give a per-call time; use more calls")
+    return (long - short) / calls * 1e6
 
 
 def loop_timeline(fn: Callable | None, args: tuple, calls: int, loop: Callable | None = None) -> dict:
