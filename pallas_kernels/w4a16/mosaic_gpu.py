@@ -42,36 +42,30 @@ class MgpuConfig:
     max_concurrent_steps: pipeline depth (SMEM buffers in flight).
     a_operand: "registers" (the fast path: dequantized weights are wgmma register-A) or "smem" (stage them
       in SMEM first; the only form jax 0.11's GPU interpret mode can simulate).
-    overlap_cast: cut a step into 64-column sub-tiles, each cast, scaled and handed to its own wgmma, the wgmma
-      left running while the next sub-tile is cast (`make_tile_matmul`); False: the whole tile cast, one wgmma
-      chain, then a wait.
     Group scales: the dequantized [block_n, block_k] register tile is cut into static [block_n, 32] slices
     (register subsets of the WGMMA layout: no data moves), each multiplied by its group's broadcast row."""
     block_n: int = 64
     block_k: int = 64
     max_concurrent_steps: int = 4
     a_operand: str = "registers"
-    overlap_cast: bool = False
 
     @classmethod
     def parse(cls, text: str) -> MgpuConfig:
         """A tiling written as colon-separated fields, e.g. "bn64:bk256:s4" or "bn128:bk128:s3:smem":
-        bnN block_n, bkN block_k, sN max_concurrent_steps, the words registers / smem (a_operand) and the word
-        overlap (overlap_cast). Unnamed fields keep their defaults."""
+        bnN block_n, bkN block_k, sN max_concurrent_steps, and the words registers / smem (a_operand).
+        Unnamed fields keep their defaults."""
         numbers = {"bn": "block_n", "bk": "block_k", "s": "max_concurrent_steps"}
         words = {"registers": "a_operand", "smem": "a_operand"}
-        fields: dict = {}
+        fields = {}
         for part in text.split(":"):
             key = part.rstrip("0123456789")
-            if part == "overlap":
-                fields["overlap_cast"] = True
-            elif part in words:
+            if part in words:
                 fields[words[part]] = part
             elif key in numbers and part[len(key):].isdigit():
                 fields[numbers[key]] = int(part[len(key):])
             else:
-                raise ValueError(f"bad Mosaic tiling {text!r} (field {part!r}): want e.g. bn64:bk256:s4, "
-                                 "bn64:bk256:s4:overlap or bn64:bk128:s4:smem")
+                raise ValueError(f"bad Mosaic tiling {text!r} (field {part!r}): want e.g. bn64:bk256:s4 or "
+                                 "bn64:bk128:s4:smem")
         return cls(**fields)
 
 
@@ -154,25 +148,6 @@ def dequantize_lane_order(w: jax.Array) -> jax.Array:
     return cast(w)  # pyright: ignore[reportCallIssue] (inline_mgpu's wrapper passes the launch context itself)
 
 
-def keep_registers(a: jax.Array) -> None:
-    """Mark a register-A wgmma operand (bf16, the WGMMA layout) as read here (call inside a kernel, after the
-    wgmma_wait that retires the wgmma reading it): an empty inline PTX statement with side effects takes each of its
-    registers as an input, so the compiler keeps them, and puts no other value in them, until this point. A wgmma
-    reads its register operand asynchronously, so without it the next tile's cast may be given the registers of a
-    wgmma still running (the SASS of an unfenced try did: undefined behaviour); the CUTLASS idiom is
-    warpgroup_fence_operand."""
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415 (inside-the-kernel builders)
-    from jaxlib.mlir import ir  # noqa: PLC0415
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,))
-    def use(_ctx, arr):
-        i32 = ir.IntegerType.get_signless(32)
-        for reg in arr.registers.flat:
-            mgpu_utils.inline_ptx("", mgpu_utils.bitcast(reg, i32))  # no results: side effects
-
-    use(a)  # pyright: ignore[reportCallIssue] (inline_mgpu's wrapper passes the launch context itself)
-
-
 def make_tile_matmul(config: MgpuConfig, k: int, mp: int, interpret=None):
     """The shared inner loop: (w_gmem [block_n, K] int4 in lane order, x_gmem bf16 [M, K] with M = Mp or M < 8 = Mp
     (rows past M are read as the TMA's zeros), s_gmem [K/32, block_n] bf16, a_smem or None) -> f32 [block_n, Mp] =
@@ -186,40 +161,26 @@ def make_tile_matmul(config: MgpuConfig, k: int, mp: int, interpret=None):
 
     def tile_matmul(w_gmem, x_gmem, s_gmem, a_smem):
         def body(acc_ref):
-            def cast(w4, s_smem, lo: int, hi: int):  # columns [lo, hi) of the int4 tile -> scaled bf16, WGMMA
-                w = w4 if (lo, hi) == (0, block_k) else w4[:, lo:hi]
+            def step(_, w_smem, x_smem, s_smem):
+                w = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_UPCAST_4X)  # int4 [block_n, block_k], lane order
                 if interpret is None:
                     w = dequantize_lane_order(w)  # bf16, the WGMMA layout, column order
                 else:  # the interpreter has no inline_mgpu: the same values by array ops
                     w = from_lane_order(w.astype(jnp.bfloat16))
                 scales = [plgpu.load(s_smem.at[g], layout=plgpu.Layout.WGMMA.reduce(1))  # bf16 [block_n] each
-                          for g in range(lo // GROUP_SIZE, hi // GROUP_SIZE)]
+                          for g in range(groups)]
                 # Group g = columns [32 g, 32 g + 32): a static slice of the WGMMA tiling (8 columns per
                 # register tile) is a subset of each thread's registers, so this moves no data.
-                return jnp.concatenate(
-                    [w[:, j * GROUP_SIZE:(j + 1) * GROUP_SIZE] * lax.broadcast_in_dim(s, (block_n, GROUP_SIZE), [0])
-                     for j, s in enumerate(scales)], axis=1)
-
-            def step(_, w_smem, x_smem, s_smem):
-                w4 = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_UPCAST_4X)  # int4 [block_n, block_k], lane order
-                # (lo, hi) column ranges, each cast and multiplied by one wgmma chain: the whole tile, or with
-                # overlap_cast 64-column sub-tiles whose wgmma runs while the next one is cast
-                cuts = [(lo, lo + 64) for lo in range(0, block_k, 64)] if config.overlap_cast else [(0, block_k)]
-                running = None  # the register-A operand of the wgmma left running
-                for lo, hi in cuts:
-                    w = cast(w4, s_smem, lo, hi)
-                    if a_smem is None:
-                        a = w  # register-A: the dequantized tile feeds wgmma straight from registers
-                    else:  # SMEM-A (interpret mode): stage it in SMEM, each sub-tile in its own columns
-                        a = a_smem if (lo, hi) == (0, block_k) else a_smem.at[:, lo:hi]
-                        a[...] = w
-                        plgpu.commit_smem()
-                    x_cols = x_smem if (lo, hi) == (0, block_k) else x_smem.at[:, lo:hi]
-                    plgpu.wgmma(acc_ref, a, x_cols.T)  # [block_n, hi - lo] @ [hi - lo, Mp]
-                    if running is not None:  # the previous sub-tile's wgmma: wait for it, then free its registers
-                        plgpu.wgmma_wait(1)
-                        keep_registers(running)
-                    running = a if a_smem is None and len(cuts) > 1 else None  # SMEM-A: a sub-tile's own columns
+                w = jnp.concatenate(
+                    [w[:, g * GROUP_SIZE:(g + 1) * GROUP_SIZE] * lax.broadcast_in_dim(s, (block_n, GROUP_SIZE), [0])
+                     for g, s in enumerate(scales)], axis=1)
+                if a_smem is None:
+                    a = w  # register-A: the dequantized tile feeds wgmma straight from registers
+                else:
+                    a_smem[...] = w  # SMEM-A (interpret mode): stage the dequantized tile in SMEM
+                    plgpu.commit_smem()
+                    a = a_smem
+                plgpu.wgmma(acc_ref, a, x_smem.T)  # [block_n, block_k] @ [block_k, Mp]
                 plgpu.wgmma_wait(0)  # the A tile is reused next step: finish reading it first
 
             plgpu.emit_pipeline(

@@ -377,27 +377,6 @@ def test_fused_gate_up_native_gpu_k26_shapes(T):
     assert _rel(fused, np.asarray(three.astype(jnp.float32), np.float64)) < 1e-2
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 9, 33])
-def test_overlap_cast_native_gpu_k26_shapes(T):
-    """The Mosaic GPU MoE with overlap_cast in both launches (each 64-column sub-tile's wgmma left running while the
-    next is cast) natively at K2.6 expert shapes: against the float32 XLA path and the default tiling."""
-    import dataclasses
-
-    from pallas_kernels.moe_w4a16.mosaic_gpu import grouped_moe_w4a16_mgpu
-    from pallas_kernels.moe_w4a16.tuned import default_mosaic_config
-
-    if not dispatch.is_hopper(jax.devices()[0]):
-        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU (sm_90)")
-    x, experts, ids, weights, want = _k26_native_problem(T)
-    experts = {n: w.to_mosaic() for n, w in experts.items()}
-    up, down = (dataclasses.replace(default_mosaic_config(k), overlap_cast=True) for k in (7168, 2048))
-    got = grouped_moe_w4a16_mgpu(x, experts, ids, weights, config_up=up, config_down=down)
-    plain = grouped_moe_w4a16_mgpu(x, experts, ids, weights)
-    assert _rel(got, want) < 3e-2
-    assert _rel(got, np.asarray(plain.astype(jnp.float32), np.float64)) < 1e-2
-
-
 # ------------------------------------ the Mosaic GPU grouped MoE kernel (pallas_kernels/moe_w4a16/mosaic_gpu.py)
 def _mgpu_interpret():
     from pallas_kernels.w4a16.mosaic_gpu import gpu_interpret_params

@@ -7,8 +7,6 @@ race detector on); the register-A path, which that interpreter cannot run, is co
 test here and by the native test on a GPU.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,11 +58,6 @@ INTERPRET_CASES = [
     (9, 64, 256, MgpuConfig(a_operand="smem"), 4, 0),
     (2, 192, 256, MgpuConfig(a_operand="smem"), 2, 2),
     (8, 192, 256, MgpuConfig(block_k=64, max_concurrent_steps=2, a_operand="smem"), 4, 1),
-    # overlap_cast: a step cut into 64-column sub-tiles, each its own wgmma (block_k 128 and 256: 2 and 4 a step;
-    # the split chunks of the mixed case have one sub-tile)
-    (16, 128, 256, MgpuConfig(block_k=128, max_concurrent_steps=2, a_operand="smem", overlap_cast=True), 1, 0),
-    (3, 64, 512, MgpuConfig(block_k=256, max_concurrent_steps=2, a_operand="smem", overlap_cast=True), 1, 0),
-    (8, 192, 256, MgpuConfig(block_k=64, max_concurrent_steps=2, a_operand="smem", overlap_cast=True), 4, 1),
 ]
 
 
@@ -126,10 +119,7 @@ def test_lowers_for_cuda_at_k2_shapes():
                                        (16, 2048, 7168, MgpuConfig(block_n=128, block_k=128), 1, 0),
                                        (64, 512, 7168, MgpuConfig(a_operand="smem"), 1, 0),
                                        (8, 2048, 7168, *dense_config(7168, 2048)),  # split-K 7
-                                       (8, 18432, 7168, *dense_config(7168, 18432)),  # 264 whole + 24 x 4
-                                       # the cast of a 64-column sub-tile overlapping the previous one's wgmma
-                                       (8, 18432, 7168, MgpuConfig(block_k=256, overlap_cast=True), 4, 264),
-                                       (1, 2048, 7168, MgpuConfig(block_k=256, overlap_cast=True), 7, 0)]:
+                                       (8, 18432, 7168, *dense_config(7168, 18432))]:  # 264 whole + 24 x 4
         args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.int4),
                 jax.ShapeDtypeStruct((k // 32, n), jnp.bfloat16))
         f = lambda x, w, s, cfg=cfg, split=split, whole=whole: w4a16_matmul_mgpu_kernel(  # noqa: E731
@@ -148,24 +138,6 @@ def test_native_gpu(m, n, k, a_operand):
     x, leaf, want = _problem(m, n, k, seed=m + n + k)
     got = w4a16_matmul_mgpu(x, leaf, config=MgpuConfig(a_operand=a_operand), split_k=1)
     assert _rel_err(got, want) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 16])
-@pytest.mark.parametrize("k,n", [(7168, 2048), (7168, 18432), (2048, 7168)])
-def test_native_gpu_overlap_cast(m, k, n):
-    """overlap_cast natively at K2.6 shapes with the tuned split (its sub-tiles' wgmmas left running while the next
-    sub-tile is cast; a register reused too early would corrupt the product): equal to the float64 truth and within
-    bf16 rounding of the plain tile loop."""
-    if not dispatch.is_hopper(jax.devices()[0]):
-        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU (sm_90)")
-    x, leaf, want = _problem(m, n, k, seed=m + n + k)
-    config, split, whole = dense_config(k, n)
-    got = w4a16_matmul_mgpu(x, leaf, config=dataclasses.replace(config, overlap_cast=True), split_k=split,
-                            whole_tiles=whole)
-    plain = w4a16_matmul_mgpu(x, leaf, config=config, split_k=split, whole_tiles=whole)
-    assert _rel_err(got, want) < 1e-2
-    assert _rel_err(got, np.asarray(plain.astype(jnp.float32), np.float64)) < 1e-2
 
 
 @pytest.mark.gpu
@@ -221,7 +193,6 @@ def test_config_parse_and_the_moe_default_tiling():
     assert MgpuConfig.parse("bn128:bk256:s3:smem") == MgpuConfig(block_n=128, block_k=256, max_concurrent_steps=3,
                                                                 a_operand="smem")
     assert MgpuConfig.parse("bk512") == MgpuConfig(block_k=512)  # unnamed fields keep their defaults
-    assert MgpuConfig.parse("bn64:bk256:s4:overlap") == MgpuConfig(block_n=64, block_k=256, overlap_cast=True)
     for bad in ("bn64:bk", "bn64:select", "xx64", ""):
         with pytest.raises(ValueError, match="bad Mosaic tiling"):
             MgpuConfig.parse(bad)
