@@ -341,9 +341,9 @@ def cases(only: list[str]) -> list[Case]:
                             + (f" whole_tiles={whole}" if whole else ""),
                             lambda k=k, n=n: dense(k, n, 8)))
 
-    def grouped(k: int, n: int, tiles: int, fused: bool, rows: tuple[int, ...]):  # x's leading dims: (1,): every
-        config = default_mosaic_config(k)  # tile reads that one row; (tiles, 1): each tile its own row
-        x = S((*rows, k), jnp.bfloat16)
+    def grouped(k: int, n: int, tiles: int, fused: bool, rows: int):  # rows: x's (1: every tile reads that one)
+        config = default_mosaic_config(k)
+        x = S((rows, k), jnp.bfloat16)
         w, s = _expert_stack(n, k)
         tile_expert = S((tiles,), jnp.int32)
         if fused:
@@ -352,15 +352,12 @@ def cases(only: list[str]) -> list[Case]:
         return (lambda x, w, s, t: grouped_w4a16_mgpu_kernel(x, w, s, t, config=config)), (x, w, s, tile_expert)
 
     if "moe" in only:  # the kernel's code does not depend on the tile count (a grid dimension): T = 1's 8 tiles, as
-        # the decode step runs them (gate / up reading x's one row as every tile's token tile, down each tile's one
-        # row of h), and down reading 8 rows a tile (a verify's grouped rows)
+        # the decode step runs them (gate / up reading x's one row as every tile's token tile, down 8 rows a tile)
         out.append(Case("moe", "gate or up, K=7168 N=2048, 8 tiles reading x's 1 row",
-                        lambda: grouped(7168, 2048, 8, False, (1,))))
+                        lambda: grouped(7168, 2048, 8, False, 1)))
         out.append(Case("moe", "fused gate+up, K=7168 N=2048, 8 tiles reading x's 1 row",
-                        lambda: grouped(7168, 2048, 8, True, (1,))))
-        out.append(Case("moe", "down, K=2048 N=7168, 8 tiles of 1 row (T = 1)",
-                        lambda: grouped(2048, 7168, 8, False, (8, 1))))
-        out.append(Case("moe", "down, K=2048 N=7168, 8 tiles of 8 rows", lambda: grouped(2048, 7168, 8, False, (64,))))
+                        lambda: grouped(7168, 2048, 8, True, 1)))
+        out.append(Case("moe", "down, K=2048 N=7168, 8 tiles of 8 rows", lambda: grouped(2048, 7168, 8, False, 64)))
     return out
 
 

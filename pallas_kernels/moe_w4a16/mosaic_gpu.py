@@ -34,9 +34,8 @@ from pallas_kernels.w4a16.mosaic_gpu import MgpuConfig, gpu_interpret_params
 def grouped_w4a16_mgpu_kernel(x_rows: jax.Array, w_i4: jax.Array, scale_t: jax.Array, tile_expert: jax.Array, *,
                               tile_weight: jax.Array | None = None, config: MgpuConfig = MgpuConfig(),
                               interpret=None) -> jax.Array:
-    """Grouped (per-tile expert) W4A16: x_rows bf16 [R * Mp, K] (row tile t = rows [t Mp, (t + 1) Mp)), [M < 8, K]
-    (one token tile for every row tile) or [R, M < 8, K] (each row tile its own M rows; Mp = 8 for both:
-    `_token_tiles`), w_i4 int4 [E, N, K], scale_t bf16 [E, K/32, N],
+    """Grouped (per-tile expert) W4A16: x_rows bf16 [R * Mp, K] (row tile t = rows [t Mp, (t + 1) Mp)) or [M < 8, K]
+    (one token tile for every row tile, Mp = 8: `_token_tiles`), w_i4 int4 [E, N, K], scale_t bf16 [E, K/32, N],
     tile_expert int32 [R] (the expert of each row tile, -1 = unused) -> y^T f32 [R, N, Mp],
     tile t = dequant(W[tile_expert[t]]) @ x_tile^T.
 
@@ -67,16 +66,13 @@ def grouped_w4a16_mgpu_kernel(x_rows: jax.Array, w_i4: jax.Array, scale_t: jax.A
 
 
 def _token_tiles(x_rows: jax.Array, r: int, k: int):
-    """A grouped kernel's token tiles: x_rows bf16 [R * Mp, K] (row tile t = rows [t Mp, (t + 1) Mp)); or [M, K] with
-    M < 8, one token tile that every row tile reads; or [R, M, K] with M < 8, row tile t's own M rows. With M < 8 the
-    tile is read as Mp = 8 rows, the TMA filling rows M..7 with zeros, which reach only output columns past M: the
-    decode step's token (gate and up) or each choice's one row of h (down), with no XLA launch to pad or repeat them
-    and no zero rows streamed. -> (Mp, a function (x_gmem, t) -> row tile t's ref, to call inside the kernel)."""
-    if x_rows.ndim == 3 and x_rows.shape[0] == r and x_rows.shape[1] < 8 and x_rows.shape[2] == k:
-        return 8, lambda x_gmem, t: x_gmem.at[t]
+    """A grouped kernel's token tiles: x_rows bf16 [R * Mp, K] (row tile t = rows [t Mp, (t + 1) Mp)), or [M, K] with
+    M < 8, one token tile that every row tile reads (Mp = 8: the TMA fills rows M..7 with zeros, which reach only
+    output columns past M; the decode step's token, with no XLA launch to pad or repeat it). -> (Mp, a function
+    (x_gmem, t) -> row tile t's [Mp, K] ref, to call inside the kernel)."""
     rows = x_rows.shape[0]
     if x_rows.ndim != 2 or x_rows.shape[1] != k:
-        raise ValueError(f"x_rows {x_rows.shape} must be [rows, K={k}], or [R={r}, M < 8, K={k}]")
+        raise ValueError(f"x_rows {x_rows.shape} must be [rows, K={k}]")
     if rows < 8:
         return 8, lambda x_gmem, _t: x_gmem
     if rows % r:
@@ -102,15 +98,15 @@ def _tile_expert(e_gmem, tw_gmem, t):
     return jnp.where(tw_gmem[t] != 0, e_gmem[t], -1)
 
 
-def _grouped_launch(kernel, r: int, n: int, mp: int, config: MgpuConfig, interpret, rows_out: int = 0):
+def _grouped_launch(kernel, r: int, n: int, mp: int, config: MgpuConfig, interpret, rows_out: bool = False):
     """The grouped kernels' launch: grid (R row tiles, N / block_n), the tile loop's scratch, and out f32 [R, N, Mp]
-    staged through o_smem f32 [block_n, Mp]; rows_out > 0: out bf16 [R, rows_out, N] (token rows, rows_out <= Mp)
-    through o_smem bf16 [Mp, block_n] instead."""
+    staged through o_smem f32 [block_n, Mp]; rows_out: out bf16 [R, Mp, N] (token rows) through o_smem bf16
+    [Mp, block_n] instead."""
     scratch = mosaic.scratch_types(config, mp)
     out_type = jax.ShapeDtypeStruct((r, n, mp), jnp.float32)
     if rows_out:
         scratch["o_smem"] = plgpu.SMEM((mp, config.block_n), jnp.bfloat16)
-        out_type = jax.ShapeDtypeStruct((r, rows_out, n), jnp.bfloat16)
+        out_type = jax.ShapeDtypeStruct((r, mp, n), jnp.bfloat16)
     return plgpu.kernel(
         kernel,
         out_type=out_type,
@@ -131,9 +127,7 @@ def grouped_gate_up_mgpu_kernel(x_rows: jax.Array, gate_w: jax.Array, gate_s: ja
                                 config: MgpuConfig = MgpuConfig(), interpret=None) -> jax.Array:
     """The gate and up launches in one, SwiGLU in the epilogue: x_rows bf16 [R * Mp, K] or [M < 8, K] (as
     `grouped_w4a16_mgpu_kernel`), gate_w / up_w int4 [E, N, K], gate_s / up_s bf16 [E, K/32, N], tile_expert int32
-    [R] (-1 = unused) -> h bf16 [R, Mp, N], rows as x_rows' (the down launch's operand as it is), or, for x_rows
-    [M < 8, K] (the decode step's token), h [R, M, N]: each tile's M real rows only, which the down launch reads as
-    its [R, M, N] token tiles (the zero rows of an 8-row tile are neither written nor streamed back); with
+    [R] (-1 = unused) -> h bf16 [R, Mp, N], rows as x_rows' (the down launch's operand as it is), with
     h = bf16(bf16(silu(bf16(g))) * bf16(u)), g / u the tile's gate / up products (the same roundings as the
     three-launch path's XLA SwiGLU).
 
@@ -144,7 +138,6 @@ def grouped_gate_up_mgpu_kernel(x_rows: jax.Array, gate_w: jax.Array, gate_s: ja
     skip or mask them)."""
     (r,), (num_experts, n, k) = tile_expert.shape, gate_w.shape
     mp, token_tile = _token_tiles(x_rows, r, k)
-    rows_out = x_rows.shape[0] if x_rows.ndim == 2 and x_rows.shape[0] < 8 else mp  # a shared token's real rows
     mosaic.check_config(config, n, k, mp, interpret)
     want_w, want_s = (num_experts, n, k), (num_experts, k // GROUP_SIZE, n)
     if not (gate_w.shape == up_w.shape == want_w and gate_s.shape == up_s.shape == want_s):
@@ -166,11 +159,10 @@ def grouped_gate_up_mgpu_kernel(x_rows: jax.Array, gate_w: jax.Array, gate_s: ja
             h = (_bf16(g / (1.0 + jnp.exp(-g))) * u).astype(jnp.bfloat16)  # [block_n, Mp]
             o_smem.T[...] = h
             plgpu.commit_smem()
-            rows = o_smem if rows_out == mp else o_smem.at[:rows_out]  # [rows_out, block_n]: the real rows only
-            plgpu.copy_smem_to_gmem(rows, o_gmem.at[t, :, n_slice])
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[t, :, n_slice])
             plgpu.wait_smem_to_gmem(0)
 
-    return _grouped_launch(kernel, r, n, mp, config, interpret, rows_out=rows_out)(
+    return _grouped_launch(kernel, r, n, mp, config, interpret, rows_out=True)(
         *_tile_table(tile_expert, tile_weight), x_rows, gate_w, gate_s, up_w, up_s)
 
 
@@ -219,13 +211,11 @@ def grouped_moe_w4a16_mgpu(x: jax.Array, experts_mgpu: dict, expert_ids: jax.Arr
             return jnp.where(used, y_t, 0.0)
 
         if fused_gate_up:
-            # [R, bm, I] bf16 in the down launch's row layout ([R, 1, I] at T = 1: each choice's one real row, read
-            # back as its own token tile): no XLA launch between the two; an unused tile's rows are never written,
-            # and the down launch skips the same tiles (its output is masked)
+            # [R, bm, I] bf16 in the down launch's row layout: no XLA launch between the two; an unused tile's rows
+            # are never written, and the down launch skips the same tiles (its output is masked)
             h_rows = grouped_gate_up_mgpu_kernel(x_rows, gate_w, gate_s, up_w, up_s, tile_expert,
-                                                 tile_weight=tile_weight, config=config_up, interpret=interpret)
-            if x_rows.shape[0] >= 8:  # T > 1: the grouped rows
-                h_rows = h_rows.reshape(-1, inter)  # [R bm, I]
+                                                 tile_weight=tile_weight, config=config_up,
+                                                 interpret=interpret).reshape(-1, inter)  # [R bm, I]
         else:
             g = _bf16(run(x_rows, gate_w, gate_s, config_up))  # [R, I, bm]
             u = run(x_rows, up_w, up_s, config_up).astype(jnp.bfloat16)
