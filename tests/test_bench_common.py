@@ -132,6 +132,24 @@ def test_loop_wall_feeds_each_call_the_last_output_and_times_per_call():
     assert same > matvec  # a 512-wide product per call costs more than a 64-wide one
 
 
+def test_loop_wall_is_not_fooled_by_a_machine_that_slows_down_midway(monkeypatch):
+    """loop_wall_us on a scripted clock: calls of 80 us, a loop's fixed cost of 100 us, and from the sixth loop run on
+    every run 400 us slower (another process woke up). Timing the 20-call loop's runs first and the 40-call loop's
+    after, as the clock did before, would put the slow-down into the difference (100 us a call instead of 80);
+    timed in turn, the fastest run of each loop gives 80."""
+    clock = {"now": 0.0, "runs": 0}
+
+    def fake_loop(_fn, calls):
+        def run(*_args):
+            clock["runs"] += 1
+            clock["now"] += (100 + 80 * calls + (400 if clock["runs"] > 5 else 0)) * 1e-6
+        return run
+
+    monkeypatch.setattr(common, "_dependent_loop", fake_loop)
+    monkeypatch.setattr(common.time, "perf_counter", lambda: clock["now"])
+    assert common.loop_wall_us(lambda x: x, (0,), calls=20) == pytest.approx(80.0)
+
+
 def test_summarize_timeline_splits_span_into_busy_and_gaps():
     """Three calls of two launches each (ns): per call span, busy (overlapping events counted once) and gaps, and the
     middle call's launches with the idle time before each (its first measured from the previous call's end)."""
