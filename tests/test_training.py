@@ -200,15 +200,56 @@ def test_grown_drafter_starts_as_the_same_function_and_trains():
         grow_layers(dcfg, dparams, 0, jax.random.key(1))
 
 
-def test_grow_layers_needs_init(monkeypatch, capsys):
+def test_widened_drafter_starts_as_the_same_function_and_trains():
+    """train_drafter --grow-width: the new SwiGLU units add nothing at step 0 (the logits equal the loaded drafter's,
+    its own weights kept), and the gradient reaches their zero down rows at once (so they train)."""
+    import numpy as np
+
+    import kdtree_jax as kj
+    from training.train_drafter import drafter_training_logits, grow_width
+
+    cfg = kj.ModelConfig.tiny()
+    dcfg = kj.DrafterConfig.for_target(cfg, num_layers=2, block_size=4)
+    dparams = kj.init_drafter_params(dcfg, jax.random.key(0))
+    old = dcfg.intermediate_size
+    wide_cfg, wide = grow_width(dcfg, dparams, 2 * old, jax.random.key(1))
+    assert wide_cfg.intermediate_size == 2 * old and wide_cfg.replace(intermediate_size=old) == dcfg
+    for i in range(2):
+        mlp = wide[f"layers_{i}"]["mlp"]
+        assert mlp["gate"].shape == (cfg.hidden_size, 2 * old) and mlp["down"].shape == (2 * old, cfg.hidden_size)
+        kept = dparams[f"layers_{i}"]["mlp"]["gate"]
+        np.testing.assert_array_equal(np.asarray(mlp["gate"][:, :old]), np.asarray(kept))
+        assert float(jnp.abs(mlp["gate"][:, old:]).max()) > 0 and float(jnp.abs(mlp["down"][old:]).max()) == 0
+
+    k1, k2, k3 = jax.random.split(jax.random.key(2), 3)
+    B, T, D = 2, 12, cfg.hidden_size
+    hidden = jax.random.normal(k1, (B, T, dcfg.num_target_layers, D), jnp.float32)
+    tokens = jax.random.randint(k2, (B, T), 4, cfg.vocab_size)
+    anchors = jnp.asarray([[3, 7], [5, 8]], jnp.int32)
+    embed = jax.random.normal(k3, (cfg.vocab_size, D), jnp.float32) * 0.02
+
+    def logits(cfg_, params):
+        return drafter_training_logits(params, cfg_, hidden, tokens, anchors, embed, embed.T)
+
+    np.testing.assert_allclose(np.asarray(logits(wide_cfg, wide)), np.asarray(logits(dcfg, dparams)),
+                               rtol=1e-5, atol=1e-5)
+    grads = jax.grad(lambda p: jnp.sum(logits(wide_cfg, p) ** 2))(wide)
+    for i in range(2):
+        assert float(jnp.abs(grads[f"layers_{i}"]["mlp"]["down"][old:]).max()) > 0
+    with pytest.raises(ValueError, match="width must exceed"):
+        grow_width(dcfg, dparams, old, jax.random.key(1))
+
+
+@pytest.mark.parametrize("flag", ["--grow-layers", "--grow-width"])
+def test_growing_needs_init(monkeypatch, capsys, flag):
     import sys
 
     from training import train_drafter
 
-    monkeypatch.setattr(sys, "argv", ["train_drafter", "--target", "unused", "--steps", "1", "--grow-layers", "2"])
+    monkeypatch.setattr(sys, "argv", ["train_drafter", "--target", "unused", "--steps", "1", flag, "2"])
     with pytest.raises(SystemExit) as exit_info:
         train_drafter.main()
-    assert exit_info.value.code == 2 and "--grow-layers needs --init" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"{flag} needs --init" in capsys.readouterr().err
 
 
 def test_distill_weight_out_of_range_is_refused(monkeypatch, capsys):

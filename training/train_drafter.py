@@ -106,6 +106,28 @@ def grow_layers(dcfg: kj.DrafterConfig, dparams: dict, extra: int, key: jax.Arra
     return grown, out
 
 
+def grow_width(dcfg: kj.DrafterConfig, dparams: dict, width: int, key: jax.Array) -> tuple[kj.DrafterConfig, dict]:
+    """The drafter with every layer's SwiGLU widened to `width`, computing the same function: the new gate and up
+    columns freshly initialised, the new rows of the down projection zero, so they add nothing until training moves
+    them (the gradient reaches those rows at once). Capacity without depth: on a GPU a wider matmul is the same
+    launches, where each added layer costs a round about a dozen more (a deeper drafter measured slower end to end,
+    docs/training.md)."""
+    if width <= dcfg.intermediate_size:
+        raise ValueError(f"grow_width: width must exceed the drafter's {dcfg.intermediate_size}, got {width}")
+    grown = dcfg.replace(intermediate_size=width)
+    fresh = kj.init_drafter_params(grown, key, dtype=jax.tree.leaves(dparams)[0].dtype)
+    old = dcfg.intermediate_size
+    out = dict(dparams)
+    for i in range(dcfg.num_hidden_layers):
+        mlp, new = dparams[f"layers_{i}"]["mlp"], fresh[f"layers_{i}"]["mlp"]
+        out[f"layers_{i}"] = {**dparams[f"layers_{i}"], "mlp": {
+            "gate": jnp.concatenate([mlp["gate"], new["gate"][:, old:]], axis=1),
+            "up": jnp.concatenate([mlp["up"], new["up"][:, old:]], axis=1),
+            "down": jnp.concatenate([mlp["down"], jnp.zeros_like(new["down"][old:])], axis=0)}}
+    check_drafter_params(grown, out)
+    return grown, out
+
+
 def block_weights(block_size: int, gamma: float) -> np.ndarray:
     """DFlash's decaying position weights exp(-(k-1)/gamma), k = 1..block-1, normalised to sum 1."""
     w = np.exp(-np.arange(block_size - 1) / gamma)
@@ -252,6 +274,10 @@ def main() -> None:
                         help="with --init: append this many decoder layers to the loaded drafter, each freshly "
                              "initialised with its attention output and MLP down projection zero, so the grown "
                              "drafter starts as the same function (step 0) with more capacity")
+    parser.add_argument("--grow-width", type=int, default=0,
+                        help="with --init: widen every layer's SwiGLU of the loaded drafter to this many units (more "
+                             "than its own), the new gate / up columns freshly initialised and the new down rows zero, "
+                             "so the widened drafter starts as the same function (step 0); after --grow-layers")
     parser.add_argument("--distill", type=float, default=0.0,
                         help="weight in [0, 1] of the cross-entropy against the target's own next-token distribution "
                              "(from the same forward that gives the drafter its features) beside the one against the "
@@ -265,6 +291,8 @@ def main() -> None:
         check_step_args(parser, args)
     if args.grow_layers < 0 or (args.grow_layers and args.init is None):
         parser.error("--grow-layers needs --init (the drafter to grow) and a count >= 1")
+    if args.grow_width < 0 or (args.grow_width and args.init is None):
+        parser.error("--grow-width needs --init (the drafter to widen) and a width")
     if not 0.0 <= args.distill <= 1.0:
         parser.error(f"--distill must be in [0, 1], got {args.distill}")
     dflash_gamma = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -291,6 +319,11 @@ def main() -> None:
         dcfg, dparams = init
         if args.grow_layers:
             dcfg, dparams = grow_layers(dcfg, dparams, args.grow_layers, jax.random.key(args.seed + 1))
+        if args.grow_width:
+            if args.grow_width <= dcfg.intermediate_size:
+                parser.error(f"--grow-width {args.grow_width} must exceed the drafter's SwiGLU width "
+                             f"{dcfg.intermediate_size}")
+            dcfg, dparams = grow_width(dcfg, dparams, args.grow_width, jax.random.key(args.seed + 2))
     else:
         dcfg = kj.DrafterConfig.for_target(cfg, num_layers=args.layers, num_target_layers=args.target_layers,
                                            block_size=args.block_size, intermediate_size=args.width)
@@ -325,8 +358,11 @@ def main() -> None:
     ev_sets = {}
     for name in ("greedy", "sampled"):
         ev_seqs, ev_valid = data[f"ev_{name}_seqs"], data[f"ev_{name}_valid"]
-        batches = [(ev_seqs[i:i + args.batch], ev_valid[i:i + args.batch]) for i in range(0, len(ev_seqs), args.batch)
-                   if i + args.batch <= len(ev_seqs)]
+        if not len(ev_seqs):
+            raise SystemExit(f"train_drafter: the data cache's {name} held-out set is empty")
+        size = min(args.batch, len(ev_seqs))  # a set smaller than a batch is one batch (not none: nothing to score)
+        batches = [(ev_seqs[i:i + size], ev_valid[i:i + size]) for i in range(0, len(ev_seqs), size)
+                   if i + size <= len(ev_seqs)]
         ev_sets[name] = [(s, v, sample_anchors(ev_rng, v, args.prompt_len, args.anchors, args.block_size))
                          for s, v in batches]
 
