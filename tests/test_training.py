@@ -162,13 +162,31 @@ def test_unlikelihood_cli_refuses_bad_arguments(argv, message, monkeypatch, caps
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+def _training_logits_on_random_features(cfg, dcfg):
+    """(drafter config, params) -> the training forward's logits over fixed random target features, tokens and
+    anchors (two sequences of 12 tokens, two anchors each): a drafter grown from dcfg compared with dcfg itself."""
+    from training.train_drafter import drafter_training_logits
+
+    k1, k2, k3 = jax.random.split(jax.random.key(2), 3)
+    B, T, D = 2, 12, cfg.hidden_size
+    hidden = jax.random.normal(k1, (B, T, dcfg.num_target_layers, D), jnp.float32)
+    tokens = jax.random.randint(k2, (B, T), 4, cfg.vocab_size)
+    anchors = jnp.asarray([[3, 7], [5, 8]], jnp.int32)
+    embed = jax.random.normal(k3, (cfg.vocab_size, D), jnp.float32) * 0.02
+
+    def logits(cfg_, params):
+        return drafter_training_logits(params, cfg_, hidden, tokens, anchors, embed, embed.T)
+
+    return logits
+
+
 def test_grown_drafter_starts_as_the_same_function_and_trains():
     """train_drafter --grow-layers: the appended layers add nothing at step 0 (the logits equal the loaded drafter's),
     and the gradient reaches their zero output projections at once (so they train)."""
     import numpy as np
 
     import kdtree_jax as kj
-    from training.train_drafter import drafter_training_logits, grow_layers
+    from training.train_drafter import grow_layers
 
     cfg = kj.ModelConfig.tiny()
     dcfg = kj.DrafterConfig.for_target(cfg, num_layers=1, block_size=4)
@@ -177,17 +195,7 @@ def test_grown_drafter_starts_as_the_same_function_and_trains():
     assert grown_cfg.num_hidden_layers == 3 and grown_cfg.replace(num_hidden_layers=1) == dcfg
     assert set(grown) == set(dparams) | {"layers_1", "layers_2"}
 
-    k1, k2, k3 = jax.random.split(jax.random.key(2), 3)
-    B, T, D = 2, 12, cfg.hidden_size
-    hidden = jax.random.normal(k1, (B, T, dcfg.num_target_layers, D), jnp.float32)
-    tokens = jax.random.randint(k2, (B, T), 4, cfg.vocab_size)
-    anchors = jnp.asarray([[3, 7], [5, 8]], jnp.int32)
-    embed = jax.random.normal(k3, (cfg.vocab_size, D), jnp.float32) * 0.02
-    lm_head = embed.T
-
-    def logits(cfg_, params):
-        return drafter_training_logits(params, cfg_, hidden, tokens, anchors, embed, lm_head)
-
+    logits = _training_logits_on_random_features(cfg, dcfg)
     # the same function up to float32 rounding (XLA fuses the deeper program differently); without the zero
     # projections the logits would differ by O(1)
     np.testing.assert_allclose(np.asarray(logits(grown_cfg, grown)), np.asarray(logits(dcfg, dparams)),
@@ -206,7 +214,7 @@ def test_widened_drafter_starts_as_the_same_function_and_trains():
     import numpy as np
 
     import kdtree_jax as kj
-    from training.train_drafter import drafter_training_logits, grow_width
+    from training.train_drafter import grow_width
 
     cfg = kj.ModelConfig.tiny()
     dcfg = kj.DrafterConfig.for_target(cfg, num_layers=2, block_size=4)
@@ -221,16 +229,7 @@ def test_widened_drafter_starts_as_the_same_function_and_trains():
         np.testing.assert_array_equal(np.asarray(mlp["gate"][:, :old]), np.asarray(kept))
         assert float(jnp.abs(mlp["gate"][:, old:]).max()) > 0 and float(jnp.abs(mlp["down"][old:]).max()) == 0
 
-    k1, k2, k3 = jax.random.split(jax.random.key(2), 3)
-    B, T, D = 2, 12, cfg.hidden_size
-    hidden = jax.random.normal(k1, (B, T, dcfg.num_target_layers, D), jnp.float32)
-    tokens = jax.random.randint(k2, (B, T), 4, cfg.vocab_size)
-    anchors = jnp.asarray([[3, 7], [5, 8]], jnp.int32)
-    embed = jax.random.normal(k3, (cfg.vocab_size, D), jnp.float32) * 0.02
-
-    def logits(cfg_, params):
-        return drafter_training_logits(params, cfg_, hidden, tokens, anchors, embed, embed.T)
-
+    logits = _training_logits_on_random_features(cfg, dcfg)
     np.testing.assert_allclose(np.asarray(logits(wide_cfg, wide)), np.asarray(logits(dcfg, dparams)),
                                rtol=1e-5, atol=1e-5)
     grads = jax.grad(lambda p: jnp.sum(logits(wide_cfg, p) ** 2))(wide)
