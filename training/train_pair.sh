@@ -9,6 +9,9 @@
 #   OUT=DIR TARGET_CKPT=kdtree_jax/assets/target NUM_SEQS=65536 STAGES=data bash training/train_pair.sh
 #   OUT=DIR TARGET_CKPT=kdtree_jax/assets/target STAGES=drafters DRAFTER_S=200 bash training/train_pair.sh
 #   (STAGES: any of "target data drafters", default all three; WORK must be the same folder for both calls)
+# Continue the shipped drafter, widened, on new continuations in one call (docs/training.md, "Width instead of depth"):
+#   OUT=DIR TARGET_CKPT=kdtree_jax/assets/target DATA=CORPUS3 NUM_SEQS=49152 GEN_BATCH=512 SEED=8 BLOCKS=8 DRAFTER_S=380 STAGES="data drafters" \
+#     DRAFTER_EXTRA="--init kdtree_jax/assets/drafter --grow-width 1536 --lr 1e-3 --warmup 50" bash training/train_pair.sh
 #
 # 1. target: training/train_target.py for TARGET_S seconds of steps (bf16 compute, float32 master weights),
 #    then INT4 routed experts and the held-out bits per byte of both;
@@ -29,6 +32,9 @@ STAGES=${STAGES:-target data drafters}
 NUM_SEQS=${NUM_SEQS:-8192}      # generated target continuations (the drafters' training data)
 BLOCKS=${BLOCKS:-16 8}          # drafter block sizes, trained side by side
 DRAFTER_S=${DRAFTER_S:-}        # seconds of drafter steps each (default: what the deadline leaves, <= 240)
+GEN_BATCH=${GEN_BATCH:-}        # --gen-batch of the data generation (default: train_drafter's; 512 is faster on a GPU)
+SEED=${SEED:-}                  # --seed of the data generation and of the drafters (default: train_drafter's)
+read -r -a DRAFTER_EXTRA <<< "${DRAFTER_EXTRA:-}"  # more train_drafter arguments for every drafter (--init, --grow-width)
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT" "$WORK"
 
@@ -43,6 +49,10 @@ else
   GEN_ARGS=(--num-seqs "$NUM_SEQS")
   DRAFTER_ARGS=()
 fi
+
+SEED_ARGS=()
+[[ -z "$SEED" ]] || SEED_ARGS=(--seed "$SEED")
+[[ -z "$GEN_BATCH" || -n "${SMOKE:-}" ]] || GEN_ARGS+=(--gen-batch "$GEN_BATCH")
 
 stamp() { echo "[train_pair ${SECONDS}s] $*"; }
 pack() {  # pack NAME DIR FILES...: DIR's FILES as OUT/NAME.tar (split into 15 MiB parts when larger)
@@ -73,7 +83,7 @@ if [[ -z "$TARGET_CKPT" ]] && has target; then
 fi
 if has data; then
   stamp "drafter data: $NUM_SEQS continuations by $TARGET"
-  $PY -m training.train_drafter --target "$TARGET" --data "$DATA" "${GEN_ARGS[@]}" --generate-only \
+  $PY -m training.train_drafter --target "$TARGET" --data "$DATA" "${GEN_ARGS[@]}" "${SEED_ARGS[@]}" --generate-only \
       --data-cache "$WORK/drafter_data.npz" --out "$WORK/gen" > "$WORK/gen.log" 2>&1 || { cat "$WORK/gen.log"; exit 1; }
   tail -n 2 "$WORK/gen.log"
 fi
@@ -92,7 +102,7 @@ pids=()
 for block in $BLOCKS; do
   if [[ -n "${SMOKE:-}" ]]; then time_args=(); else time_args=(--time-budget-s "$budget"); fi
   $PY -m training.train_drafter --target "$TARGET" \
-      --data-cache "$WORK/drafter_data.npz" --block-size "$block" "${DRAFTER_ARGS[@]}" "${time_args[@]}" \
+      --data-cache "$WORK/drafter_data.npz" --block-size "$block" "${DRAFTER_ARGS[@]}" "${SEED_ARGS[@]}" "${DRAFTER_EXTRA[@]}" "${time_args[@]}" \
       --out "$WORK/drafter$block" > "$WORK/drafter$block.log" 2>&1 &
   pids+=($!)
 done
