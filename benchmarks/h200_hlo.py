@@ -3,6 +3,7 @@ the dots and their precisions, and the products a float32 model rounds to bf16.
 
   python3.12 -m venv .venv-cuda && .venv-cuda/bin/pip install "jax[cuda12]==0.11.2" -e .
   .venv-cuda/bin/python benchmarks/h200_hlo.py --out benchmarks/results [--tag NAME] [--precisions ...]
+  (or the venv of the project's aot extra, CUDA 13, which benchmarks/aot_resources.py uses: .venv-aot/bin/python)
 
 A separate environment: the CUDA plugin (its compiler needs no GPU; 5.5 GB of CUDA wheels) makes every JAX start
 try CUDA first, which the project's own CPU environment should not.
@@ -134,11 +135,12 @@ def main() -> None:
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"  # its version check would ask a driver for devices
 
     try:
-        has_plugin = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+        has_plugin = any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None for v in (12, 13))
     except ModuleNotFoundError:  # no jax_plugins package at all
         has_plugin = False
     if not has_plugin:
-        sys.exit("h200_hlo.py needs the CUDA plugin: pip install 'jax[cuda12]==0.11.2' (no GPU needed)")
+        sys.exit("h200_hlo.py needs a CUDA plugin: pip install 'jax[cuda12]==0.11.2', or the project's aot extra "
+                 "(CUDA 13) in a venv of its own (no GPU needed)")
     import jax  # noqa: PLC0415 - after the environment above
     from jax._src.mesh import AbstractDevice  # noqa: PLC0415 - use_abstract_mesh's device (no public name)
     from jax.experimental import topologies  # noqa: PLC0415
