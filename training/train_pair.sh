@@ -10,7 +10,8 @@
 #   OUT=DIR TARGET_CKPT=kdtree_jax/assets/target STAGES=drafters DRAFTER_S=200 bash training/train_pair.sh
 #   (STAGES: any of "target data drafters", default all three; WORK must be the same folder for both calls)
 # Continue the shipped drafter, widened, on new continuations in one call (docs/training.md, "Width instead of depth"):
-#   OUT=DIR TARGET_CKPT=kdtree_jax/assets/target DATA=CORPUS3 NUM_SEQS=49152 GEN_BATCH=512 SEED=8 BLOCKS=8 DRAFTER_S=380 STAGES="data drafters" \
+#   OUT=DIR TARGET_CKPT=kdtree_jax/assets/target DATA=CORPUS3 NUM_SEQS=49152 GEN_BATCH=512 SEED=8 BLOCKS=8 \
+#     DRAFTER_S=380 STAGES="data drafters" \
 #     DRAFTER_EXTRA="--init kdtree_jax/assets/drafter --grow-width 1536 --lr 1e-3 --warmup 50" bash training/train_pair.sh
 #
 # 1. target: training/train_target.py for TARGET_S seconds of steps (bf16 compute, float32 master weights),
@@ -102,7 +103,8 @@ pids=()
 for block in $BLOCKS; do
   if [[ -n "${SMOKE:-}" ]]; then time_args=(); else time_args=(--time-budget-s "$budget"); fi
   $PY -m training.train_drafter --target "$TARGET" \
-      --data-cache "$WORK/drafter_data.npz" --block-size "$block" "${DRAFTER_ARGS[@]}" "${SEED_ARGS[@]}" "${DRAFTER_EXTRA[@]}" "${time_args[@]}" \
+      --data-cache "$WORK/drafter_data.npz" --block-size "$block" "${DRAFTER_ARGS[@]}" "${SEED_ARGS[@]}" \
+      "${DRAFTER_EXTRA[@]}" "${time_args[@]}" \
       --out "$WORK/drafter$block" > "$WORK/drafter$block.log" 2>&1 &
   pids+=($!)
 done
