@@ -468,6 +468,62 @@ def test_k26_layer_ab_script_runs_old_then_new_and_packs_each_step(tmp_path):
     assert refused.returncode == 2 and "has no kdtree_jax/" in refused.stderr
 
 
+def test_drafter_ab_script_runs_base_then_candidate_and_unpacks_a_tar(tmp_path):
+    """benchmarks/drafter_ab.sh (an end-to-end A/B of two drafters on one GPU) is valid bash, passes bench_e2e.py only
+    options its --help lists, and, driven on the CPU with a stand-in python: runs the base drafter, then the candidate,
+    with the same protocol, unpacks a candidate given as a .tar holding drafter/ (train_pair.sh's packing), logs each
+    step's table rows, packs OUT/results.tgz, and refuses a candidate that is no drafter checkpoint."""
+    import tarfile
+
+    script = ROOT / "benchmarks" / "drafter_ab.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text().replace("\\\n", " ")
+    passed = " ".join(re.findall(r"\$PY benchmarks/bench_e2e\.py([^\n]*)", text))
+    options = set(re.findall(r"(--[a-z][a-z0-9-]*)", passed))
+    assert {"--drafter", "--matmul-precision", "--temperatures", "--budgets", "--deadline-s", "--out"} <= options
+    help_text = subprocess.run([sys.executable, "benchmarks/bench_e2e.py", "--help"], cwd=ROOT, env=CPU,
+                               capture_output=True, text=True, timeout=300).stdout
+    for option in options:
+        assert re.search(re.escape(option) + r"(?![\w-])", help_text), option
+
+    packed = tmp_path / "trained"
+    (packed / "drafter").mkdir(parents=True)
+    (packed / "drafter" / "config.json").write_text("{}")
+    candidate = tmp_path / "candidate.tar"
+    with tarfile.open(candidate, "w") as tar:
+        tar.add(packed / "drafter", arcname="drafter")
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "fakepy"
+    fake.write_text("#!/usr/bin/env bash\n"
+                    'out=""; drafter=""; prev=""\n'
+                    'for a in "$@"; do\n'
+                    '  [[ $prev == --out ]] && out=$a; [[ $prev == --drafter ]] && drafter=$a; prev=$a\n'
+                    'done\n'
+                    'test -f "$drafter/config.json" || exit 3\n'
+                    f'echo "$(basename "$out") $drafter $*" >> {calls}\n'
+                    'mkdir -p "$out"; echo "| 1 | 0 | ddtree | 15 | 3.62 |" > "$out/r.md"\n')
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "OUT": str(out), "CANDIDATE": str(candidate), "PYTHON": str(fake), "LIMIT_S": "400",
+           "TAG": "h200_b1_t"}
+    run = subprocess.run(["bash", str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    lines = calls.read_text().splitlines()
+    assert [line.split()[0] for line in lines] == ["e2e_base", "e2e_candidate"]
+    assert lines[0].split()[1] == "kdtree_jax/assets/drafter" and lines[1].split()[1].endswith("/candidate/drafter")
+    assert "--tag h200_b1_t_base" in lines[0] and "--tag h200_b1_t_candidate" in lines[1]
+    protocol = [line.split(" --drafter ")[1].split(" ", 1)[1] for line in lines]  # what follows the drafter's path
+    assert protocol[0] == protocol[1] and "--matmul-precision BF16_BF16_F32_X9" in protocol[0]
+    log = (out / "ab.log").read_text()
+    assert log.count("rc=0") == 2 and "e2e_candidate | 1 | 0 | ddtree | 15 | 3.62 |" in log
+    with tarfile.open(out / "results.tgz") as tar:
+        assert {"./e2e_base/r.md", "./e2e_candidate/r.md", "./ab.log"} <= set(tar.getnames())
+    env["CANDIDATE"] = str(tmp_path)
+    refused = subprocess.run(["bash", str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "is no drafter checkpoint" in refused.stderr
+
+
 def test_device_steps_run_in_the_time_left_and_pack_after_each_step(tmp_path):
     """benchmarks/steps.sh (sourced by gpu_targets.sh and k26_layer_ab.sh): a step runs with its output in
     OUT/NAME.log and its status logged, one cut at its cap counts as status 124, one not started for lack of time is

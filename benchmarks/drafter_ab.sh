@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# An end-to-end A/B of two drafters for the shipped target on one GPU: the base drafter (the shipped one unless BASE
+# says otherwise) and a candidate, the same bench_e2e.py protocol one after the other on the same machine (timings from
+# different machines do not compare; docs/training.md, sessions 24 and 39). From the repo root, on the device:
+#
+#   OUT=DIR CANDIDATE=PATH [BASE=kdtree_jax/assets/drafter] [TAG=NAME] [DL=198] [PRECISION=BF16_BF16_F32_X9] \
+#       [LIMIT_S=560] bash benchmarks/drafter_ab.sh
+#
+# CANDIDATE (and BASE) is a drafter checkpoint folder, or a .tar holding one as drafter/ (what training/train_pair.sh
+# packs: the device returns no folder as deep as an Orbax checkpoint, so a trained drafter travels as a tar).
+# Steps (benchmarks/steps.sh), each in the time left of the call: e2e_base, then e2e_candidate, each bench_e2e.py at
+# batch 1, greedy and temperature 1, 8 held-out prompts x 128 new tokens, budgets 7 / 15 / 31, median of 3, sampled
+# points over 2 seeds, at most DL seconds of measuring, into OUT/e2e_{base,candidate}/ (files tagged <TAG>_base and
+# <TAG>_candidate: name the device, batch and precision in TAG, e.g. h200_b1_s40_X9). OUT/ab.log has each step's
+# status and its table rows; everything is packed into OUT/results.tgz after every step. Exits 0 when both steps ran
+# and passed.
+set -uo pipefail
+: "${OUT:?set OUT to the output folder}"
+: "${CANDIDATE:?set CANDIDATE to the candidate drafter (a checkpoint folder, or a .tar holding drafter/)}"
+BASE=${BASE:-kdtree_jax/assets/drafter}
+TAG=${TAG:-ab}
+DL=${DL:-198}
+PRECISION=${PRECISION:-BF16_BF16_F32_X9}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+
+unpacked=$(mktemp -d /tmp/drafter-ab.XXXXXX)
+trap 'rm -rf "$unpacked"' EXIT
+checkpoint() {  # NAME PATH: PATH itself if a checkpoint folder, else its tar's drafter/ unpacked; refused otherwise
+    local name=$1 path=$2
+    if [[ -f "$path" && "$path" == *.tar ]]; then
+        mkdir -p "$unpacked/$name" && tar -xf "$path" -C "$unpacked/$name" \
+            || { echo "drafter_ab: cannot unpack $path" >&2; exit 2; }
+        path=$unpacked/$name/drafter
+    fi
+    [[ -f "$path/config.json" ]] || { echo "drafter_ab: $2 is no drafter checkpoint (no config.json)" >&2; exit 2; }
+    echo "$path"
+}
+base=$(checkpoint base "$BASE") || exit 2
+candidate=$(checkpoint candidate "$CANDIDATE") || exit 2
+
+source "$(dirname "$0")/steps.sh"
+steps_init ab.log
+echo "base $BASE, candidate $CANDIDATE, precision $PRECISION" | tee -a "$STEPS_LOG"
+step() {  # NAME DRAFTER: bench_e2e.py with DRAFTER into OUT/NAME, its table rows logged
+    local name=$1 drafter=$2
+    mkdir -p "$OUT/$name"
+    steps_run "$name" $(( DL + 120 )) $PY benchmarks/bench_e2e.py --out "$OUT/$name" --tag "${TAG}_${name#e2e_}" \
+        --drafter "$drafter" --matmul-precision "$PRECISION" --num-prompts 8 --max-new-tokens 128 --batches 1 \
+        --temperatures 0 1 --budgets 7 15 31 --repeats 3 --seeds 2 --deadline-s "$DL"
+    grep -hE "^\| 1 \| [01] \|" "$OUT/$name"/*.md 2>/dev/null | sed "s/^/$name /" | tee -a "$STEPS_LOG"
+    steps_pack
+}
+step e2e_base "$base"
+step e2e_candidate "$candidate"
+steps_exit
