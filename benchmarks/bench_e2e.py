@@ -347,8 +347,11 @@ def plot(path: Path, meta: dict, rows: list[dict], budgets) -> None:
     axes[0].set_ylabel("mean acceptance length (tokens / round)")
     axes[1].set_ylabel("speedup over AR (tokens/s)")
     axes[1].axhline(1.0, color="k", lw=0.8)
+    plotted = any(r["method"] == "ddtree" and r["budget"] != "auto" for r in rows)
     for ax in axes:
-        if budgets:  # a run without fixed budgets (only auto rows) has no budget axis
+        # a budget axis only where a fixed-budget row was plotted: a run without fixed budgets (only auto rows), or one
+        # whose --deadline-s stopped it before its first DDTree point, has none (a log axis with no data is an error)
+        if budgets and plotted:
             ax.set_xscale("log", base=2)
             ax.set_xticks(list(budgets), [str(b) for b in budgets])
         ax.set_xlabel("DDTree budget (draft nodes per round)")

@@ -23,6 +23,7 @@ DL=${DL:-198}
 PRECISION=${PRECISION:-BF16_BF16_F32_X9}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+mkdir -p "$OUT"
 
 unpacked=$(mktemp -d /tmp/drafter-ab.XXXXXX)
 trap 'rm -rf "$unpacked"' EXIT

@@ -148,6 +148,23 @@ def test_e2e_tables_render_from_a_new_run_and_the_committed_one():
             in markdown(meta, committed["rows"][:2]))
 
 
+def test_e2e_plot_of_a_run_cut_before_its_first_ddtree_point(tmp_path):
+    """A --deadline-s that stops bench_e2e after its AR rows (a short call, a slow machine) still gets its figure: the
+    plot once put a log-scale budget axis on no data, which raised after the run and failed the whole call."""
+    sys.path.insert(0, str(ROOT))
+    pytest.importorskip("matplotlib")
+    from benchmarks.bench_e2e import plot  # noqa: PLC0415
+
+    meta = {"device": "cpu", "jax": "0.11.2", "date": "2026-12-07T12:00:00+00:00"}
+    rows = [{"batch": 1, "temperature": t, "method": "ar", "budget": "-", "mean_acceptance": 1.0, "speedup": 1.0}
+            for t in (0.0, 1.0)]
+    plot(tmp_path / "cut.png", meta, rows, [7, 15, 31])
+    rows.append({"batch": 1, "temperature": 0.0, "method": "ddtree", "budget": 7, "mean_acceptance": 2.8,
+                 "speedup": 1.9})
+    plot(tmp_path / "one_point.png", meta, rows, [7, 15, 31])
+    assert (tmp_path / "cut.png").stat().st_size > 0 and (tmp_path / "one_point.png").stat().st_size > 0
+
+
 def test_k26_slice_loop_writes_the_cache_in_place():
     """bench_k26_slice times its layers in `slice_calls`' loop, which carries the latent cache as the engine's decode
     loop does: compiled, the loop's body writes each layer's rows into the carried cache in place and never copies a
