@@ -25,7 +25,9 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 mkdir -p "$OUT"
 
-unpacked=$(mktemp -d /tmp/drafter-ab.XXXXXX)
+# a tar unpacks into a git-ignored folder of the tree, so the results files name a repo-relative path (no /tmp)
+unpacked=.devcarry/drafter_ab
+rm -rf "$unpacked" && mkdir -p "$unpacked"
 trap 'rm -rf "$unpacked"' EXIT
 checkpoint() {  # NAME PATH: PATH itself if a checkpoint folder, else its tar's drafter/ unpacked; refused otherwise
     local name=$1 path=$2

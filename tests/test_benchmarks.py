@@ -528,7 +528,8 @@ def test_drafter_ab_script_runs_base_then_candidate_and_unpacks_a_tar(tmp_path):
     assert run.returncode == 0, (run.stdout, run.stderr)
     lines = calls.read_text().splitlines()
     assert [line.split()[0] for line in lines] == ["e2e_base", "e2e_candidate"]
-    assert lines[0].split()[1] == "kdtree_jax/assets/drafter" and lines[1].split()[1].endswith("/candidate/drafter")
+    assert lines[0].split()[1] == "kdtree_jax/assets/drafter"
+    assert lines[1].split()[1] == ".devcarry/drafter_ab/candidate/drafter"  # repo-relative: no /tmp in the results
     assert "--tag h200_b1_t_base" in lines[0] and "--tag h200_b1_t_candidate" in lines[1]
     protocol = [line.split(" --drafter ")[1].split(" ", 1)[1] for line in lines]  # what follows the drafter's path
     assert protocol[0] == protocol[1] and "--matmul-precision BF16_BF16_F32_X9" in protocol[0]
