@@ -128,6 +128,9 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=31, help="DDTree's tree budget (default %(default)s)")
     ap.add_argument("--prompt-tokens", type=int, default=64, help="the held-out prompt's length (default %(default)s)")
     ap.add_argument("--new-tokens", type=int, default=128, help="max_new_tokens of the loops (default %(default)s)")
+    ap.add_argument("--dump-hlo", type=Path, default=None,
+                    help="also write each loop's optimized HLO text into this folder (<loop>_<precision>.hlo.txt), "
+                         "to read what a round launches")
     args = ap.parse_args()
     if "jax" in sys.modules:
         sys.exit("h200_hlo.py must set up JAX itself: run it as a script")
@@ -186,6 +189,9 @@ def main() -> None:
                 raise RuntimeError(f"{name}: generate ran instead of being caught")
             except Caught as caught:
                 row = {"loop": name, "precision": precision, **count(str(caught))}
+                if args.dump_hlo is not None:
+                    args.dump_hlo.mkdir(parents=True, exist_ok=True)
+                    (args.dump_hlo / f"{name.replace(' ', '_')}_{precision}.hlo.txt").write_text(str(caught))
             print(row, flush=True)
             rows.append(row)
         jax.clear_caches()
