@@ -436,6 +436,24 @@ def test_gpu_targets_script_names_only_options_its_benchmarks_take():
             assert re.search(re.escape(option) + r"(?![\w-])", helps[path]), (path, option)
 
 
+def _script_options(name: str, bench: str, *extra_patterns: str) -> set[str]:
+    """The device script benchmarks/NAME is valid bash, and every option it passes to benchmarks/BENCH (on its `$PY
+    benchmarks/BENCH` lines, and on lines matching extra_patterns) is one BENCH's --help lists: a renamed option fails
+    here, not on the device. Returns those options."""
+    script = ROOT / "benchmarks" / name
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text().replace("\\\n", " ")
+    passed = re.findall(r"\$PY benchmarks/" + re.escape(bench) + r"([^\n]*)", text)
+    for pattern in extra_patterns:
+        passed += re.findall(pattern, text, re.M)
+    options = set(re.findall(r"(--[a-z][a-z0-9-]*)", " ".join(passed)))
+    help_text = subprocess.run([sys.executable, f"benchmarks/{bench}", "--help"], cwd=ROOT, env=CPU,
+                               capture_output=True, text=True, timeout=300).stdout
+    for option in options:
+        assert re.search(re.escape(option) + r"(?![\w-])", help_text), (bench, option)
+    return options
+
+
 def test_k26_layer_ab_script_runs_old_then_new_and_packs_each_step(tmp_path):
     """benchmarks/k26_layer_ab.sh (the K2.6 layer, an older tree against this one on one GPU) is valid bash, passes
     bench_k26_slice.py only options its --help lists, and, driven on the CPU with a stand-in python: runs the timeline
@@ -444,16 +462,8 @@ def test_k26_layer_ab_script_runs_old_then_new_and_packs_each_step(tmp_path):
     import tarfile
 
     script = ROOT / "benchmarks" / "k26_layer_ab.sh"
-    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
-    text = script.read_text().replace("\\\n", " ")
-    passed = re.findall(r"\$PY benchmarks/bench_k26_slice\.py([^\n]*)", text)
-    passed += re.findall(r"^step \w+ [^\n]*", text, re.M)
-    options = set(re.findall(r"(--[a-z][a-z0-9-]*)", " ".join(passed)))
+    options = _script_options("k26_layer_ab.sh", "bench_k26_slice.py", r"^step \w+ [^\n]*")
     assert {"--timeline", "--no-baselines", "--deadline-s", "--out", "--ts", "--ss", "--layers"} <= options
-    help_text = subprocess.run([sys.executable, "benchmarks/bench_k26_slice.py", "--help"], cwd=ROOT, env=CPU,
-                               capture_output=True, text=True, timeout=300).stdout
-    for option in options:
-        assert re.search(re.escape(option) + r"(?![\w-])", help_text), option
 
     old = tmp_path / "old"
     (old / "kdtree_jax").mkdir(parents=True)
@@ -493,15 +503,8 @@ def test_drafter_ab_script_runs_base_then_candidate_and_unpacks_a_tar(tmp_path):
     import tarfile
 
     script = ROOT / "benchmarks" / "drafter_ab.sh"
-    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
-    text = script.read_text().replace("\\\n", " ")
-    passed = " ".join(re.findall(r"\$PY benchmarks/bench_e2e\.py([^\n]*)", text))
-    options = set(re.findall(r"(--[a-z][a-z0-9-]*)", passed))
+    options = _script_options("drafter_ab.sh", "bench_e2e.py")
     assert {"--drafter", "--matmul-precision", "--temperatures", "--budgets", "--deadline-s", "--out"} <= options
-    help_text = subprocess.run([sys.executable, "benchmarks/bench_e2e.py", "--help"], cwd=ROOT, env=CPU,
-                               capture_output=True, text=True, timeout=300).stdout
-    for option in options:
-        assert re.search(re.escape(option) + r"(?![\w-])", help_text), option
 
     packed = tmp_path / "trained"
     (packed / "drafter").mkdir(parents=True)
