@@ -4,8 +4,9 @@
 
   python benchmarks/bench_moe_small.py --out DIR
 
-Shapes: the shipped pair's routed experts (E 32, D 384, I 96, top-4) in float32 at HIGHEST matmul precision (how
-the engine runs it) and in bf16 (14 MiB as float32), and two wider bf16 stacks of E 64, top-6: D 512, I 128 (48 MiB,
+Shapes: the shipped pair's routed experts (E 32, D 384, I 96, top-4) in float32 at `--matmul-precision` (default
+HIGHEST, the engine's float32 default; the end-to-end runs use BF16_BF16_F32_X9) and in bf16 (14 MiB as float32),
+and two wider bf16 stacks of E 64, top-6: D 512, I 128 (48 MiB,
 XLA's dense form still applies) and D 1024, I 256 (192 MiB, past reference.XLA_DEQUANT_BYTES: gather or loop).
 Random INT4 experts (bf16 scales), each token routed to top-k distinct random experts with random weights. Every
 implementation is first checked against the float32 reference (`grouped_moe_w4a16_reference`); one that disagrees
@@ -26,6 +27,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import MATMUL_PRECISIONS  # noqa: E402
+
 SHAPES = {  # name: (E, D, I, top_k, activation dtype)
     "shipped f32": (32, 384, 96, 4, "float32"),
     "shipped bf16": (32, 384, 96, 4, "bfloat16"),
@@ -43,20 +46,23 @@ def main() -> None:
     ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, of: {', '.join(IMPLS)}")
     ap.add_argument("--iters", type=int, default=7, help="CUPTI windows per point (median)")
     ap.add_argument("--loop-calls", type=int, default=50, help="calls per timed fori_loop (loop wall)")
+    ap.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="highest",
+                    help="jax_default_matmul_precision for every point (default %(default)s, how the engine runs "
+                         "float32 unless told; BF16_BF16_F32_X9 is the end-to-end benchmarks' choice on a GPU)")
     args = ap.parse_args()
 
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from benchmarks.common import Timer, loop_wall_us, metadata, write_results
+    from benchmarks.common import Timer, loop_wall_us, metadata, set_matmul_precision, write_results
     from pallas_kernels.int4 import Int4Weight
     from pallas_kernels.moe_w4a16 import grouped_moe_w4a16, grouped_moe_w4a16_reference, moe_w4a16_xla
     from pallas_kernels.moe_w4a16.reference import xla_form
 
     if jax.default_backend() != "gpu":
         raise SystemExit("bench_moe_small times GPU kernels: CPU timings prove nothing")
-    jax.config.update("jax_default_matmul_precision", "highest")
+    set_matmul_precision(args.matmul_precision)
     ts = [int(v) for v in args.ts.split(",")]
     shapes = [s.strip() for s in args.shapes.split(",")]
     unknown = [s for s in shapes if s not in SHAPES]
@@ -69,7 +75,8 @@ def main() -> None:
     meta = metadata(timing=f"loop wall: marginal wall clock a call of a jitted fori_loop of dependent calls ((2 x "
                     f"{args.loop_calls} calls - {args.loop_calls}) / {args.loop_calls}), every wall clock before any "
                     "CUPTI window; kernel: " + timer.method,
-                    shapes={s: SHAPES[s] for s in shapes}, wall_after_cupti=False, matmul_precision="highest")
+                    shapes={s: SHAPES[s] for s in shapes}, wall_after_cupti=False,
+                    matmul_precision=args.matmul_precision)
 
     def fn_for(impl, experts):
         if impl == "triton":
@@ -121,14 +128,16 @@ def main() -> None:
         row["kernels"] = len(timing.kernels)
         row["top_kernels"] = [(n[:50], s * 1e6) for n, s in sorted(timing.kernels, key=lambda ns: -ns[1])[:3]]
         print({k: row[k] for k in ("shape", "T", "impl", "loop_wall_us", "kernel_us", "kernels")}, flush=True)
-    write_results(os.path.join(args.out, "moe_small_h200"), meta, {"rows": rows}, markdown(rows, ts, shapes, impls))
-    print(markdown(rows, ts, shapes, impls))
+    table = markdown(rows, ts, shapes, impls, args.matmul_precision)
+    write_results(os.path.join(args.out, "moe_small_h200"), meta, {"rows": rows}, table)
+    print(table)
 
 
-def markdown(rows, ts, shapes, impls=IMPLS) -> str:
-    lines = ["# Routed MoE of a small model: Triton kernel vs XLA (H200)", "",
+def markdown(rows, ts, shapes, impls=IMPLS, precision: str = "highest") -> str:
+    lines = ["# Routed MoE of a small model: Triton kernel vs XLA", "",
              "Per call, microseconds: loop wall (in a jitted loop, no dispatch) / CUPTI kernel time (kernel count). "
-             "`auto form` = the XLA form `moe_w4a16_xla` picks; **bold** = the fastest loop wall.", ""]
+             "`auto form` = the XLA form `moe_w4a16_xla` picks; **bold** = the fastest loop wall. Float32 matmul "
+             f"precision {precision}.", ""]
     for shape in shapes:
         sel = [r for r in rows if r["shape"] == shape]
         if not sel:
