@@ -243,6 +243,9 @@ def main() -> None:
                     "method's compiled HLO text here")
     ap.add_argument("--moe", choices=("auto", "triton", "xla"), default="auto",
                     help="the routed experts' implementation (kj.Kernels(moe=...)); auto: what the dispatcher picks")
+    ap.add_argument("--moe-xla-form", choices=("auto", "gather", "dense", "loop"), default="auto",
+                    help="where the routed experts run XLA, its form (pallas_kernels/moe_w4a16/reference.py: "
+                         "set_xla_form); auto: the rule of xla_form_for")
     ap.add_argument("--mla", choices=("auto", "folded", "separate"), default="auto",
                     help="the cached MLA's projections (kj.Kernels(mla=...)); auto: what the dispatcher picks")
     ap.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="highest",
@@ -259,9 +262,11 @@ def main() -> None:
     from kdtree_jax.ddtree import as_draft_model
     from kdtree_jax.decoding import prefill
     from kdtree_jax.model import init_cache
+    from pallas_kernels.moe_w4a16.reference import set_xla_form
     from training.prompts import load_prompts
 
     set_matmul_precision(args.matmul_precision)
+    set_xla_form(args.moe_xla_form)
     cfg, params = kj.load_checkpoint(args.target, expect_kind="target", dtype=args.dtype)
     dcfg, dparams = kj.load_checkpoint(args.drafter, expect_kind="drafter", dtype=args.dtype)
     draft_model = as_draft_model(cfg, (dcfg, dparams))
@@ -295,7 +300,8 @@ def main() -> None:
 
     plan = kj.kernel_plan(params, cfg, kernels=kernels)
     meta = metadata(target=shown_path(args.target), drafter=shown_path(args.drafter), prompt_tokens=len(prompt),
-                    matmul_precision=args.matmul_precision, kernels={op: list(choice) for op, choice in plan.items()},
+                    matmul_precision=args.matmul_precision, moe_xla_form=args.moe_xla_form,
+                    kernels={op: list(choice) for op, choice in plan.items()},
                     timing="wall: median per jitted call incl. dispatch, every wall clock taken before the first "
                            "CUPTI window; kernel: CUPTI summed kernel time of the median call; in-the-loop rows: "
                            f"generate calls of {args.loop_prompts} prompt(s) at batch 1, summed wall over summed "
@@ -305,7 +311,8 @@ def main() -> None:
              f"{meta['timing']}; each stage jitted alone, so each pays one dispatch that the one-jit loop does "
              f"not. The last rows are the round as run: generate calls of {args.loop_tokens} tokens over their "
              f"rounds (AR steps = wall per round / wall per AR step). Float32 matmul precision "
-             f"{meta['matmul_precision']}. XLA_FLAGS: `{meta['xla_flags'] or 'none'}`. "
+             f"{meta['matmul_precision']}; the routed experts' XLA form {args.moe_xla_form}. "
+             f"XLA_FLAGS: `{meta['xla_flags'] or 'none'}`. "
              f"Kernels: {'; '.join(f'{op} {impl} ({why})' for op, (impl, why) in plan.items())}.", "",
              "| stage | wall us | kernel us | kernels | AR steps |", "|---|---|---|---|---|"]
     for r in rows:

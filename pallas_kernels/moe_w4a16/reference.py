@@ -66,11 +66,23 @@ def _expert_swiglu(x, experts, e):
 # of one token 1.4 GB (there the loop form runs).
 XLA_DEQUANT_BYTES = 512 << 20
 XLA_FORMS = ("auto", "gather", "dense", "loop")
+_FORM_OVERRIDE = ["auto"]  # set_xla_form: the form every "auto" call runs ("auto": xla_form_for's rule)
+
+
+def set_xla_form(form: str) -> None:
+    """Make every `moe_w4a16_xla(form="auto")` call traced from now on run `form` ("auto": the rule of
+    `xla_form_for` again; a function jit traced before keeps its form): what benchmarks/profile_round.py
+    --moe-xla-form times the forms inside the engine with."""
+    if form not in XLA_FORMS:
+        raise ValueError(f"form must be one of {XLA_FORMS}, got {form!r}")
+    _FORM_OVERRIDE[0] = form
 
 
 def xla_form(num_tokens: int, top_k: int, experts: dict, platform: str | None = None) -> str:
-    """Which form `moe_w4a16_xla` runs for T tokens of top-k choices over these experts (`xla_form_for`) on
-    `platform` (default: JAX's default backend)."""
+    """Which form `moe_w4a16_xla` runs for T tokens of top-k choices over these experts (`xla_form_for`, or the
+    form `set_xla_form` set) on `platform` (default: JAX's default backend)."""
+    if _FORM_OVERRIDE[0] != "auto":
+        return _FORM_OVERRIDE[0]
     gate = experts["gate"]
     return xla_form_for(num_tokens, top_k, gate.lead_shape[0], gate.in_features, gate.out_features,
                         platform or jax.default_backend())

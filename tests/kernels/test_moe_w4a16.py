@@ -161,6 +161,36 @@ def test_xla_form_follows_the_size_rule():
         moe_w4a16_xla(jnp.ones((1, 64)), experts, jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), form="fast")
 
 
+def test_set_xla_form_overrides_the_rule_until_reset():
+    """set_xla_form (profile_round.py --moe-xla-form) makes every auto call run the set form, as the HLO shows
+    (the loop form's scan is a while loop; gather and dense have none), and "auto" gives the rule back; an unknown
+    form is refused and changes nothing."""
+    from pallas_kernels.moe_w4a16.reference import set_xla_form, xla_form
+
+    rng = np.random.default_rng(1)
+    experts, dense = _experts(rng, 8, 64, 32, scale_dtype=jnp.float32)
+    ids, weights = _routing(rng, 3, 2, 8)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    rule = xla_form(3, 2, experts)  # "loop" on a CPU, "gather" elsewhere
+    other = "dense"
+    try:
+        set_xla_form(other)
+        assert xla_form(3, 2, experts) == other
+        def hlo():  # a fresh function each time: jit keeps a traced function's form in its cache
+            return jax.jit(lambda *a: moe_w4a16_xla(*a)).lower(x, experts, ids, weights).as_text()
+
+        assert "while" not in hlo()
+        assert _rel(moe_w4a16_xla(x, experts, ids, weights), _numpy_moe(x, dense, ids, weights)) < 1e-5
+        with pytest.raises(ValueError, match="form must be one of"):
+            set_xla_form("fast")
+        assert xla_form(3, 2, experts) == other
+        set_xla_form("loop")
+        assert "while" in hlo()
+    finally:
+        set_xla_form("auto")
+    assert xla_form(3, 2, experts) == rule
+
+
 def test_grouping_reads_each_touched_expert_once():
     """The tile table names every touched expert exactly once (T <= block_m), never an untouched one,
     and the padded rows hold each assignment's token and weight."""
