@@ -307,11 +307,21 @@ def main() -> None:
                            f"generate calls of {args.loop_prompts} prompt(s) at batch 1, summed wall over summed "
                            "rounds (kernel time and count: the first prompt's call over its rounds)",
                     wall_after_cupti=False)
+    meta["loop_tokens"] = args.loop_tokens
+    table = markdown(meta, rows)
+    write_results(args.out / "round_profile", meta, {"rows": rows}, table)
+    print(table)
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    """round_profile.md from a run's metadata and rows (what round_profile.json holds: `python -c` over it
+    rebuilds the table)."""
+    plan = meta["kernels"]
     lines = [f"# One DDTree round, stage by stage ({meta['device']})", "", f"{meta['date']}, JAX {meta['jax']}; "
              f"{meta['timing']}; each stage jitted alone, so each pays one dispatch that the one-jit loop does "
-             f"not. The last rows are the round as run: generate calls of {args.loop_tokens} tokens over their "
-             f"rounds (AR steps = wall per round / wall per AR step). Float32 matmul precision "
-             f"{meta['matmul_precision']}; the routed experts' XLA form {args.moe_xla_form}. "
+             f"not. The last rows are the round as run: generate calls of {meta.get('loop_tokens', 128)} tokens over "
+             f"their rounds (AR steps = wall per round / wall per AR step). Float32 matmul precision "
+             f"{meta['matmul_precision']}; the routed experts' XLA form {meta.get('moe_xla_form', 'auto')}. "
              f"XLA_FLAGS: `{meta['xla_flags'] or 'none'}`. "
              f"Kernels: {'; '.join(f'{op} {impl} ({why})' for op, (impl, why) in plan.items())}.", "",
              "| stage | wall us | kernel us | kernels | AR steps |", "|---|---|---|---|---|"]
@@ -327,8 +337,7 @@ def main() -> None:
                   "| stage | kernel | launches | us |", "|---|---|---|---|"]
         lines += [f"| {r['stage']} | `{k['name']}` | {k['launches']} | {k['us']:.1f} |" for r in tops
                   for k in r["top_kernels"][:4]]
-    write_results(args.out / "round_profile", meta, {"rows": rows}, "\n".join(lines))
-    print("\n".join(lines))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

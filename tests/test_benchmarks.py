@@ -148,6 +148,22 @@ def test_e2e_tables_render_from_a_new_run_and_the_committed_one():
             in markdown(meta, committed["rows"][:2]))
 
 
+def test_round_profile_table_rebuilds_from_its_json():
+    """profile_round's markdown from a results json: the committed session-40 run whose md the device tool did not
+    return (older json: no loop_tokens key) and the dense run whose md it did (the same table, row for row)."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.profile_round import markdown  # noqa: PLC0415 (benchmarks/ is not a package on the path)
+
+    folder = ROOT / "benchmarks" / "results" / "gpu_h100_s40"
+    gather = json.loads((folder / "round_gather" / "round_profile.json").read_text())
+    table = markdown(gather["meta"], gather["rows"])
+    assert "| ddtree budget 31: verify (T=32) | 1706.9 | 475.9 | 202 |  |" in table
+    assert "the routed experts' XLA form gather." in table and "generate calls of 128 tokens" in table
+    dense = json.loads((folder / "round_dense" / "round_profile.json").read_text())
+    written = (folder / "round_dense" / "round_profile.md").read_text()
+    assert written.startswith(markdown(dense["meta"], dense["rows"]) + "\n\n")
+
+
 def test_e2e_plot_of_a_run_cut_before_its_first_ddtree_point(tmp_path):
     """A --deadline-s that stops bench_e2e after its AR rows (a short call, a slow machine) still gets its figure: the
     plot once put a log-scale budget axis on no data, which raised after the run and failed the whole call."""

@@ -6,7 +6,8 @@ GPU where it measured faster than the kernels: pallas_kernels/moe_w4a16/tuned.py
 (`xla_form` picks by platform and size, every matmul a float32 dot rounded to x.dtype, at HIGHEST precision unless
 the process default is an explicit XLA dot algorithm: `xla_dot_precision`):
   "gather": the T*k chosen experts' INT4 words gathered and dequantized, batched matmuls (the least compute; on
-            the H200 XLA fuses it into 3-5 kernels, the fastest form at every T measured);
+            the H200 XLA fuses it into 3-5 kernels, the fastest form at every T measured, under HIGHEST and, inside
+            the shipped pair's round, under BF16_BF16_F32_X9: docs/kernels.md, session 40);
   "dense":  every expert dequantized, all T tokens through each, a combine matrix (a small expert stack);
   "loop":   a loop over the distinct touched experts, one dequantized at a time (any size, T-fold compute; the
             CPU's form: faster there than "gather").
