@@ -41,6 +41,7 @@ from benchmarks.common import (  # noqa: E402
     write_results,
 )
 from kdtree_jax.budget import default_costs, rounds_per_budget  # noqa: E402
+from kdtree_jax.ddtree import DRAFTER_DTYPES  # noqa: E402
 
 DEFAULT_BUDGETS = (4, 8, 16, 32, 64, 128, 256)
 
@@ -120,6 +121,10 @@ def main() -> None:
     parser.add_argument("--drafter", type=Path, default=kj.ASSETS / "drafter")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="weights cast to this dtype after loading (default %(default)s)")
+    parser.add_argument("--drafter-dtype", choices=DRAFTER_DTYPES, default=None,
+                        help="the dtype the drafter computes in (kj.DFlashDraft compute_dtype; default: --dtype). "
+                             "The target alone decides what a greedy verify commits, so a float32 target keeps "
+                             "the greedy invariant with a bfloat16 drafter")
     parser.add_argument("--num-prompts", type=int, default=8, help="held-out prompts (a multiple of 8)")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -176,13 +181,14 @@ def main() -> None:
     kernels = kj.Kernels(moe=args.moe)
     cfg, params = kj.load_checkpoint(args.target, expect_kind="target", dtype=args.dtype)
     dcfg, dparams = kj.load_checkpoint(args.drafter, expect_kind="drafter", dtype=args.dtype)
-    drafter = (dcfg, dparams)
+    drafter = kj.DFlashDraft(dcfg, dparams, compute_dtype=args.drafter_dtype)
     prompts = load_prompts(args.num_prompts, args.prompt_tokens)
     meta = metadata(host=f"{platform.machine()}, {os.cpu_count()} CPU cores", target=shown_path(args.target),
                     drafter=shown_path(args.drafter), num_prompts=args.num_prompts, dtype=args.dtype,
                     prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                     seeds=args.seeds, auto_skip_draft=args.auto_skip_draft,
                     block_size=dcfg.block_size, matmul_precision=args.matmul_precision,
+                    drafter_dtype=args.drafter_dtype or args.dtype,
                     kernels=kj.plan_summary(kj.kernel_plan(params, cfg, kernels=kernels)))  # what generate runs
     fixed = [(batch, temperature, method, budget, None) for batch in args.batches for temperature in args.temperatures
              for method, budget in [("ar", None), ("dflash", None)] + [("ddtree", b) for b in args.budgets]
@@ -298,6 +304,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              f"{meta['block_size']}, median of {meta['repeats']} timed call(s) after a warm-up, one dispatch per "
              f"generate call{seeds_note}; float32 matmul precision {meta['matmul_precision']}; kernels: "
              f"{meta.get('kernels') or 'attention ' + meta.get('attention', '?')}."
+             + (f" The drafter computes in {meta['drafter_dtype']}." if meta.get("drafter_dtype") not in
+                (None, meta.get("dtype")) else "")
              + (f" Joined from {len(meta['dates'])} runs ({', '.join(meta['dates'])})."
                                         if meta.get("dates") else ""), "",
              "| batch | temp | method | budget | mean accept | target fwd / token | tokens/s | speedup vs AR | "

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import MATMUL_PRECISIONS  # noqa: E402
 from kdtree_jax import ASSETS  # noqa: E402
+from kdtree_jax.ddtree import DRAFTER_DTYPES  # noqa: E402
 
 
 def synthetic_state(cfg, params, draft_model, context: int, slack: int, key):
@@ -102,7 +103,7 @@ def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, i
     counts), to run once every wall clock of the run is taken. With `hlo_dir`, each stage's compiled
     (optimized) HLO is written there as text, to map the profile's fusion names to the ops they hold.
     kernels: the kj.Kernels every forward runs with; params (and the drafter) are folded (kdtree_jax.model.fold_params,
-    DFlashDraft.folded) as `generate` folds them with these kernels, once, outside the timed calls."""
+    DFlashDraft.prepared) as `generate` folds them with these kernels, once, outside the timed calls."""
     import jax
     import jax.numpy as jnp
 
@@ -115,7 +116,8 @@ def profile_stages(cfg, params, draft_model, cache, dstate, bonus, budgets, *, i
 
     kernels = as_kernels(kernels)
     params = jax.jit(lambda p: fold_params(p, cfg, kernels, sharded=sharding.active_mesh() is not None))(params)
-    draft_model = jax.jit(lambda d: d.folded())(draft_model)  # the drafter's joined matrices, as generate has them
+    # the drafter's joined matrices (in its compute dtype, with the tables it shares), as generate has them
+    draft_model = jax.jit(lambda d, p: d.prepared(cfg, p))(draft_model, params)
     timer = Timer(iters, device=False)
     depth = draft_model.block_size - 1
     layers = draft_model.hidden_layers
@@ -243,6 +245,8 @@ def main() -> None:
                     "method's compiled HLO text here")
     ap.add_argument("--moe", choices=("auto", "triton", "xla"), default="auto",
                     help="the routed experts' implementation (kj.Kernels(moe=...)); auto: what the dispatcher picks")
+    ap.add_argument("--drafter-dtype", choices=DRAFTER_DTYPES, default=None,
+                    help="the dtype the drafter computes in (kj.DFlashDraft compute_dtype; default: the target's)")
     ap.add_argument("--moe-xla-form", choices=("auto", "gather", "dense", "loop"), default="auto",
                     help="where the routed experts run XLA, its form (pallas_kernels/moe_w4a16/reference.py: "
                          "set_xla_form); auto: the rule of xla_form_for")
@@ -269,7 +273,8 @@ def main() -> None:
     set_xla_form(args.moe_xla_form)
     cfg, params = kj.load_checkpoint(args.target, expect_kind="target", dtype=args.dtype)
     dcfg, dparams = kj.load_checkpoint(args.drafter, expect_kind="drafter", dtype=args.dtype)
-    draft_model = as_draft_model(cfg, (dcfg, dparams))
+    drafter = kj.DFlashDraft(dcfg, dparams, compute_dtype=args.drafter_dtype)
+    draft_model = as_draft_model(cfg, drafter)
     loop_prompts = load_prompts(max(1, args.loop_prompts), 64)  # the shipped held-out prompts: the same everywhere
     prompt = loop_prompts[0]
     tokens = jnp.asarray([prompt], jnp.int32)
@@ -292,7 +297,7 @@ def main() -> None:
     rows = profile_stages(cfg, params, draft_model, cache, dstate, bonus, args.budgets, iters=args.iters,
                           pending=pending, hlo_dir=args.hlo_dir, kernels=kernels)
     if not args.no_loop:
-        rows += profile_in_loop(cfg, params, (dcfg, dparams), loop_prompts, args.budgets,
+        rows += profile_in_loop(cfg, params, drafter, loop_prompts, args.budgets,
                                 max_new_tokens=args.loop_tokens, iters=max(3, args.iters // 4), pending=pending,
                                 kernels=kernels, hlo_dir=args.hlo_dir, first_index=len(rows))
     if pending is not None:
@@ -301,6 +306,7 @@ def main() -> None:
     plan = kj.kernel_plan(params, cfg, kernels=kernels)
     meta = metadata(target=shown_path(args.target), drafter=shown_path(args.drafter), prompt_tokens=len(prompt),
                     matmul_precision=args.matmul_precision, moe_xla_form=args.moe_xla_form,
+                    drafter_dtype=args.drafter_dtype or args.dtype,
                     kernels={op: list(choice) for op, choice in plan.items()},
                     timing="wall: median per jitted call incl. dispatch, every wall clock taken before the first "
                            "CUPTI window; kernel: CUPTI summed kernel time of the median call; in-the-loop rows: "
@@ -321,7 +327,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              f"{meta['timing']}; each stage jitted alone, so each pays one dispatch that the one-jit loop does "
              f"not. The last rows are the round as run: generate calls of {meta.get('loop_tokens', 128)} tokens over "
              f"their rounds (AR steps = wall per round / wall per AR step). Float32 matmul precision "
-             f"{meta['matmul_precision']}; the routed experts' XLA form {meta.get('moe_xla_form', 'auto')}. "
+             f"{meta['matmul_precision']}; the routed experts' XLA form {meta.get('moe_xla_form', 'auto')}"
+             + (f"; the drafter computes in {meta['drafter_dtype']}" if "drafter_dtype" in meta else "") + ". "
              f"XLA_FLAGS: `{meta['xla_flags'] or 'none'}`. "
              f"Kernels: {'; '.join(f'{op} {impl} ({why})' for op, (impl, why) in plan.items())}.", "",
              "| stage | wall us | kernel us | kernels | AR steps |", "|---|---|---|---|---|"]

@@ -29,7 +29,7 @@ from typing import Any
 # the limits --help states (importing the package already loaded these modules)
 from kdtree_jax import ASSETS
 from kdtree_jax.budget import rounds_per_budget
-from kdtree_jax.ddtree import MAX_TREE_BUDGET
+from kdtree_jax.ddtree import MAX_TREE_BUDGET, DFlashDraft
 from kdtree_jax.drafter import MAX_BLOCK_SIZE
 from kdtree_jax.precision import MATMUL_PRECISIONS, set_matmul_precision
 
@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=DTYPES, help="weight dtype (default: bfloat16 for --hf, float32 for "
                    "--preset, float32 for --shipped, the stored one for --checkpoint; with a checkpoint the dense "
                    "weights are cast after loading, INT4 experts stay INT4)")
+    g.add_argument("--drafter-dtype", choices=DTYPES, help="the dtype the drafter computes in (default: the "
+                   "target's). Only the target decides what a greedy verify commits, so a float32 target keeps "
+                   "greedy DDTree == AR with a bfloat16 drafter (the dtype the shipped drafter trained in)")
     g.add_argument("--stop", type=int, action="append", metavar="ID", help="a stop token id (repeatable; "
                    "default: the config's eos_token_id)")
     g.add_argument("--mesh", metavar="SPEC", help="run the target sharded over a device mesh, e.g. "
@@ -587,6 +590,9 @@ def cmd_generate(args) -> None:
     needs_drafter = any(m in ("dflash", "ddtree") for m in methods)
     with STATUS.step("loading the drafter") if needs_drafter else contextlib.nullcontext():
         drafter, drafter_desc = _load_drafter(args, cfg, methods, params)
+        if drafter is not None and args.drafter_dtype:
+            drafter = DFlashDraft(*drafter, compute_dtype=args.drafter_dtype)
+            drafter_desc = f"{drafter_desc}, computing in {args.drafter_dtype}"
     print(f"model: {model_desc}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
           f"vocab {cfg.vocab_size}" + (f"; {drafter_desc}" if drafter_desc else ""))
     print(plan_line)

@@ -15,6 +15,7 @@ committing (they ride along in the batch until every row is done).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -57,12 +58,23 @@ AUTO = "auto"
 
 
 # ------------------------------------------------------------------------------------- draft models
+DRAFTER_DTYPES = ("float32", "bfloat16", "float16")
+
+
 @flax.struct.dataclass
 class DFlashDraft:
-    """The block-diffusion drafter conditioned on target hidden states (kdtree_jax.drafter)."""
+    """The block-diffusion drafter conditioned on target hidden states (kdtree_jax.drafter).
+
+    compute_dtype: the dtype the drafter computes in (one of DRAFTER_DTYPES; None: the target's, as it always did).
+    The drafter only proposes, so its numerics never change what a greedy verify commits: a float32 target can
+    verify drafts of a bfloat16 drafter (the dtype it trained in) and the greedy output stays the AR output.
+    `prepared` (once per `generate` call, before the loop) joins its matrices, casts them and the target's
+    embedding and lm_head it shares to compute_dtype (`tables`), so the loop converts nothing."""
 
     dcfg: DrafterConfig = flax.struct.field(pytree_node=False)
     dparams: Any
+    compute_dtype: str | None = flax.struct.field(pytree_node=False, default=None)
+    tables: Any = None  # (embed [V, D], lm_head [D, V]) in compute_dtype, set by prepared()
 
     @property
     def block_size(self) -> int:
@@ -73,19 +85,39 @@ class DFlashDraft:
         return tuple(self.dcfg.target_layer_ids)
 
     def init_state(self, batch: int, max_len: int, dtype) -> DrafterCache:
-        return init_drafter_cache(self.dcfg, batch, max_len, dtype)
+        return init_drafter_cache(self.dcfg, batch, max_len, dtype if self.compute_dtype is None
+                                  else jnp.dtype(self.compute_dtype))
 
     def extend(self, state, hidden, positions, num_valid):
-        return drafter_extend_context(self.dparams, self.dcfg, state, hidden, positions, num_valid)
+        return drafter_extend_context(self.dparams, self.dcfg, state, hidden.astype(state.keys.dtype), positions,
+                                      num_valid)
 
     def draft(self, state, cfg: ModelConfig, params: Params, bonus, block_start):
-        embed = params["embed_tokens"]
-        lm_head = embed.T if cfg.tie_word_embeddings else params["lm_head"]
+        if self.tables is not None:
+            embed, lm_head = self.tables
+        else:
+            embed = params["embed_tokens"]
+            lm_head = embed.T if cfg.tie_word_embeddings else params["lm_head"]
+            if self.compute_dtype is not None:
+                embed, lm_head = embed.astype(self.compute_dtype), lm_head.astype(self.compute_dtype)
         return drafter_forward(self.dparams, self.dcfg, state, embed, lm_head, bonus, block_start)
 
     def folded(self) -> DFlashDraft:
-        """The same drafter on its joined matrices (drafter.fold_drafter_params); `generate` calls it once per call."""
-        return DFlashDraft(self.dcfg, fold_drafter_params(self.dparams, self.dcfg))
+        """The same drafter on its joined matrices (drafter.fold_drafter_params), in compute_dtype when set."""
+        dparams = self.dparams
+        if self.compute_dtype is not None:
+            dparams = jax.tree.map(lambda a: a.astype(self.compute_dtype), dparams)
+        return dataclasses.replace(self, dparams=fold_drafter_params(dparams, self.dcfg))
+
+    def prepared(self, cfg: ModelConfig, params: Params) -> DFlashDraft:
+        """`folded`, plus with a compute_dtype the target's embedding and lm_head cast to it (`tables`); `generate`
+        calls it once per call."""
+        out = self.folded()
+        if self.compute_dtype is None:
+            return out
+        embed = params["embed_tokens"]
+        lm_head = embed.T if cfg.tie_word_embeddings else params["lm_head"]
+        return dataclasses.replace(out, tables=(embed.astype(self.compute_dtype), lm_head.astype(self.compute_dtype)))
 
 
 @flax.struct.dataclass
@@ -122,18 +154,27 @@ class OracleDraft:
     def folded(self) -> OracleDraft:
         return self
 
+    def prepared(self, cfg: ModelConfig, params: Params) -> OracleDraft:
+        return self
+
 
 def as_draft_model(cfg: ModelConfig, drafter):
     if isinstance(drafter, OracleDraft):
         return drafter
+    compute_dtype = None
     if isinstance(drafter, DFlashDraft):
-        drafter = (drafter.dcfg, drafter.dparams)
+        if drafter.compute_dtype is not None and drafter.compute_dtype not in DRAFTER_DTYPES:
+            raise ValueError(f"DFlashDraft compute_dtype must be None or one of {DRAFTER_DTYPES}, "
+                             f"got {drafter.compute_dtype!r}")
+        if drafter.tables is not None:
+            raise ValueError("pass the DFlashDraft itself, not a prepared() one: generate prepares it per call")
+        drafter, compute_dtype = (drafter.dcfg, drafter.dparams), drafter.compute_dtype
     if isinstance(drafter, tuple) and len(drafter) == 2 and isinstance(drafter[0], DrafterConfig):
         dcfg, dparams = drafter
         dcfg.validate()
         dcfg.check_target(cfg)
         check_drafter_params(dcfg, dparams)
-        return DFlashDraft(dcfg, dparams)
+        return DFlashDraft(dcfg, dparams, compute_dtype)
     raise ValueError("drafter must be (DrafterConfig, drafter params), a DFlashDraft or an OracleDraft, "
                      f"got {type(drafter).__name__}")
 
@@ -213,7 +254,7 @@ def _generate(params, draft_model, prompt_tokens, prompt_lengths, key, first_tok
     depth = draft_model.block_size - 1
     hidden_layers = draft_model.hidden_layers
     params = fold_params(params, cfg, kernels, sharded=sharding.active_mesh() is not None)  # once, before the loop
-    draft_model = draft_model.folded()
+    draft_model = draft_model.prepared(cfg, params)
 
     cache = init_cache(cfg, batch, max_len, dtype)
     last_logits, hidden, cache = prefill(params, cfg, prompt_tokens, prompt_lengths, cache, hidden_layers,

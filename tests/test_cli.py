@@ -172,6 +172,11 @@ def test_generate_all_methods_compares_them(models, capsys):
     if jax.default_backend() == "cpu":  # one line on why a CPU cannot show the speedup
         assert out.splitlines()[-1].startswith("note: on a CPU a verify of T tokens costs about T decode steps")
     assert "budget 3" in out
+    rc, half, _ = run(["generate", "--checkpoint", models / "target", "--drafter", models / "drafter", "--method",
+                       "all", "--budget", "3", "--prompt", "1 2 3", "--prompt", "7 8", "--max-new-tokens", "4",
+                       "--no-warmup", "--drafter-dtype", "bfloat16"], capsys)  # a bf16 drafter for this f32 target
+    assert rc == 0 and "computing in bfloat16" in half, half
+    assert token_lines(half) == token_lines(out)
     rc, auto, _ = run(["generate", "--checkpoint", models / "target", "--drafter", models / "drafter", "--method",
                        "ddtree", "--prompt", "1 2 3", "--prompt", "7 8", "--max-new-tokens", "4", "--no-warmup"],
                       capsys)  # the default budget: auto, with how many rounds verified each budget

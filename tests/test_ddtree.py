@@ -260,6 +260,41 @@ def test_tiny_temperature_speculative_equals_greedy(tiny, method, budget):
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens))
 
 
+def test_bfloat16_drafter_on_a_float32_target_keeps_the_greedy_invariant(tiny):
+    """A drafter computing in bfloat16 (kj.DFlashDraft compute_dtype: the dtype it trains in) proposes for a float32
+    target: the target alone decides what a greedy verify commits, so DDTree and DFlash still equal AR token for
+    token. The prepared drafter holds its matrices, its cache and the shared embedding / lm_head in bfloat16, and its
+    drafts are the float32 drafter's to bfloat16 rounding, not bit-equal (the dtype took effect)."""
+    params, prompts, ar = tiny
+    dcfg, dparams = make_drafter(TINY, seed=5)
+    bf16, f32 = kj.DFlashDraft(dcfg, dparams, compute_dtype="bfloat16"), kj.DFlashDraft(dcfg, dparams)
+    for method, budget in (("ddtree", 7), ("dflash", None)):
+        out = kj.generate(TINY, params, prompts, max_new_tokens=14, method=method, drafter=bf16, tree_budget=budget,
+                          stop_tokens=())
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens))
+    prep16, prep32 = bf16.prepared(TINY, params), f32.prepared(TINY, params)
+    assert {a.dtype for a in jax.tree.leaves((prep16.dparams, prep16.tables))} == {jnp.dtype(jnp.bfloat16)}
+    assert prep32.tables is None and {a.dtype for a in jax.tree.leaves(prep32.dparams)} == {jnp.dtype(jnp.float32)}
+    hidden = jax.random.normal(jax.random.key(1), (1, 6, dcfg.num_target_layers, TINY.hidden_size), jnp.float32)
+    positions, drafts = jnp.arange(6, dtype=jnp.int32)[None], {}
+    for name, model in (("bf16", prep16), ("f32", prep32)):
+        state = model.extend(model.init_state(1, 16, jnp.float32), hidden, positions, jnp.array([6]))
+        assert state.keys.dtype == (jnp.bfloat16 if name == "bf16" else jnp.float32)
+        drafts[name] = np.asarray(model.draft(state, TINY, params, jnp.array([5]), jnp.array([6])), np.float64)
+    gap = np.abs(drafts["bf16"] - drafts["f32"]).max()
+    assert 0 < gap < 0.05 * np.abs(drafts["f32"]).max(), gap
+
+
+def test_drafter_compute_dtype_is_checked(tiny):
+    params, prompts, _ = tiny
+    dcfg, dparams = make_drafter(TINY, 0)
+    cases = [(kj.DFlashDraft(dcfg, dparams, compute_dtype="int8"), "compute_dtype must be None or one of"),
+             (kj.DFlashDraft(dcfg, dparams, compute_dtype="bfloat16").prepared(TINY, params), "not a prepared")]
+    for drafter, match in cases:
+        with pytest.raises(ValueError, match=match):
+            kj.generate(TINY, params, prompts, max_new_tokens=4, method="ddtree", drafter=drafter, tree_budget=4)
+
+
 def test_mismatched_drafter_params_get_clear_errors(tiny):
     params, prompts, _ = tiny
     dcfg, dparams = make_drafter(TINY, 0)
