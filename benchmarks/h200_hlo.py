@@ -125,6 +125,9 @@ def main() -> None:
                     help="float32 matmul precisions to compile under (kdtree_jax.precision; default %(default)s)")
     ap.add_argument("--target", type=Path, default=None, help="target checkpoint (default: the shipped one)")
     ap.add_argument("--drafter", type=Path, default=None, help="drafter checkpoint (default: the shipped one)")
+    ap.add_argument("--drafter-dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                    help="the dtype the drafter computes in (kj.DFlashDraft compute_dtype; default: the target's, "
+                         "float32). Its own bf16 products then count among the bf16 products")
     ap.add_argument("--budget", type=int, default=31, help="DDTree's tree budget (default %(default)s)")
     ap.add_argument("--prompt-tokens", type=int, default=64, help="the held-out prompt's length (default %(default)s)")
     ap.add_argument("--new-tokens", type=int, default=128, help="max_new_tokens of the loops (default %(default)s)")
@@ -178,8 +181,9 @@ def main() -> None:
     cfg, params = kj.load_checkpoint(target, expect_kind="target", dtype="float32")
     dcfg, dparams = kj.load_checkpoint(drafter, expect_kind="drafter", dtype="float32")
     prompt = load_prompts(1, args.prompt_tokens)
-    loops = {"AR": dict(method="ar"), "DFlash": dict(method="dflash", drafter=(dcfg, dparams)),
-             f"DDTree {args.budget}": dict(method="ddtree", drafter=(dcfg, dparams), tree_budget=args.budget)}
+    draft = kj.DFlashDraft(dcfg, dparams, compute_dtype=args.drafter_dtype)
+    loops = {"AR": dict(method="ar"), "DFlash": dict(method="dflash", drafter=draft),
+             f"DDTree {args.budget}": dict(method="ddtree", drafter=draft, tree_budget=args.budget)}
     rows = []
     for precision in args.precisions:
         set_matmul_precision(precision)
@@ -198,6 +202,8 @@ def main() -> None:
 
     pair = "The shipped pair" if args.target is None and args.drafter is None else (
         f"Target `{shown_path(target)}`, drafter `{shown_path(drafter)}` ({dcfg.num_hidden_layers} layers)")
+    if args.drafter_dtype not in (None, "float32"):
+        pair += f" (the drafter computing in {args.drafter_dtype}: its own products count among the bf16 products)"
     lines = ["# The decode loops compiled for an H200 (deviceless): dots and bf16-rounded products", "",
              f"{pair} in float32, batch 1, a {args.prompt_tokens}-token held-out prompt, {args.new_tokens} "
              "new tokens; each loop is one jitted program (its while body holds the round). Dots: dot instructions "
@@ -211,6 +217,7 @@ def main() -> None:
               f"{r['bf16_products']} | {r['round_kernels']} |" for r in rows]
     meta = metadata(compiled_for="NVIDIA H200 (XLA deviceless compilation, target description in the script)",
                     target=shown_path(target), drafter=shown_path(drafter), budget=args.budget,
+                    drafter_dtype=args.drafter_dtype or "float32",
                     prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
     write_results(args.out / f"h200_hlo_{args.tag}", meta, {"rows": rows}, "\n".join(lines) + "\n")
 

@@ -10,7 +10,8 @@ the shipped pair's decode loops compiled for an H200 (jax 0.11.2; `benchmarks/h2
 benchmarks/results/h200_hlo_s21*.md): before this module the batch-1 AR loop under X9 held 873 bf16 multiplies (the
 DFlash and DDTree loops 504), none after. Under HIGHEST the same rewrite multiplies in float32 (exact products,
 float32 sums): so a vector-shaped dot runs at HIGHEST under an explicit algorithm, every other dot follows the process
-default as before.
+default as before. A dot of 16-bit float operands runs at DEFAULT under an explicit algorithm (one bf16 pass,
+float32 accumulation: what the algorithm would compute from them, in one pass instead of nine).
 
   y = einsum("td,tkid->tki", x, w)        # jnp.einsum, that precision chosen
   y = matmul(x, w)                         # x [..., K] @ w [K, N]
@@ -36,12 +37,18 @@ def explicit_algorithm() -> bool:
     return default is not None and str(default).upper() in DOT_ALGORITHMS
 
 
-def dot_precision(free_a: int, free_b: int, precision=None):
+def dot_precision(free_a: int, free_b: int, precision=None, dtypes: tuple = ()):
     """The precision of a dot whose operands have `free_a` / `free_b` free elements (the product of the sizes of
-    the dimensions that are neither contracted nor batch): HIGHEST where one of them is a vector (1) under an
-    explicit dot algorithm (the module docstring says why), else `precision` (None: the process default)."""
-    if precision is None and min(free_a, free_b) == 1 and explicit_algorithm():
-        return lax.Precision.HIGHEST
+    the dimensions that are neither contracted nor batch) and dtypes `dtypes`, under an explicit dot algorithm:
+    DEFAULT where every operand is a 16-bit float (the algorithms buy float32 accuracy for float32 operands; on
+    bf16 ones JAX would convert them to float32 and run all the algorithm's passes for the one that is not zero:
+    a drafter computing in bf16 beside a float32 target), else HIGHEST where one of them is a vector (1; the module
+    docstring says why). Otherwise, or with a named `precision`, `precision` (None: the process default)."""
+    if precision is None and explicit_algorithm():
+        if dtypes and all(jnp.issubdtype(d, jnp.floating) and jnp.dtype(d).itemsize == 2 for d in dtypes):
+            return lax.Precision.DEFAULT
+        if min(free_a, free_b) == 1:
+            return lax.Precision.HIGHEST
     return precision
 
 
@@ -60,7 +67,7 @@ def _free_sizes(spec: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -
 def einsum(spec: str, a: jax.Array, b: jax.Array, *, precision=None, preferred_element_type=None) -> jax.Array:
     """jnp.einsum(spec, a, b) at `dot_precision` (two operands, no ellipsis)."""
     free_a, free_b = _free_sizes(spec, a.shape, b.shape)
-    return jnp.einsum(spec, a, b, precision=dot_precision(free_a, free_b, precision),
+    return jnp.einsum(spec, a, b, precision=dot_precision(free_a, free_b, precision, (a.dtype, b.dtype)),
                       preferred_element_type=preferred_element_type)
 
 
@@ -68,6 +75,6 @@ def matmul(x: jax.Array, w: jax.Array, *, precision=None, preferred_element_type
     """x [..., K] @ w [K, N] at `dot_precision`."""
     if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"matmul wants x [..., K] and w [K, N], got {list(x.shape)} and {list(w.shape)}")
-    precision = dot_precision(math.prod(x.shape[:-1]), w.shape[1], precision)
+    precision = dot_precision(math.prod(x.shape[:-1]), w.shape[1], precision, (x.dtype, w.dtype))
     return lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision,
                            preferred_element_type=preferred_element_type)

@@ -33,6 +33,21 @@ def test_dot_precision_changes_only_vectors_under_an_explicit_algorithm(matmul_p
     assert dots.dot_precision(1, 64, lax.Precision.DEFAULT) == lax.Precision.DEFAULT  # a named one is kept
 
 
+@pytest.mark.parametrize("shape", [(8, 64), (1, 64)])
+def test_a_16_bit_dot_runs_one_pass_under_an_explicit_algorithm(matmul_precision, shape):
+    """bf16 operands (a drafter computing in bf16 beside a float32 target) under a float32-accuracy algorithm: JAX
+    would convert them to float32 and run every pass of the algorithm; dots runs them at DEFAULT (one bf16 pass,
+    float32 accumulation), matrix or vector, float32 operands as before; a float32 operand keeps the algorithm."""
+    jax.config.update("jax_default_matmul_precision", ALGORITHM)
+    x, w = jnp.ones(shape, jnp.bfloat16), jnp.ones((64, 32), jnp.bfloat16)
+    assert dots.dot_precision(shape[0], 32, None, (x.dtype, w.dtype)) == lax.Precision.DEFAULT
+    (line,) = [ln for ln in jax.jit(lambda x, w: dots.matmul(x, w, preferred_element_type=jnp.float32)).lower(
+        x, w).as_text().splitlines() if "dot_general" in ln]
+    assert "algorithm" not in line and "precision = [DEFAULT, DEFAULT]" in line, line
+    mixed = dots.dot_precision(shape[0], 32, None, (jnp.float32, jnp.bfloat16))
+    assert mixed == (HIGHEST if shape[0] == 1 else None)
+
+
 @pytest.mark.parametrize(("spec", "a", "b", "vector"), [
     ("td,tkid->tki", (5, 8), (5, 2, 4, 8), True),  # batched mat-vec: a has no free dimension
     ("tkd,tk->td", (5, 2, 8), (5, 2), True),       # a weighted combine: b has none
