@@ -3,8 +3,12 @@
 # says otherwise) and a candidate, the same bench_e2e.py protocol one after the other on the same machine (timings from
 # different machines do not compare; docs/training.md, sessions 24 and 39). From the repo root, on the device:
 #
-#   OUT=DIR CANDIDATE=PATH [BASE=kdtree_jax/assets/drafter] [TAG=NAME] [DL=198] [PRECISION=BF16_BF16_F32_X9] \
-#       [LIMIT_S=560] bash benchmarks/drafter_ab.sh
+#   OUT=DIR CANDIDATE=PATH [BASE=kdtree_jax/assets/drafter] [CANDIDATE_DTYPE=bfloat16] [TAG=NAME] [DL=198] \
+#       [PRECISION=BF16_BF16_F32_X9] [LIMIT_S=560] bash benchmarks/drafter_ab.sh
+#
+# CANDIDATE_DTYPE: the dtype the candidate computes in (bench_e2e.py --drafter-dtype; default the target's, float32):
+# CANDIDATE=kdtree_jax/assets/drafter CANDIDATE_DTYPE=bfloat16 is the shipped drafter in float32 against itself in
+# bfloat16 (docs/ddtree.md, "1. Draft").
 #
 # CANDIDATE (and BASE) is a drafter checkpoint folder, or a .tar holding one as drafter/ (what training/train_pair.sh
 # packs: the device returns no folder as deep as an Orbax checkpoint, so a trained drafter travels as a tar).
@@ -44,16 +48,17 @@ candidate=$(checkpoint candidate "$CANDIDATE") || exit 2
 
 source "$(dirname "$0")/steps.sh"
 steps_init ab.log
-echo "base $BASE, candidate $CANDIDATE, precision $PRECISION" | tee -a "$STEPS_LOG"
-step() {  # NAME DRAFTER: bench_e2e.py with DRAFTER into OUT/NAME, its table rows logged
-    local name=$1 drafter=$2
+echo "base $BASE, candidate $CANDIDATE${CANDIDATE_DTYPE:+ computing in $CANDIDATE_DTYPE}, precision $PRECISION" \
+    | tee -a "$STEPS_LOG"
+step() {  # NAME DRAFTER [ARGS...]: bench_e2e.py with DRAFTER (and ARGS) into OUT/NAME, its table rows logged
+    local name=$1 drafter=$2; shift 2
     mkdir -p "$OUT/$name"
     steps_run "$name" $(( DL + 120 )) $PY benchmarks/bench_e2e.py --out "$OUT/$name" --tag "${TAG}_${name#e2e_}" \
         --drafter "$drafter" --matmul-precision "$PRECISION" --num-prompts 8 --max-new-tokens 128 --batches 1 \
-        --temperatures 0 1 --budgets 7 15 31 --repeats 3 --seeds 2 --deadline-s "$DL"
+        --temperatures 0 1 --budgets 7 15 31 --repeats 3 --seeds 2 --deadline-s "$DL" "$@"
     grep -hE "^\| 1 \| [01] \|" "$OUT/$name"/*.md 2>/dev/null | sed "s/^/$name /" | tee -a "$STEPS_LOG"
     steps_pack
 }
 step e2e_base "$base"
-step e2e_candidate "$candidate"
+step e2e_candidate "$candidate" ${CANDIDATE_DTYPE:+--drafter-dtype "$CANDIDATE_DTYPE"}
 steps_exit

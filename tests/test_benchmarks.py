@@ -515,12 +515,14 @@ def test_drafter_ab_script_runs_base_then_candidate_and_unpacks_a_tar(tmp_path):
     """benchmarks/drafter_ab.sh (an end-to-end A/B of two drafters on one GPU) is valid bash, passes bench_e2e.py only
     options its --help lists, and, driven on the CPU with a stand-in python: runs the base drafter, then the candidate,
     with the same protocol, unpacks a candidate given as a .tar holding drafter/ (train_pair.sh's packing), logs each
-    step's table rows, packs OUT/results.tgz, and refuses a candidate that is no drafter checkpoint."""
+    step's table rows, packs OUT/results.tgz, passes --drafter-dtype to the candidate alone with CANDIDATE_DTYPE, and
+    refuses a candidate that is no drafter checkpoint."""
     import tarfile
 
     script = ROOT / "benchmarks" / "drafter_ab.sh"
-    options = _script_options("drafter_ab.sh", "bench_e2e.py")
-    assert {"--drafter", "--matmul-precision", "--temperatures", "--budgets", "--deadline-s", "--out"} <= options
+    options = _script_options("drafter_ab.sh", "bench_e2e.py", r"^step e2e_candidate (.*)$")
+    assert {"--drafter", "--drafter-dtype", "--matmul-precision", "--temperatures", "--budgets", "--deadline-s",
+            "--out"} <= options
 
     packed = tmp_path / "trained"
     (packed / "drafter").mkdir(parents=True)
@@ -556,6 +558,13 @@ def test_drafter_ab_script_runs_base_then_candidate_and_unpacks_a_tar(tmp_path):
     assert log.count("rc=0") == 2 and "e2e_candidate | 1 | 0 | ddtree | 15 | 3.62 |" in log
     with tarfile.open(out / "results.tgz") as tar:
         assert {"./e2e_base/r.md", "./e2e_candidate/r.md", "./ab.log"} <= set(tar.getnames())
+    assert "--drafter-dtype" not in log and "--drafter-dtype" not in calls.read_text()
+    calls.unlink()  # the same drafter, the candidate computing in bf16 (CANDIDATE_DTYPE): only the candidate's flag
+    dtype_env = {**env, "CANDIDATE": "kdtree_jax/assets/drafter", "CANDIDATE_DTYPE": "bfloat16"}
+    run = subprocess.run(["bash", str(script)], cwd=ROOT, env=dtype_env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    lines = calls.read_text().splitlines()
+    assert "--drafter-dtype" not in lines[0] and lines[1].endswith("--drafter-dtype bfloat16")
     env["CANDIDATE"] = str(tmp_path)
     refused = subprocess.run(["bash", str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "is no drafter checkpoint" in refused.stderr
