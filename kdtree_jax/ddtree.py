@@ -151,9 +151,6 @@ class OracleDraft:
         tokens = jnp.where(steps < self.sequence.shape[1], tokens, 0)
         return jnp.where(jax.nn.one_hot(tokens, self.vocab_size, dtype=bool), 0.0, -1e9)  # [B, L, V]
 
-    def folded(self) -> OracleDraft:
-        return self
-
     def prepared(self, cfg: ModelConfig, params: Params) -> OracleDraft:
         return self
 
