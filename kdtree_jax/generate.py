@@ -101,8 +101,9 @@ def generate(cfg: ModelConfig, params: Params, prompts, max_new_tokens: int = 64
     """Generate up to `max_new_tokens` per prompt with one device dispatch.
 
     prompts: a list of token-id lists (ragged) or an int array [B, P]. method: "ar" (autoregressive),
-    "dflash" (single-path speculative) or "ddtree" (tree speculative; needs `drafter=(dcfg, dparams)`
-    and `tree_budget`: an int, or "auto" to choose each round's budget on device from the drafter's scores
+    "dflash" (single-path speculative) or "ddtree" (tree speculative; needs `drafter=(dcfg, dparams)`, or
+    kj.DFlashDraft(dcfg, dparams, compute_dtype="bfloat16") for a drafter computing in another dtype than the
+    target, and `tree_budget`: an int, or "auto" to choose each round's budget on device from the drafter's scores
     and `budget_costs`, a kj.BudgetCosts, default the measured kdtree_jax.budget.default_costs). temperature
     0 is greedy; any finite temperature > 0 samples (a tiny one gives the argmax: decoding.sampling_logits)
     with optional top_k / top_p and an explicit PRNG `key` (jax.random.key(seed), required). stop_tokens
