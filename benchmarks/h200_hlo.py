@@ -125,6 +125,7 @@ def main() -> None:
                     help="float32 matmul precisions to compile under (kdtree_jax.precision; default %(default)s)")
     ap.add_argument("--target", type=Path, default=None, help="target checkpoint (default: the shipped one)")
     ap.add_argument("--drafter", type=Path, default=None, help="drafter checkpoint (default: the shipped one)")
+    # kdtree_jax.ddtree.DRAFTER_DTYPES, written out: importing it would start JAX before the environment below is set
     ap.add_argument("--drafter-dtype", choices=("float32", "bfloat16", "float16"), default=None,
                     help="the dtype the drafter computes in (kj.DFlashDraft compute_dtype; default: the target's, "
                          "float32). Its own bf16 products then count among the bf16 products")

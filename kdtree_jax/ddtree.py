@@ -92,14 +92,16 @@ class DFlashDraft:
         return drafter_extend_context(self.dparams, self.dcfg, state, hidden.astype(state.keys.dtype), positions,
                                       num_valid)
 
+    def _shared_tables(self, cfg: ModelConfig, params: Params) -> tuple[jax.Array, jax.Array]:
+        """The target's embedding [V, D] and lm_head [D, V] the drafter shares, in compute_dtype when set."""
+        embed = params["embed_tokens"]
+        lm_head = embed.T if cfg.tie_word_embeddings else params["lm_head"]
+        if self.compute_dtype is None:
+            return embed, lm_head
+        return embed.astype(self.compute_dtype), lm_head.astype(self.compute_dtype)
+
     def draft(self, state, cfg: ModelConfig, params: Params, bonus, block_start):
-        if self.tables is not None:
-            embed, lm_head = self.tables
-        else:
-            embed = params["embed_tokens"]
-            lm_head = embed.T if cfg.tie_word_embeddings else params["lm_head"]
-            if self.compute_dtype is not None:
-                embed, lm_head = embed.astype(self.compute_dtype), lm_head.astype(self.compute_dtype)
+        embed, lm_head = self.tables if self.tables is not None else self._shared_tables(cfg, params)
         return drafter_forward(self.dparams, self.dcfg, state, embed, lm_head, bonus, block_start)
 
     def folded(self) -> DFlashDraft:
@@ -113,11 +115,7 @@ class DFlashDraft:
         """`folded`, plus with a compute_dtype the target's embedding and lm_head cast to it (`tables`); `generate`
         calls it once per call."""
         out = self.folded()
-        if self.compute_dtype is None:
-            return out
-        embed = params["embed_tokens"]
-        lm_head = embed.T if cfg.tie_word_embeddings else params["lm_head"]
-        return dataclasses.replace(out, tables=(embed.astype(self.compute_dtype), lm_head.astype(self.compute_dtype)))
+        return out if self.compute_dtype is None else dataclasses.replace(out, tables=self._shared_tables(cfg, params))
 
 
 @flax.struct.dataclass
