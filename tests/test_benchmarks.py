@@ -511,18 +511,21 @@ def test_k26_layer_ab_script_runs_old_then_new_and_packs_each_step(tmp_path):
     assert refused.returncode == 2 and "has no kdtree_jax/" in refused.stderr
 
 
-def test_drafter_ab_script_runs_base_then_candidate_and_unpacks_a_tar(tmp_path):
-    """benchmarks/drafter_ab.sh (an end-to-end A/B of two drafters on one GPU) is valid bash, passes bench_e2e.py only
-    options its --help lists, and, driven on the CPU with a stand-in python: runs the base drafter, then the candidate,
-    with the same protocol, unpacks a candidate given as a .tar holding drafter/ (train_pair.sh's packing), logs each
-    step's table rows, packs OUT/results.tgz, passes --drafter-dtype to the candidate alone with CANDIDATE_DTYPE, and
-    refuses a candidate that is no drafter checkpoint."""
+def test_drafter_ab_script_runs_paired_then_base_then_candidate_and_unpacks_a_tar(tmp_path):
+    """benchmarks/drafter_ab.sh (an end-to-end A/B of two drafters on one GPU) is valid bash, passes ab_e2e.py and
+    bench_e2e.py only options their --help lists, and, driven on the CPU with a stand-in python: runs the paired A/B
+    (base as A, candidate as B), then the base drafter, then the candidate, with one protocol, unpacks a candidate given
+    as a .tar holding drafter/ (train_pair.sh's packing), logs each step's table rows, packs OUT/results.tgz, passes
+    the candidate's dtype (CANDIDATE_DTYPE) to the candidate alone, runs only the steps STEPS names, and refuses a
+    candidate that is no drafter checkpoint."""
     import tarfile
 
     script = ROOT / "benchmarks" / "drafter_ab.sh"
     options = _script_options("drafter_ab.sh", "bench_e2e.py", r"^step e2e_candidate (.*)$")
     assert {"--drafter", "--drafter-dtype", "--matmul-precision", "--temperatures", "--budgets", "--deadline-s",
             "--out"} <= options
+    paired = _script_options("drafter_ab.sh", "ab_e2e.py")
+    assert {"--a", "--b", "--b-dtype", "--matmul-precision", "--repeats", "--seeds", "--deadline-s", "--out"} <= paired
 
     packed = tmp_path / "trained"
     (packed / "drafter").mkdir(parents=True)
@@ -535,36 +538,48 @@ def test_drafter_ab_script_runs_base_then_candidate_and_unpacks_a_tar(tmp_path):
     fake.write_text("#!/usr/bin/env bash\n"
                     'out=""; drafter=""; prev=""\n'
                     'for a in "$@"; do\n'
-                    '  [[ $prev == --out ]] && out=$a; [[ $prev == --drafter ]] && drafter=$a; prev=$a\n'
+                    '  [[ $prev == --out ]] && out=$a\n'
+                    '  [[ $prev == --drafter || $prev == --b ]] && drafter=$a; prev=$a\n'
                     'done\n'
                     'test -f "$drafter/config.json" || exit 3\n'
                     f'echo "$(basename "$out") $drafter $*" >> {calls}\n'
-                    'mkdir -p "$out"; echo "| 1 | 0 | ddtree | 15 | 3.62 |" > "$out/r.md"\n')
+                    'mkdir -p "$out"; echo "| 1 | 0 | ddtree | 15 | 3.62 |" > "$out/r.md"\n'
+                    'echo "| 0 | ddtree | 15 | 3.6 | 3.6 | 1.01 |" >> "$out/r.md"\n')
     fake.chmod(0o755)
     out = tmp_path / "out"
     out.mkdir()
-    env = {**os.environ, "OUT": str(out), "CANDIDATE": str(candidate), "PYTHON": str(fake), "LIMIT_S": "400",
+    env = {**os.environ, "OUT": str(out), "CANDIDATE": str(candidate), "PYTHON": str(fake), "LIMIT_S": "600",
            "TAG": "h200_b1_t"}
     run = subprocess.run(["bash", str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, (run.stdout, run.stderr)
     lines = calls.read_text().splitlines()
-    assert [line.split()[0] for line in lines] == ["e2e_base", "e2e_candidate"]
-    assert lines[0].split()[1] == "kdtree_jax/assets/drafter"
-    assert lines[1].split()[1] == ".devcarry/drafter_ab/candidate/drafter"  # repo-relative: no /tmp in the results
-    assert "--tag h200_b1_t_base" in lines[0] and "--tag h200_b1_t_candidate" in lines[1]
-    protocol = [line.split(" --drafter ")[1].split(" ", 1)[1] for line in lines]  # what follows the drafter's path
+    assert [line.split()[0] for line in lines] == ["paired", "e2e_base", "e2e_candidate"]
+    unpacked = ".devcarry/drafter_ab/candidate/drafter"  # repo-relative: no /tmp in the results
+    assert "benchmarks/ab_e2e.py" in lines[0] and f"--a kdtree_jax/assets/drafter --b {unpacked}" in lines[0]
+    assert lines[1].split()[1] == "kdtree_jax/assets/drafter" and lines[2].split()[1] == unpacked
+    assert "--tag h200_b1_t " in lines[0]
+    assert "--tag h200_b1_t_base" in lines[1] and "--tag h200_b1_t_candidate" in lines[2]
+    protocol = [line.split(" --drafter ")[1].split(" ", 1)[1] for line in lines[1:]]  # what follows the drafter's path
     assert protocol[0] == protocol[1] and "--matmul-precision BF16_BF16_F32_X9" in protocol[0]
+    assert "--matmul-precision BF16_BF16_F32_X9" in lines[0]
     log = (out / "ab.log").read_text()
-    assert log.count("rc=0") == 2 and "e2e_candidate | 1 | 0 | ddtree | 15 | 3.62 |" in log
+    assert log.count("rc=0") == 3 and "e2e_candidate | 1 | 0 | ddtree | 15 | 3.62 |" in log
+    assert "paired | 0 | ddtree | 15 | 3.6 | 3.6 | 1.01 |" in log
     with tarfile.open(out / "results.tgz") as tar:
-        assert {"./e2e_base/r.md", "./e2e_candidate/r.md", "./ab.log"} <= set(tar.getnames())
-    assert "--drafter-dtype" not in log and "--drafter-dtype" not in calls.read_text()
+        assert {"./paired/r.md", "./e2e_base/r.md", "./e2e_candidate/r.md", "./ab.log"} <= set(tar.getnames())
+    assert "-dtype" not in calls.read_text()
     calls.unlink()  # the same drafter, the candidate computing in bf16 (CANDIDATE_DTYPE): only the candidate's flag
     dtype_env = {**env, "CANDIDATE": "kdtree_jax/assets/drafter", "CANDIDATE_DTYPE": "bfloat16"}
     run = subprocess.run(["bash", str(script)], cwd=ROOT, env=dtype_env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, (run.stdout, run.stderr)
     lines = calls.read_text().splitlines()
-    assert "--drafter-dtype" not in lines[0] and lines[1].endswith("--drafter-dtype bfloat16")
+    assert "--b-dtype bfloat16" in lines[0] and "--a-dtype" not in lines[0]
+    assert "--drafter-dtype" not in lines[1] and lines[2].endswith("--drafter-dtype bfloat16")
+    calls.unlink()  # STEPS=paired: the paired A/B alone
+    run = subprocess.run(["bash", str(script)], cwd=ROOT, env={**dtype_env, "STEPS": "paired"}, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    assert [line.split()[0] for line in calls.read_text().splitlines()] == ["paired"]
     env["CANDIDATE"] = str(tmp_path)
     refused = subprocess.run(["bash", str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "is no drafter checkpoint" in refused.stderr
@@ -619,3 +634,26 @@ def test_device_steps_run_only_the_selected_steps(tmp_path):
     assert not (out / "one.log").exists() and not (out / "two.log").exists()
     done, out, log = run("one tw")
     assert done.returncode == 2 and "'tw'" in log and "one: rc=0" in log, log
+
+
+@pytest.mark.slow
+def test_ab_e2e_pairs_two_arms_with_a_control_row(tmp_path):
+    """benchmarks/ab_e2e.py (the paired A/B of two drafters) on the CPU, the shipped pair, one prompt: the control
+    row (A against itself) comes first, the same drafter in both arms accepts the same, every greedy arm equals AR,
+    each B / A lies within its own range, and the results file names both arms; --repeats 1 (no B A order) is
+    refused."""
+    from benchmarks.ab_e2e import main  # noqa: PLC0415 (benchmarks/ is not a package on the path)
+
+    main(["--out", str(tmp_path), "--tag", "t", "--num-prompts", "1", "--max-new-tokens", "6", "--budgets", "3",
+          "--temperatures", "0", "--repeats", "2"])
+    data = json.loads((tmp_path / "ab_t.json").read_text())
+    rows = data["rows"]
+    assert [(r["method"], r["budget"], r["control"]) for r in rows] == [("dflash", None, True), ("dflash", None, False),
+                                                                         ("ddtree", 3, False)]
+    for r in rows:
+        assert r["accept_a"] == r["accept_b"] and r["greedy_equals_ar_a"] and r["greedy_equals_ar_b"]
+        assert r["b_over_a_min"] <= r["b_over_a"] <= r["b_over_a_max"] and r["new_tokens"] == 6
+    assert data["meta"]["a"] == data["meta"]["b"] == "kdtree_jax/assets/drafter" and data["ar_tokens_per_s"]["0"] > 0
+    assert "| 0 | dflash (control: A vs A) | - |" in (tmp_path / "ab_t.md").read_text()
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path), "--repeats", "1"])
