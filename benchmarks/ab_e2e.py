@@ -150,6 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.repeats < 2:
         parser.error("--repeats must be at least 2 (one A B and one B A)")
+    if args.num_prompts < 1 or args.seeds < 1 or args.max_new_tokens < 1:
+        parser.error("--num-prompts, --seeds and --max-new-tokens must be at least 1")
     set_matmul_precision(args.matmul_precision)
 
     cfg, params = kj.load_checkpoint(args.target, expect_kind="target", dtype="float32")

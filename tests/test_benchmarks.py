@@ -640,8 +640,8 @@ def test_device_steps_run_only_the_selected_steps(tmp_path):
 def test_ab_e2e_pairs_two_arms_with_a_control_row(tmp_path):
     """benchmarks/ab_e2e.py (the paired A/B of two drafters) on the CPU, the shipped pair, one prompt: the control
     row (A against itself) comes first, the same drafter in both arms accepts the same, every greedy arm equals AR,
-    each B / A lies within its own range, and the results file names both arms; --repeats 1 (no B A order) is
-    refused."""
+    each B / A lies within its own range, and the results file names both arms; --repeats 1 (no B A order), no
+    prompts and no seeds are refused."""
     from benchmarks.ab_e2e import main  # noqa: PLC0415 (benchmarks/ is not a package on the path)
 
     main(["--out", str(tmp_path), "--tag", "t", "--num-prompts", "1", "--max-new-tokens", "6", "--budgets", "3",
@@ -655,5 +655,6 @@ def test_ab_e2e_pairs_two_arms_with_a_control_row(tmp_path):
         assert r["b_over_a_min"] <= r["b_over_a"] <= r["b_over_a_max"] and r["new_tokens"] == 6
     assert data["meta"]["a"] == data["meta"]["b"] == "kdtree_jax/assets/drafter" and data["ar_tokens_per_s"]["0"] > 0
     assert "| 0 | dflash (control: A vs A) | - |" in (tmp_path / "ab_t.md").read_text()
-    with pytest.raises(SystemExit):
-        main(["--out", str(tmp_path), "--repeats", "1"])
+    for bad in (["--repeats", "1"], ["--num-prompts", "0"], ["--seeds", "0"]):
+        with pytest.raises(SystemExit):
+            main(["--out", str(tmp_path), *bad])
