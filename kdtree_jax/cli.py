@@ -29,7 +29,7 @@ from typing import Any
 # the limits --help states (importing the package already loaded these modules)
 from kdtree_jax import ASSETS
 from kdtree_jax.budget import rounds_per_budget
-from kdtree_jax.ddtree import MAX_TREE_BUDGET, DFlashDraft
+from kdtree_jax.ddtree import DRAFTER_DTYPES, MAX_TREE_BUDGET, DFlashDraft
 from kdtree_jax.drafter import MAX_BLOCK_SIZE
 from kdtree_jax.precision import MATMUL_PRECISIONS, set_matmul_precision
 
@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=DTYPES, help="weight dtype (default: bfloat16 for --hf, float32 for "
                    "--preset, float32 for --shipped, the stored one for --checkpoint; with a checkpoint the dense "
                    "weights are cast after loading, INT4 experts stay INT4)")
-    g.add_argument("--drafter-dtype", choices=DTYPES, help="the dtype the drafter computes in (default: the "
+    g.add_argument("--drafter-dtype", choices=DRAFTER_DTYPES, help="the dtype the drafter computes in (default: the "
                    "target's). Only the target decides what a greedy verify commits, so a float32 target keeps "
                    "greedy DDTree == AR with a bfloat16 drafter (the dtype the shipped drafter trained in)")
     g.add_argument("--stop", type=int, action="append", metavar="ID", help="a stop token id (repeatable; "

@@ -104,18 +104,14 @@ class DFlashDraft:
         embed, lm_head = self.tables if self.tables is not None else self._shared_tables(cfg, params)
         return drafter_forward(self.dparams, self.dcfg, state, embed, lm_head, bonus, block_start)
 
-    def folded(self) -> DFlashDraft:
-        """The same drafter on its joined matrices (drafter.fold_drafter_params), in compute_dtype when set."""
-        dparams = self.dparams
-        if self.compute_dtype is not None:
-            dparams = jax.tree.map(lambda a: a.astype(self.compute_dtype), dparams)
-        return dataclasses.replace(self, dparams=fold_drafter_params(dparams, self.dcfg))
-
     def prepared(self, cfg: ModelConfig, params: Params) -> DFlashDraft:
-        """`folded`, plus with a compute_dtype the target's embedding and lm_head cast to it (`tables`); `generate`
-        calls it once per call."""
-        out = self.folded()
-        return out if self.compute_dtype is None else dataclasses.replace(out, tables=self._shared_tables(cfg, params))
+        """The same drafter on its joined matrices (drafter.fold_drafter_params); with a compute_dtype, those cast to
+        it and the target's embedding and lm_head too (`tables`). `generate` calls it once per call."""
+        if self.compute_dtype is None:
+            return dataclasses.replace(self, dparams=fold_drafter_params(self.dparams, self.dcfg))
+        dparams = jax.tree.map(lambda a: a.astype(self.compute_dtype), self.dparams)
+        return dataclasses.replace(self, dparams=fold_drafter_params(dparams, self.dcfg),
+                                   tables=self._shared_tables(cfg, params))
 
 
 @flax.struct.dataclass
