@@ -48,6 +48,11 @@ def _mean_acceptance(outs) -> float:
     return float(acc.mean()) if acc.size else 0.0
 
 
+def _key(prompt_index: int, seed: int) -> jax.Array:
+    """The PRNG key of one prompt's calls at one seed: both arms and AR draw the same one."""
+    return jax.random.key(1000 + prompt_index + 100_000 * seed)
+
+
 def _tokens(out) -> list[int]:
     return np.asarray(out.tokens)[0, :int(np.asarray(out.lengths)[0])].tolist()
 
@@ -55,15 +60,13 @@ def _tokens(out) -> list[int]:
 def run_point(cfg, params, arms, prompts, method, budget, temperature, new_tokens, repeats, seeds, ar_tokens=None):
     """Time arms (two drafters) on one point, interleaved per prompt. Returns the row (see the module docstring);
     ar_tokens (greedy: AR's tokens per prompt) adds each arm's greedy check."""
-    kwargs = generate_kwargs(method, budget, temperature, new_tokens, None)
-    del kwargs["drafter"]
+    arm_kwargs = [generate_kwargs(method, budget, temperature, new_tokens, d) for d in arms]
     times = np.zeros((len(arms), repeats))
     outs: list[list] = [[] for _ in arms]
     for seed in range(seeds if temperature > 0 else 1):
         for p, prompt in enumerate(prompts):
-            key = jax.random.key(1000 + p + 100_000 * seed)
-            calls = [lambda d=d, key=key, prompt=prompt: kj.generate(cfg, params, [prompt], key=key, drafter=d,
-                                                                     **kwargs) for d in arms]
+            calls = [lambda kw=kw, key=_key(p, seed), prompt=prompt: kj.generate(cfg, params, [prompt], key=key, **kw)
+                     for kw in arm_kwargs]
             for a, call in enumerate(calls):  # warm-up (the first prompt's compiles); the tokens are the timed calls'
                 outs[a].append(jax.block_until_ready(call()))
             for r in range(repeats):
@@ -85,8 +88,7 @@ def run_point(cfg, params, arms, prompts, method, budget, temperature, new_token
 def time_ar(cfg, params, prompts, temperature, new_tokens, repeats, seeds):
     """AR's tokens/s on the same prompts (median of `repeats` summed passes) and, greedy, its tokens per prompt."""
     kwargs = generate_kwargs("ar", None, temperature, new_tokens, None)
-    calls = [lambda prompt=prompt, key=jax.random.key(1000 + p + 100_000 * seed):
-             kj.generate(cfg, params, [prompt], key=key, **kwargs)
+    calls = [lambda prompt=prompt, key=_key(p, seed): kj.generate(cfg, params, [prompt], key=key, **kwargs)
              for seed in range(seeds if temperature > 0 else 1) for p, prompt in enumerate(prompts)]
     outs = [jax.block_until_ready(call()) for call in calls]
     seconds = float(np.median([sum(_timed(call) for call in calls) for _ in range(repeats)]))

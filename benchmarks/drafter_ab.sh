@@ -55,19 +55,20 @@ source "$(dirname "$0")/steps.sh"
 steps_init ab.log
 echo "base $BASE, candidate $CANDIDATE${CANDIDATE_DTYPE:+ computing in $CANDIDATE_DTYPE}, precision $PRECISION" \
     | tee -a "$STEPS_LOG"
+# the protocol every step measures with (ab_e2e.py and bench_e2e.py take these options alike)
+PROTOCOL=(--matmul-precision "$PRECISION" --num-prompts 8 --max-new-tokens 128 --temperatures 0 1 --budgets 7 15 31
+          --seeds 2 --deadline-s "$DL")
 step() {  # NAME DRAFTER [ARGS...]: bench_e2e.py with DRAFTER (and ARGS) into OUT/NAME, its table rows logged
     local name=$1 drafter=$2; shift 2
     mkdir -p "$OUT/$name"
     steps_run "$name" $(( DL + 120 )) $PY benchmarks/bench_e2e.py --out "$OUT/$name" --tag "${TAG}_${name#e2e_}" \
-        --drafter "$drafter" --matmul-precision "$PRECISION" --num-prompts 8 --max-new-tokens 128 --batches 1 \
-        --temperatures 0 1 --budgets 7 15 31 --repeats 3 --seeds 2 --deadline-s "$DL" "$@"
+        --drafter "$drafter" "${PROTOCOL[@]}" --batches 1 --repeats 3 "$@"
     grep -hE "^\| 1 \| [01] \|" "$OUT/$name"/*.md 2>/dev/null | sed "s/^/$name /" | tee -a "$STEPS_LOG"
     steps_pack
 }
 mkdir -p "$OUT/paired"
-steps_run paired $(( DL + 120 )) $PY benchmarks/ab_e2e.py --out "$OUT/paired" --tag "$TAG" --a "$base" --b "$candidate" \
-    ${CANDIDATE_DTYPE:+--b-dtype "$CANDIDATE_DTYPE"} --matmul-precision "$PRECISION" --num-prompts 8 \
-    --max-new-tokens 128 --temperatures 0 1 --budgets 7 15 31 --repeats 6 --seeds 2 --deadline-s "$DL"
+steps_run paired $(( DL + 120 )) $PY benchmarks/ab_e2e.py --out "$OUT/paired" --tag "$TAG" --a "$base" \
+    --b "$candidate" ${CANDIDATE_DTYPE:+--b-dtype "$CANDIDATE_DTYPE"} "${PROTOCOL[@]}" --repeats 6
 grep -hE "^\| [01] \|" "$OUT/paired"/*.md 2>/dev/null | sed "s/^/paired /" | tee -a "$STEPS_LOG"
 steps_pack
 step e2e_base "$base"

@@ -521,10 +521,11 @@ def test_drafter_ab_script_runs_paired_then_base_then_candidate_and_unpacks_a_ta
     import tarfile
 
     script = ROOT / "benchmarks" / "drafter_ab.sh"
-    options = _script_options("drafter_ab.sh", "bench_e2e.py", r"^step e2e_candidate (.*)$")
+    protocol = r"^PROTOCOL=\(([^)]*)\)"  # the options both benchmarks get
+    options = _script_options("drafter_ab.sh", "bench_e2e.py", r"^step e2e_candidate (.*)$", protocol)
     assert {"--drafter", "--drafter-dtype", "--matmul-precision", "--temperatures", "--budgets", "--deadline-s",
             "--out"} <= options
-    paired = _script_options("drafter_ab.sh", "ab_e2e.py")
+    paired = _script_options("drafter_ab.sh", "ab_e2e.py", protocol)
     assert {"--a", "--b", "--b-dtype", "--matmul-precision", "--repeats", "--seeds", "--deadline-s", "--out"} <= paired
 
     packed = tmp_path / "trained"
@@ -559,8 +560,8 @@ def test_drafter_ab_script_runs_paired_then_base_then_candidate_and_unpacks_a_ta
     assert lines[1].split()[1] == "kdtree_jax/assets/drafter" and lines[2].split()[1] == unpacked
     assert "--tag h200_b1_t " in lines[0]
     assert "--tag h200_b1_t_base" in lines[1] and "--tag h200_b1_t_candidate" in lines[2]
-    protocol = [line.split(" --drafter ")[1].split(" ", 1)[1] for line in lines[1:]]  # what follows the drafter's path
-    assert protocol[0] == protocol[1] and "--matmul-precision BF16_BF16_F32_X9" in protocol[0]
+    after = [line.split(" --drafter ")[1].split(" ", 1)[1] for line in lines[1:]]  # what follows the drafter's path
+    assert after[0] == after[1] and "--matmul-precision BF16_BF16_F32_X9" in after[0]
     assert "--matmul-precision BF16_BF16_F32_X9" in lines[0]
     log = (out / "ab.log").read_text()
     assert log.count("rc=0") == 3 and "e2e_candidate | 1 | 0 | ddtree | 15 | 3.62 |" in log
