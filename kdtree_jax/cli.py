@@ -161,9 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "weights are cast after loading, INT4 experts stay INT4)")
     g.add_argument("--drafter-dtype", choices=DRAFTER_DTYPES, help="the dtype the drafter computes in (default: the "
                    "target's). Only the target decides what a greedy verify commits, so a float32 target keeps "
-                   "greedy DDTree == AR with a bfloat16 drafter (the dtype the shipped drafter trained in). On a GPU, bfloat16 "
-                   "is the faster choice: the shipped drafter ran 1.5-2.5%% faster end to end in it at the same "
-                   "acceptance (an H100, docs/ddtree.md)")
+                   "greedy DDTree == AR with a bfloat16 drafter (the dtype the shipped drafter trained in). On a "
+                   "GPU, bfloat16 is the faster choice: the shipped drafter ran 1.5-2.5%% faster end to end in it at "
+                   "the same acceptance (an H100, docs/ddtree.md)")
     g.add_argument("--stop", type=int, action="append", metavar="ID", help="a stop token id (repeatable; "
                    "default: the config's eos_token_id)")
     g.add_argument("--mesh", metavar="SPEC", help="run the target sharded over a device mesh, e.g. "
