@@ -3,7 +3,8 @@
 Checks: the checkpoints and tokenizer load and fit together; the drafter's training forward computes
 exactly what inference (`drafter_extend_context` + `drafter_forward`) computes; the training loss matches
 a float64 NumPy cross-entropy; on all 32 fixed held-out prompts greedy AR == DFlash == DDTree (real
-weights, INT4 experts, float32 at full matmul precision); sampling is deterministic for a seed; the drafter's
+weights, INT4 experts, float32 at full matmul precision); every greedy DFlash round commits what the drafter,
+teacher-forced as in training, predicts there; sampling is deterministic for a seed; the drafter's
 acceptance stays above agreed floors, greedy and at temperature 1; how many completions degenerate.
 """
 
@@ -243,57 +244,45 @@ def test_acceptance_floor_greedy(greedy_runs):
     assert got >= _mean_acceptance(greedy_runs["dflash"]) > 1.3
 
 
-NEAR_TIE = 1e-3  # a drafter logit margin below this may flip between two float summation orders
-
-
 @GREEDY_RUNS
 def test_dflash_rounds_match_the_teacher_forced_drafter(shipped, greedy_runs):
     """Every greedy DFlash round commits what the drafter as trained predicts there: the leading run of the
-    teacher-forced drafter's block (training's `drafter_training_logits`, fed the target's hidden states from one
-    causal forward over the final sequence) that matches the sequence, plus the target's bonus token.
+    teacher-forced drafter's block (`training.train_drafter.teacher_forced_leads`, fed the target's hidden states from
+    one causal forward over the final sequence) that matches the sequence, plus the target's bonus token; so
+    `simulated_dflash_acceptance`, the training's decode-view metric, is the decode's mean acceptance.
 
     The greedy invariant cannot see how the decode loop conditions the drafter (which target layers, which
     positions, which accepted rows reach its context cache): a slip there only lowers the acceptance. This test
-    pins each round's count to the one the drafter was trained to achieve (a slip fails it: the context shifted by
-    one position, or taken from the wrong target layers, changes most rounds' count)."""
-    from training.train_drafter import drafter_training_logits, target_outputs
+    pins each round's count to the one the drafter was trained to achieve (measured, 8 prompts: the context one
+    position late changes 52 of 102 rounds, the target layers one lower 40)."""
+    from training.train_drafter import simulated_dflash_acceptance, target_outputs, teacher_forced_leads
 
     cfg, params, dcfg, dparams, tok, prompts = shipped
     out = greedy_runs["dflash"]
     prompt_len = len(_ids(prompts)[0])
     tokens = np.concatenate([np.asarray(_ids(prompts)), np.asarray(out.tokens)[:, :NEW_TOKENS]], 1).astype(np.int32)
     B, T = tokens.shape
-    L = dcfg.block_size - 1
     embed = params["embed_tokens"]
     lm_head = embed.T if cfg.tie_word_embeddings else params["lm_head"]
     _, hidden = target_outputs(params, cfg, jnp.asarray(tokens), dcfg.target_layer_ids)
     anchors = np.arange(prompt_len, T - 1)  # every bonus position a round can start at (the first: the prefill's)
-    logits = np.asarray(drafter_training_logits(dparams, dcfg, hidden, jnp.asarray(tokens),
-                                                jnp.asarray(np.broadcast_to(anchors, (B, anchors.size))),
-                                                embed, lm_head))  # [B, anchors, L, V]
+    leads = np.asarray(teacher_forced_leads(dparams, dcfg, hidden, jnp.asarray(tokens),
+                                            jnp.asarray(np.broadcast_to(anchors, (B, anchors.size))), embed, lm_head))
     counts = np.asarray(out.acceptance_lengths)
-    rounds = mismatches = near_ties = committed_by_drafts = 0
+    rounds = mismatches = committed_by_drafts = 0
     for b in range(B):
-        a = prompt_len  # the bonus token's position: the prefill committed it
+        j = 0  # the bonus token's place among the new tokens (the prefill committed the first)
         for n in counts[b][counts[b] > 0].tolist():
-            block = logits[b, a - prompt_len]  # [L, V]
-            labels = tokens[b, a + 1:a + 1 + L]
-            matches = block[:labels.size].argmax(-1) == labels
-            lead = int(np.cumprod(matches).sum())
-            want = min(lead + 1, T - 1 - a)  # the last round stops at max_new_tokens
             rounds += 1
             committed_by_drafts += n - 1
-            if n != want:
-                top2 = np.sort(block[min(lead, labels.size - 1)])[-2:]
-                if top2[1] - top2[0] < NEAR_TIE:
-                    near_ties += 1
-                else:
-                    mismatches += 1
-            a += n
-        assert a == T - 1, f"prompt {b}: the rounds commit {a - prompt_len} tokens, not {T - 1 - prompt_len}"
-    assert mismatches == 0, f"{mismatches} of {rounds} rounds commit other than the teacher-forced drafter predicts"
-    assert near_ties <= rounds // 50, f"{near_ties} of {rounds} rounds differ at a near-tie"
+            mismatches += n != min(int(leads[b, j]) + 1, NEW_TOKENS - 1 - j)  # the last round stops at the length
+            j += n
+        assert j == NEW_TOKENS - 1, f"prompt {b}: the rounds commit {j} tokens, not {NEW_TOKENS - 1}"
+    # another backend's summation order may flip a near-tie of the drafter's logits: 1 round in 50 is allowed
+    assert mismatches <= rounds // 50, f"{mismatches} of {rounds} rounds commit other than the teacher-forced drafter"
     assert committed_by_drafts >= rounds // 2, "too few accepted drafts for this check to mean anything"
+    if mismatches == 0:
+        assert simulated_dflash_acceptance(leads, NEW_TOKENS) == pytest.approx(_mean_acceptance(out), rel=1e-12)
 
 
 def test_acceptance_floor_at_temperature_1(shipped):

@@ -1,7 +1,8 @@
 """The training scripts' step loop: a jitted train step compiles once, also when training starts from a loaded
 checkpoint (the time budget calibrates on the first steps' time, so a second compile on step 2 cut
 `train_drafter --init --time-budget-s 190` to 469 steps); the unlikelihood fine-tune's candidates, loss and INT4 round
-trip (training/unlikelihood.py)."""
+trip (training/unlikelihood.py); `train_drafter`'s decode-view metric (the simulated greedy DFlash acceptance) and its
+walk of the rounds."""
 
 from __future__ import annotations
 
@@ -324,3 +325,54 @@ def test_expert_loads_count_the_routing_of_the_normed_moe_input():
     assert loads.shape == (cfg.num_hidden_layers - cfg.first_k_dense_replace, cfg.n_routed_experts)
     np.testing.assert_allclose(loads, np.stack(normed), atol=1e-7)
     assert not np.allclose(loads, np.stack(raw))
+
+
+def test_simulated_dflash_acceptance_walks_the_rounds():
+    """A round at a bonus token j new tokens in commits min(lead + 1, horizon - 1 - j) tokens, the next bonus among
+    them: the walk the decode loop makes (tests/test_shipped_model.py checks the loop against it)."""
+    import numpy as np
+
+    from training.train_drafter import simulated_dflash_acceptance
+    leads = np.array([[2, 9, 9, 0, 1, 9, 9, 9],   # rounds at 0 (3 tokens), 3 (1), 4 (2), 6 (1, cut at 7): 7 / 4
+                      [6, 9, 9, 9, 9, 9, 9, 9]])  # round at 0: 7 tokens, then done: 7 / 1
+    assert simulated_dflash_acceptance(leads, 8) == 14 / 5
+    assert simulated_dflash_acceptance(leads[:, :3], 4) == 6 / 2  # each row one round, cut at 3 tokens
+    with pytest.raises(ValueError, match="horizon"):
+        simulated_dflash_acceptance(leads, 10)  # needs 9 columns
+    with pytest.raises(ValueError, match="horizon"):
+        simulated_dflash_acceptance(leads, 1)
+
+
+def test_train_drafter_logs_the_decode_view(tmp_path, monkeypatch):
+    """A short `train_drafter` run over a tiny target logs heldout_greedy_dflash_acceptance at every evaluation: the
+    simulated greedy DFlash acceptance over the first --decode-horizon new tokens of the greedy held-out rows."""
+    import json
+    import sys
+
+    import numpy as np
+    from helpers import TINY
+
+    import kdtree_jax as kj
+    from training import train_drafter
+
+    params = kj.init_params(TINY, jax.random.key(0), dtype=jnp.float32)
+    kj.save_checkpoint(tmp_path / "target", TINY, params)
+    rng = np.random.default_rng(0)
+    width = 8 + 16  # --prompt-len 8, --new-tokens 16
+    seqs = lambda n: rng.integers(4, TINY.vocab_size, (n, width)).astype(np.int32)  # noqa: E731
+    np.savez(tmp_path / "data.npz", seqs=seqs(8), valid=np.full(8, width, np.int32),
+             temperature=np.zeros(8, np.float32), ev_greedy_seqs=seqs(4),
+             ev_greedy_valid=np.array([width, width, width, 12], np.int32), ev_sampled_seqs=seqs(4),
+             ev_sampled_valid=np.full(4, width, np.int32))
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", [
+        "train_drafter", "--target", str(tmp_path / "target"), "--data-cache", str(tmp_path / "data.npz"),
+        "--steps", "2", "--eval-every", "1", "--batch", "4", "--anchors", "2", "--block-size", "4", "--layers", "1",
+        "--width", "32", "--target-layers", "2", "--prompt-len", "8", "--new-tokens", "16", "--decode-horizon", "12",
+        "--compute-dtype", "float32", "--out", str(out)])
+    train_drafter.main()
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    setup = [(r["horizon"], r["rows"]) for r in records if r.get("event") == "decode_eval"]
+    assert setup == [(12, 3)]  # the held-out row that stopped at 12 tokens is left out
+    scored = [r["heldout_greedy_dflash_acceptance"] for r in records if "heldout_greedy_dflash_acceptance" in r]
+    assert len(scored) == 3 and all(1.0 <= a <= 4.0 for a in scored), scored  # steps 1, 2 and the final evaluation

@@ -87,6 +87,36 @@ def drafter_training_logits(dparams, dcfg: kj.DrafterConfig, hidden: jax.Array, 
     return logits.reshape(B, K, dcfg.block_size - 1, -1)
 
 
+def teacher_forced_leads(dparams, dcfg: kj.DrafterConfig, hidden: jax.Array, tokens: jax.Array, anchors: jax.Array,
+                         embed: jax.Array, lm_head: jax.Array) -> jax.Array:
+    """How many of the drafter's block predictions at each anchor, from the first on, equal the tokens that follow
+    it: the drafts a greedy verify of that block accepts. Same arguments as `drafter_training_logits`; returns
+    [B, K] int32 (labels past the sequence's end count as wrong)."""
+    logits = drafter_training_logits(dparams, dcfg, hidden, tokens, anchors, embed, lm_head)  # [B, K, L, V]
+    T = tokens.shape[1]
+    label_pos = anchors[:, :, None] + 1 + jnp.arange(dcfg.block_size - 1)[None, None, :]  # [B, K, L]
+    labels = jnp.take_along_axis(tokens[:, None, :], jnp.minimum(label_pos, T - 1), axis=2)
+    matches = (jnp.argmax(logits, -1) == labels) & (label_pos < T)
+    return jnp.cumprod(matches, axis=-1).sum(-1).astype(jnp.int32)
+
+
+def simulated_dflash_acceptance(leads: np.ndarray, horizon: int) -> float:
+    """Greedy DFlash's mean acceptance (tokens committed per round) over the first `horizon` new tokens of each
+    sequence, from the teacher-forced leads of its anchors: leads [B, >= horizon - 1], column j the anchor j new
+    tokens in (column 0: the prefill's token, the first round's bonus). A round whose bonus token is j tokens in
+    commits min(lead + 1, horizon - 1 - j) tokens, the next bonus among them, as the decode loop does (tests/
+    test_shipped_model.py checks the loop against the teacher-forced drafter round by round)."""
+    if horizon < 2 or leads.shape[1] < horizon - 1:
+        raise ValueError(f"horizon {horizon} needs 2 <= horizon <= {leads.shape[1] + 1} (leads {leads.shape})")
+    committed = rounds = 0
+    for row in np.asarray(leads):
+        j = 0
+        while j < horizon - 1:
+            n = min(int(row[j]) + 1, horizon - 1 - j)
+            committed, rounds, j = committed + n, rounds + 1, j + n
+    return committed / rounds
+
+
 def grow_layers(dcfg: kj.DrafterConfig, dparams: dict, extra: int, key: jax.Array) -> tuple[kj.DrafterConfig, dict]:
     """The drafter with `extra` decoder layers appended after its last one, computing the same function: each new
     layer is freshly initialised except its residual outputs (attention o and MLP down), which are zero, so it adds
@@ -267,6 +297,11 @@ def main() -> None:
                              "(each must exist; held-out sets from the first)")
     parser.add_argument("--generate-only", action="store_true", help="generate the data into --data-cache, then stop")
     parser.add_argument("--eval-every", type=int, default=250)
+    parser.add_argument("--decode-horizon", type=int, default=128,
+                        help="score the greedy held-out set as the decode would: greedy DFlash's mean acceptance over "
+                        "the first N new tokens, simulated from the drafter's teacher-forced predictions at every "
+                        "position (logged as heldout_greedy_dflash_acceptance; capped at --new-tokens; 0: off; "
+                        "default: %(default)s, the end-to-end benchmark's length)")
     parser.add_argument("--init", type=Path, help="a drafter checkpoint to continue training from (its config is "
                         "kept: --block-size must match it; --layers, --width and --target-layers are ignored); "
                         "the held-out sets are evaluated on it before the first step (step 0)")
@@ -366,6 +401,30 @@ def main() -> None:
         ev_sets[name] = [(s, v, sample_anchors(ev_rng, v, args.prompt_len, args.anchors, args.block_size))
                          for s, v in batches]
 
+    # The decode's view (--decode-horizon): the chain measure above averages positions uniformly over the whole
+    # continuation, where the target's late, repetitive tokens are easy; a decode runs a round from every bonus token
+    # it reaches, from the first new token on. Up to 128 greedy held-out rows, their target features computed once.
+    horizon = min(args.decode_horizon, args.new_tokens)
+    decode_rows = np.flatnonzero(data["ev_greedy_valid"] >= args.prompt_len + horizon)[:128] if horizon >= 2 else []
+    decode_batches = []
+    for i in range(0, len(decode_rows), 64):
+        tokens = jnp.asarray(data["ev_greedy_seqs"][decode_rows[i:i + 64]])
+        decode_batches.append((tokens, target_outputs(params, cfg, tokens, layers)[1].astype(compute_dtype)))
+    log(event="decode_eval", horizon=horizon, rows=len(decode_rows))
+    chunk = 32  # anchors a call: the drafter's context cache is repeated per anchor
+    leads_fn = jax.jit(lambda dparams, hidden, tokens, anchors: teacher_forced_leads(
+        cast_params(dparams, compute_dtype), dcfg, hidden, tokens, anchors, embed.astype(compute_dtype),
+        lm_head.astype(compute_dtype)))
+
+    def decode_acceptance() -> float:
+        columns = np.arange(-(-(horizon - 1) // chunk) * chunk)  # padded to whole chunks (one compile)
+        anchors = args.prompt_len + np.minimum(columns, horizon - 2)
+        leads = [np.concatenate([np.asarray(leads_fn(dparams, hidden, tokens, jnp.asarray(
+                    np.broadcast_to(anchors[c:c + chunk], (tokens.shape[0], chunk)), jnp.int32)))
+                    for c in range(0, anchors.size, chunk)], axis=1)[:, :horizon - 1]
+                 for tokens, hidden in decode_batches]
+        return simulated_dflash_acceptance(np.concatenate(leads), horizon)
+
     def evaluate(step: int) -> dict:
         record: dict[str, float] = {"step": step}
         for name, batches in ev_sets.items():
@@ -375,6 +434,8 @@ def main() -> None:
             record[f"heldout_{name}_acc_pos1"] = float(acc[0])
             # expected accepted drafts of one chain if position errors were independent
             record[f"heldout_{name}_chain_tokens"] = float(np.cumprod(acc).sum())
+        if decode_batches:
+            record["heldout_greedy_dflash_acceptance"] = decode_acceptance()
         log(**record)
         return record
 
