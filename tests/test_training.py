@@ -263,6 +263,34 @@ def test_distill_weight_out_of_range_is_refused(monkeypatch, capsys):
     assert exit_info.value.code == 2 and "--distill must be in [0, 1]" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--anchor-horizon", "-1"], "--anchor-horizon must be 0 (off) or a token count"),
+    (["--decode-horizon", "1"], "--decode-horizon must be 0 (off) or at least 2"),
+    (["--decode-horizon", "-5"], "--decode-horizon must be 0 (off) or at least 2"),
+])
+def test_horizons_out_of_range_are_refused(argv, message, monkeypatch, capsys):
+    import sys
+
+    from training import train_drafter
+
+    monkeypatch.setattr(sys, "argv", ["train_drafter", "--target", "unused", "--steps", "1", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        train_drafter.main()
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_anchor_horizon_keeps_the_anchors_among_the_first_new_tokens():
+    import numpy as np
+
+    from training.train_drafter import sample_anchors
+    valid = np.array([40, 40, 12], np.int32)  # prompt 8: 32, 32 and 4 new tokens
+    everywhere = sample_anchors(np.random.default_rng(0), valid, 8, 4000)
+    assert everywhere[:2].min() == 8 and everywhere[:2].max() == 38 and everywhere[2].max() == 10
+    early = sample_anchors(np.random.default_rng(0), valid, 8, 4000, horizon=16)
+    assert early[:2].min() == 8 and early[:2].max() == 8 + 15  # the first 16 new tokens
+    assert early[2].max() == 10  # a continuation shorter than the horizon keeps its own limit
+
+
 def _write_log(path, records):
     import json
 

@@ -217,9 +217,12 @@ def generate_data(cfg, params, stream, num_seqs, prompt_len, new_tokens, batch, 
             np.concatenate(temps)[:num_seqs])
 
 
-def sample_anchors(rng, valid_len: np.ndarray, prompt_len: int, count: int, block: int) -> np.ndarray:
-    """`count` anchors per sequence, uniform in [prompt_len, valid_len - 2] (at least one label)."""
+def sample_anchors(rng, valid_len: np.ndarray, prompt_len: int, count: int, horizon: int = 0) -> np.ndarray:
+    """`count` anchors per sequence, uniform in [prompt_len, valid_len - 2] (at least one label); with a `horizon`,
+    only among the first `horizon` new tokens (the bonus positions of a decode that long)."""
     hi = np.maximum(valid_len - 1, prompt_len + 1)
+    if horizon:
+        hi = np.minimum(hi, prompt_len + horizon)
     return rng.integers(prompt_len, hi[:, None], size=(valid_len.size, count)).astype(np.int32)
 
 
@@ -297,6 +300,10 @@ def main() -> None:
                              "(each must exist; held-out sets from the first)")
     parser.add_argument("--generate-only", action="store_true", help="generate the data into --data-cache, then stop")
     parser.add_argument("--eval-every", type=int, default=250)
+    parser.add_argument("--anchor-horizon", type=int, default=0,
+                        help="draw the training anchors among the first N new tokens of each continuation only (the "
+                        "positions a decode of N tokens starts its rounds at; the held-out sets keep every position; "
+                        "default: 0, the whole continuation)")
     parser.add_argument("--decode-horizon", type=int, default=128,
                         help="score the greedy held-out set as the decode would: greedy DFlash's mean acceptance over "
                         "the first N new tokens, simulated from the drafter's teacher-forced predictions at every "
@@ -330,6 +337,10 @@ def main() -> None:
         parser.error("--grow-width needs --init (the drafter to widen) and a width")
     if not 0.0 <= args.distill <= 1.0:
         parser.error(f"--distill must be in [0, 1], got {args.distill}")
+    if args.anchor_horizon < 0:
+        parser.error(f"--anchor-horizon must be 0 (off) or a token count, got {args.anchor_horizon}")
+    if args.decode_horizon < 0 or args.decode_horizon == 1:
+        parser.error(f"--decode-horizon must be 0 (off) or at least 2, got {args.decode_horizon}")
     dflash_gamma = {16: 7.0, 10: 5.0, 8: 4.0}
     if args.gamma:
         gamma = float(args.gamma)
@@ -398,7 +409,7 @@ def main() -> None:
         size = min(args.batch, len(ev_seqs))  # a set smaller than a batch is one batch (not none: nothing to score)
         batches = [(ev_seqs[i:i + size], ev_valid[i:i + size]) for i in range(0, len(ev_seqs), size)
                    if i + size <= len(ev_seqs)]
-        ev_sets[name] = [(s, v, sample_anchors(ev_rng, v, args.prompt_len, args.anchors, args.block_size))
+        ev_sets[name] = [(s, v, sample_anchors(ev_rng, v, args.prompt_len, args.anchors))
                          for s, v in batches]
 
     # The decode's view (--decode-horizon): the chain measure above averages positions uniformly over the whole
@@ -447,7 +458,7 @@ def main() -> None:
     while not schedule.done(step):
         step += 1
         idx = rng.integers(0, len(seqs), args.batch)
-        anchors = sample_anchors(rng, valid[idx], args.prompt_len, args.anchors, args.block_size)
+        anchors = sample_anchors(rng, valid[idx], args.prompt_len, args.anchors, args.anchor_horizon)
         lr = schedule.lr(step)
         dparams, opt_state, loss, acc = train_step(dparams, set_learning_rate(opt_state, lr), seqs[idx], valid[idx],
                                                    anchors)
