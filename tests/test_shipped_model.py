@@ -3,8 +3,8 @@
 Checks: the checkpoints and tokenizer load and fit together; the drafter's training forward computes
 exactly what inference (`drafter_extend_context` + `drafter_forward`) computes; the training loss matches
 a float64 NumPy cross-entropy; on all 32 fixed held-out prompts greedy AR == DFlash == DDTree (real
-weights, INT4 experts, float32 at full matmul precision); every greedy DFlash round commits what the drafter,
-teacher-forced as in training, predicts there; sampling is deterministic for a seed; the drafter's
+weights, INT4 experts, float32 at full matmul precision); every greedy DFlash and DDTree round commits what the
+drafter, teacher-forced as in training, predicts there; sampling is deterministic for a seed; the drafter's
 acceptance stays above agreed floors, greedy and at temperature 1; how many completions degenerate.
 """
 
@@ -245,44 +245,48 @@ def test_acceptance_floor_greedy(greedy_runs):
 
 
 @GREEDY_RUNS
-def test_dflash_rounds_match_the_teacher_forced_drafter(shipped, greedy_runs):
-    """Every greedy DFlash round commits what the drafter as trained predicts there: the leading run of the
-    teacher-forced drafter's block (`training.train_drafter.teacher_forced_leads`, fed the target's hidden states from
-    one causal forward over the final sequence) that matches the sequence, plus the target's bonus token; so
-    `simulated_dflash_acceptance`, the training's decode-view metric, is the decode's mean acceptance.
+def test_decode_rounds_match_the_teacher_forced_drafter(shipped, greedy_runs):
+    """Every greedy DFlash and DDTree round commits what the drafter as trained predicts there
+    (`training.train_drafter.teacher_forced_leads`, the drafter fed the target's hidden states from one causal forward
+    over the final sequence): DFlash, the leading run of its block's argmaxes that matches the sequence; DDTree, the
+    deepest path of the best-first tree over the block that spells it; each plus the target's bonus token. So
+    `simulated_acceptance`, the training's decode-view metric, is the decode's mean acceptance.
 
     The greedy invariant cannot see how the decode loop conditions the drafter (which target layers, which
-    positions, which accepted rows reach its context cache): a slip there only lowers the acceptance. This test
-    pins each round's count to the one the drafter was trained to achieve (measured, 8 prompts: the context one
-    position late changes 52 of 102 rounds, the target layers one lower 40)."""
-    from training.train_drafter import simulated_dflash_acceptance, target_outputs, teacher_forced_leads
+    positions, which accepted rows reach its context cache) or how far a verify walks the tree: a slip there only
+    lowers the acceptance. This test pins each round's count to the one the drafter was trained to achieve
+    (measured on DFlash, 8 prompts: the context one position late changes 52 of 102 rounds, the target layers one
+    lower 40)."""
+    from training.train_drafter import simulated_acceptance, target_outputs, teacher_forced_leads
 
     cfg, params, dcfg, dparams, tok, prompts = shipped
-    out = greedy_runs["dflash"]
     prompt_len = len(_ids(prompts)[0])
-    tokens = np.concatenate([np.asarray(_ids(prompts)), np.asarray(out.tokens)[:, :NEW_TOKENS]], 1).astype(np.int32)
-    B, T = tokens.shape
     embed = params["embed_tokens"]
     lm_head = embed.T if cfg.tie_word_embeddings else params["lm_head"]
-    _, hidden = target_outputs(params, cfg, jnp.asarray(tokens), dcfg.target_layer_ids)
-    anchors = np.arange(prompt_len, T - 1)  # every bonus position a round can start at (the first: the prefill's)
-    leads = np.asarray(teacher_forced_leads(dparams, dcfg, hidden, jnp.asarray(tokens),
-                                            jnp.asarray(np.broadcast_to(anchors, (B, anchors.size))), embed, lm_head))
-    counts = np.asarray(out.acceptance_lengths)
-    rounds = mismatches = committed_by_drafts = 0
-    for b in range(B):
-        j = 0  # the bonus token's place among the new tokens (the prefill committed the first)
-        for n in counts[b][counts[b] > 0].tolist():
-            rounds += 1
-            committed_by_drafts += n - 1
-            mismatches += n != min(int(leads[b, j]) + 1, NEW_TOKENS - 1 - j)  # the last round stops at the length
-            j += n
-        assert j == NEW_TOKENS - 1, f"prompt {b}: the rounds commit {j} tokens, not {NEW_TOKENS - 1}"
-    # another backend's summation order may flip a near-tie of the drafter's logits: 1 round in 50 is allowed
-    assert mismatches <= rounds // 50, f"{mismatches} of {rounds} rounds commit other than the teacher-forced drafter"
-    assert committed_by_drafts >= rounds // 2, "too few accepted drafts for this check to mean anything"
-    if mismatches == 0:
-        assert simulated_dflash_acceptance(leads, NEW_TOKENS) == pytest.approx(_mean_acceptance(out), rel=1e-12)
+    for name, budget in (("dflash", 0), ("ddtree32", 32)):
+        out = greedy_runs[name]
+        tokens = np.concatenate([np.asarray(_ids(prompts)), np.asarray(out.tokens)[:, :NEW_TOKENS]], 1).astype(np.int32)
+        B, T = tokens.shape
+        _, hidden = target_outputs(params, cfg, jnp.asarray(tokens), dcfg.target_layer_ids)
+        anchors = np.arange(prompt_len, T - 1)  # every bonus position a round can start at (the first: the prefill's)
+        leads = np.asarray(teacher_forced_leads(dparams, dcfg, hidden, jnp.asarray(tokens),
+                                                jnp.asarray(np.broadcast_to(anchors, (B, anchors.size))), embed,
+                                                lm_head, (budget,)))[0]
+        counts = np.asarray(out.acceptance_lengths)
+        rounds = mismatches = committed_by_drafts = 0
+        for b in range(B):
+            j = 0  # the bonus token's place among the new tokens (the prefill committed the first)
+            for n in counts[b][counts[b] > 0].tolist():
+                rounds += 1
+                committed_by_drafts += n - 1
+                mismatches += n != min(int(leads[b, j]) + 1, NEW_TOKENS - 1 - j)  # the last round stops at the length
+                j += n
+            assert j == NEW_TOKENS - 1, f"{name}, prompt {b}: the rounds commit {j} tokens, not {NEW_TOKENS - 1}"
+        # another backend's summation order may flip a near-tie of the drafter's logits: 1 round in 50 is allowed
+        assert mismatches <= rounds // 50, f"{name}: {mismatches} of {rounds} rounds commit other than predicted"
+        assert committed_by_drafts >= rounds // 2, f"{name}: too few accepted drafts for this check to mean anything"
+        if mismatches == 0:
+            assert simulated_acceptance(leads, NEW_TOKENS) == pytest.approx(_mean_acceptance(out), rel=1e-12)
 
 
 def test_acceptance_floor_at_temperature_1(shipped):

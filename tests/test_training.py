@@ -267,6 +267,7 @@ def test_distill_weight_out_of_range_is_refused(monkeypatch, capsys):
     (["--anchor-horizon", "-1"], "--anchor-horizon must be 0 (off) or a token count"),
     (["--decode-horizon", "1"], "--decode-horizon must be 0 (off) or at least 2"),
     (["--decode-horizon", "-5"], "--decode-horizon must be 0 (off) or at least 2"),
+    (["--decode-budget", "0"], "--decode-budget must be in [1, 1024]"),
 ])
 def test_horizons_out_of_range_are_refused(argv, message, monkeypatch, capsys):
     import sys
@@ -355,20 +356,20 @@ def test_expert_loads_count_the_routing_of_the_normed_moe_input():
     assert not np.allclose(loads, np.stack(raw))
 
 
-def test_simulated_dflash_acceptance_walks_the_rounds():
+def test_simulated_acceptance_walks_the_rounds():
     """A round at a bonus token j new tokens in commits min(lead + 1, horizon - 1 - j) tokens, the next bonus among
     them: the walk the decode loop makes (tests/test_shipped_model.py checks the loop against it)."""
     import numpy as np
 
-    from training.train_drafter import simulated_dflash_acceptance
+    from training.train_drafter import simulated_acceptance
     leads = np.array([[2, 9, 9, 0, 1, 9, 9, 9],   # rounds at 0 (3 tokens), 3 (1), 4 (2), 6 (1, cut at 7): 7 / 4
                       [6, 9, 9, 9, 9, 9, 9, 9]])  # round at 0: 7 tokens, then done: 7 / 1
-    assert simulated_dflash_acceptance(leads, 8) == 14 / 5
-    assert simulated_dflash_acceptance(leads[:, :3], 4) == 6 / 2  # each row one round, cut at 3 tokens
+    assert simulated_acceptance(leads, 8) == 14 / 5
+    assert simulated_acceptance(leads[:, :3], 4) == 6 / 2  # each row one round, cut at 3 tokens
     with pytest.raises(ValueError, match="horizon"):
-        simulated_dflash_acceptance(leads, 10)  # needs 9 columns
+        simulated_acceptance(leads, 10)  # needs 9 columns
     with pytest.raises(ValueError, match="horizon"):
-        simulated_dflash_acceptance(leads, 1)
+        simulated_acceptance(leads, 1)
 
 
 def test_train_drafter_logs_the_decode_view(tmp_path, monkeypatch):
@@ -397,10 +398,12 @@ def test_train_drafter_logs_the_decode_view(tmp_path, monkeypatch):
         "train_drafter", "--target", str(tmp_path / "target"), "--data-cache", str(tmp_path / "data.npz"),
         "--steps", "2", "--eval-every", "1", "--batch", "4", "--anchors", "2", "--block-size", "4", "--layers", "1",
         "--width", "32", "--target-layers", "2", "--prompt-len", "8", "--new-tokens", "16", "--decode-horizon", "12",
-        "--compute-dtype", "float32", "--out", str(out)])
+        "--decode-budget", "5", "--compute-dtype", "float32", "--out", str(out)])
     train_drafter.main()
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    setup = [(r["horizon"], r["rows"]) for r in records if r.get("event") == "decode_eval"]
-    assert setup == [(12, 3)]  # the held-out row that stopped at 12 tokens is left out
-    scored = [r["heldout_greedy_dflash_acceptance"] for r in records if "heldout_greedy_dflash_acceptance" in r]
-    assert len(scored) == 3 and all(1.0 <= a <= 4.0 for a in scored), scored  # steps 1, 2 and the final evaluation
+    setup = [(r["horizon"], r["rows"], r["ddtree_budget"]) for r in records if r.get("event") == "decode_eval"]
+    assert setup == [(12, 3, 5)]  # the held-out row that stopped at 12 tokens is left out
+    for method in ("dflash", "ddtree"):
+        key = f"heldout_greedy_{method}_acceptance"
+        scored = [r[key] for r in records if key in r]
+        assert len(scored) == 3 and all(1.0 <= a <= 4.0 for a in scored), scored  # steps 1, 2 and the final one

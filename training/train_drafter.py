@@ -35,6 +35,7 @@ import numpy as np
 import optax
 
 import kdtree_jax as kj
+from kdtree_jax.ddtree import MAX_TREE_BUDGET
 from kdtree_jax.drafter import (
     DrafterCache,
     check_drafter_params,
@@ -88,24 +89,45 @@ def drafter_training_logits(dparams, dcfg: kj.DrafterConfig, hidden: jax.Array, 
 
 
 def teacher_forced_leads(dparams, dcfg: kj.DrafterConfig, hidden: jax.Array, tokens: jax.Array, anchors: jax.Array,
-                         embed: jax.Array, lm_head: jax.Array) -> jax.Array:
-    """How many of the drafter's block predictions at each anchor, from the first on, equal the tokens that follow
-    it: the drafts a greedy verify of that block accepts. Same arguments as `drafter_training_logits`; returns
-    [B, K] int32 (labels past the sequence's end count as wrong)."""
+                         embed: jax.Array, lm_head: jax.Array, budgets: tuple[int, ...] = (0,)) -> jax.Array:
+    """How many drafts a greedy verify accepts at each anchor, the drafter teacher-forced as in training: for budget 0
+    DFlash's, how many of the block's argmax predictions, from the first on, equal the tokens that follow; for a
+    budget N DDTree's, the depth of the deepest path of the best-first tree of N drafts (`kj.build_tree` over the
+    block's logits) that spells the tokens that follow. Same arguments as `drafter_training_logits`; returns
+    [len(budgets), B, K] int32 (labels past the sequence's end match nothing)."""
     logits = drafter_training_logits(dparams, dcfg, hidden, tokens, anchors, embed, lm_head)  # [B, K, L, V]
+    B, K, L, V = logits.shape
     T = tokens.shape[1]
-    label_pos = anchors[:, :, None] + 1 + jnp.arange(dcfg.block_size - 1)[None, None, :]  # [B, K, L]
+    label_pos = anchors[:, :, None] + 1 + jnp.arange(L)[None, None, :]  # [B, K, L]
     labels = jnp.take_along_axis(tokens[:, None, :], jnp.minimum(label_pos, T - 1), axis=2)
-    matches = (jnp.argmax(logits, -1) == labels) & (label_pos < T)
-    return jnp.cumprod(matches, axis=-1).sum(-1).astype(jnp.int32)
+    labels = jnp.where(label_pos < T, labels, -1)  # no token id matches -1
+    out = []
+    for budget in budgets:
+        if budget == 0:
+            out.append(jnp.cumprod(jnp.argmax(logits, -1) == labels, axis=-1).sum(-1))
+            continue
+        tree = kj.build_tree(logits.reshape(B * K, L, V), budget)
+        flat = labels.reshape(B * K, L)
+        rows = jnp.arange(B * K)
+
+        def match(node, matched, tree=tree, flat=flat, rows=rows):  # heap pop order: a parent before its children
+            label = flat[rows, jnp.maximum(tree.depths[:, node] - 1, 0)]
+            ok = tree.valid[:, node] & matched[rows, jnp.maximum(tree.parents[:, node], 0)]
+            return matched.at[:, node].set(ok & (tree.tokens[:, node] == label))
+
+        root = jnp.zeros(tree.tokens.shape, bool).at[:, 0].set(True)  # the root: the bonus token, committed
+        matched = jax.lax.fori_loop(1, tree.tokens.shape[1], match, root)
+        out.append(jnp.where(matched, tree.depths, 0).max(-1).reshape(B, K))
+    return jnp.stack(out).astype(jnp.int32)
 
 
-def simulated_dflash_acceptance(leads: np.ndarray, horizon: int) -> float:
-    """Greedy DFlash's mean acceptance (tokens committed per round) over the first `horizon` new tokens of each
+def simulated_acceptance(leads: np.ndarray, horizon: int) -> float:
+    """A greedy decode's mean acceptance (tokens committed per round) over the first `horizon` new tokens of each
     sequence, from the teacher-forced leads of its anchors: leads [B, >= horizon - 1], column j the anchor j new
     tokens in (column 0: the prefill's token, the first round's bonus). A round whose bonus token is j tokens in
     commits min(lead + 1, horizon - 1 - j) tokens, the next bonus among them, as the decode loop does (tests/
-    test_shipped_model.py checks the loop against the teacher-forced drafter round by round)."""
+    test_shipped_model.py checks the loop against the teacher-forced drafter round by round, DFlash's and DDTree's).
+    The same walk for DFlash's leads and DDTree's (`teacher_forced_leads`)."""
     if horizon < 2 or leads.shape[1] < horizon - 1:
         raise ValueError(f"horizon {horizon} needs 2 <= horizon <= {leads.shape[1] + 1} (leads {leads.shape})")
     committed = rounds = 0
@@ -308,7 +330,11 @@ def main() -> None:
                         help="score the greedy held-out set as the decode would: greedy DFlash's mean acceptance over "
                         "the first N new tokens, simulated from the drafter's teacher-forced predictions at every "
                         "position (logged as heldout_greedy_dflash_acceptance; capped at --new-tokens; 0: off; "
-                        "default: %(default)s, the end-to-end benchmark's length)")
+                        "default: %(default)s, the end-to-end benchmark's length); DDTree's too, at --decode-budget "
+                        "(heldout_greedy_ddtree_acceptance)")
+    parser.add_argument("--decode-budget", type=int, default=31,
+                        help="the DDTree budget of that score (default: %(default)s, the end-to-end benchmark's "
+                        "largest)")
     parser.add_argument("--init", type=Path, help="a drafter checkpoint to continue training from (its config is "
                         "kept: --block-size must match it; --layers, --width and --target-layers are ignored); "
                         "the held-out sets are evaluated on it before the first step (step 0)")
@@ -341,6 +367,8 @@ def main() -> None:
         parser.error(f"--anchor-horizon must be 0 (off) or a token count, got {args.anchor_horizon}")
     if args.decode_horizon < 0 or args.decode_horizon == 1:
         parser.error(f"--decode-horizon must be 0 (off) or at least 2, got {args.decode_horizon}")
+    if not 1 <= args.decode_budget <= MAX_TREE_BUDGET:
+        parser.error(f"--decode-budget must be in [1, {MAX_TREE_BUDGET}], got {args.decode_budget}")
     dflash_gamma = {16: 7.0, 10: 5.0, 8: 4.0}
     if args.gamma:
         gamma = float(args.gamma)
@@ -421,20 +449,22 @@ def main() -> None:
     for i in range(0, len(decode_rows), 64):
         tokens = jnp.asarray(data["ev_greedy_seqs"][decode_rows[i:i + 64]])
         decode_batches.append((tokens, target_outputs(params, cfg, tokens, layers)[1].astype(compute_dtype)))
-    log(event="decode_eval", horizon=horizon, rows=len(decode_rows))
+    budgets = (0, args.decode_budget)  # DFlash's chain, DDTree's tree
+    log(event="decode_eval", horizon=horizon, rows=len(decode_rows), ddtree_budget=args.decode_budget)
     chunk = 32  # anchors a call: the drafter's context cache is repeated per anchor
     leads_fn = jax.jit(lambda dparams, hidden, tokens, anchors: teacher_forced_leads(
         cast_params(dparams, compute_dtype), dcfg, hidden, tokens, anchors, embed.astype(compute_dtype),
-        lm_head.astype(compute_dtype)))
+        lm_head.astype(compute_dtype), budgets))
 
-    def decode_acceptance() -> float:
+    def decode_acceptance() -> list[float]:
+        """The simulated greedy acceptance of DFlash and of DDTree at --decode-budget."""
         columns = np.arange(-(-(horizon - 1) // chunk) * chunk)  # padded to whole chunks (one compile)
         anchors = args.prompt_len + np.minimum(columns, horizon - 2)
         leads = [np.concatenate([np.asarray(leads_fn(dparams, hidden, tokens, jnp.asarray(
                     np.broadcast_to(anchors[c:c + chunk], (tokens.shape[0], chunk)), jnp.int32)))
-                    for c in range(0, anchors.size, chunk)], axis=1)[:, :horizon - 1]
-                 for tokens, hidden in decode_batches]
-        return simulated_dflash_acceptance(np.concatenate(leads), horizon)
+                    for c in range(0, anchors.size, chunk)], axis=2)[:, :, :horizon - 1]
+                 for tokens, hidden in decode_batches]  # [budgets, rows, horizon - 1] each
+        return [simulated_acceptance(rows, horizon) for rows in np.concatenate(leads, axis=1)]
 
     def evaluate(step: int) -> dict:
         record: dict[str, float] = {"step": step}
@@ -446,7 +476,9 @@ def main() -> None:
             # expected accepted drafts of one chain if position errors were independent
             record[f"heldout_{name}_chain_tokens"] = float(np.cumprod(acc).sum())
         if decode_batches:
-            record["heldout_greedy_dflash_acceptance"] = decode_acceptance()
+            dflash, ddtree = decode_acceptance()
+            record["heldout_greedy_dflash_acceptance"] = dflash
+            record["heldout_greedy_ddtree_acceptance"] = ddtree
         log(**record)
         return record
 
