@@ -255,8 +255,8 @@ def test_decode_rounds_match_the_teacher_forced_drafter(shipped, greedy_runs):
     The greedy invariant cannot see how the decode loop conditions the drafter (which target layers, which
     positions, which accepted rows reach its context cache) or how far a verify walks the tree: a slip there only
     lowers the acceptance. This test pins each round's count to the one the drafter was trained to achieve
-    (measured on DFlash, 8 prompts: the context one position late changes 52 of 102 rounds, the target layers one
-    lower 40)."""
+    (measured, 8 prompts: the context one position late changes 52 of 102 DFlash rounds, the target layers one
+    lower 40; a tree of budget 8 instead of 32 changes 32 of 75 DDTree rounds)."""
     from training.train_drafter import simulated_acceptance, target_outputs, teacher_forced_leads
 
     cfg, params, dcfg, dparams, tok, prompts = shipped

@@ -1,8 +1,8 @@
 """The training scripts' step loop: a jitted train step compiles once, also when training starts from a loaded
 checkpoint (the time budget calibrates on the first steps' time, so a second compile on step 2 cut
 `train_drafter --init --time-budget-s 190` to 469 steps); the unlikelihood fine-tune's candidates, loss and INT4 round
-trip (training/unlikelihood.py); `train_drafter`'s decode-view metric (the simulated greedy DFlash acceptance) and its
-walk of the rounds."""
+trip (training/unlikelihood.py); `train_drafter`'s decode-view metric (the simulated greedy DFlash and DDTree
+acceptance), its walk of the rounds and its arguments."""
 
 from __future__ import annotations
 
@@ -269,7 +269,7 @@ def test_distill_weight_out_of_range_is_refused(monkeypatch, capsys):
     (["--decode-horizon", "-5"], "--decode-horizon must be 0 (off) or at least 2"),
     (["--decode-budget", "0"], "--decode-budget must be in [1, 1024]"),
 ])
-def test_horizons_out_of_range_are_refused(argv, message, monkeypatch, capsys):
+def test_decode_view_arguments_out_of_range_are_refused(argv, message, monkeypatch, capsys):
     import sys
 
     from training import train_drafter
@@ -373,8 +373,9 @@ def test_simulated_acceptance_walks_the_rounds():
 
 
 def test_train_drafter_logs_the_decode_view(tmp_path, monkeypatch):
-    """A short `train_drafter` run over a tiny target logs heldout_greedy_dflash_acceptance at every evaluation: the
-    simulated greedy DFlash acceptance over the first --decode-horizon new tokens of the greedy held-out rows."""
+    """A short `train_drafter` run over a tiny target logs heldout_greedy_{dflash,ddtree}_acceptance at every
+    evaluation: the simulated greedy acceptance over the first --decode-horizon new tokens of the greedy held-out
+    rows (DDTree at --decode-budget)."""
     import json
     import sys
 

@@ -8,7 +8,8 @@
    the target continues each one (`kj.generate`; greedy, or a `--greedy-fraction` of the calls greedy and
    the rest at temperature 1), so the drafter learns what this target says, not what the corpus says.
    `--data-cache FILE.npz` keeps the generated set for reruns with other training settings.
-2. Loss: for `--anchors` random anchor positions a per sequence (inside the generated part), the block
+2. Loss: for `--anchors` random anchor positions a per sequence (inside the generated part; `--anchor-horizon N`:
+   inside its first N tokens), the block
    [token a, mask x (block-1)] at positions a..a+block-1 attends to the drafter context features of
    tokens [0, a) and to itself; cross-entropy of the block's predictions against tokens a+1..a+block-1,
    position k weighted exp(-(k-1)/gamma) (DFlash's decaying weights), normalised to sum 1. `--distill W` mixes in
@@ -16,6 +17,10 @@
    that gives the drafter its features (the logged losses then include that term; the accuracies do not change).
    The training forward IS `drafter_forward` on a cache holding the context of every anchor
    (`drafter_training_logits`; tests/test_shipped_model.py checks it against incremental inference).
+3. Held-out scores every `--eval-every` steps: loss, position-1 accuracy and chain measure on greedy and
+   temperature-1 continuations of held-out windows, and the decode's view (`--decode-horizon`): greedy DFlash's and
+   DDTree's mean acceptance over the first new tokens, simulated from the teacher-forced drafter at every position
+   (`teacher_forced_leads`, `simulated_acceptance`; tests/test_shipped_model.py checks the decode against them).
 Mixed precision as in training/train_target.py: float32 master weights, the drafter's forward and backward in
 `--compute-dtype`; the frozen target runs in float32 as it does at inference. `--time-budget-s` fixes the step
 count from the measured step time (logged as total_steps; `--steps N` reproduces it).
@@ -125,9 +130,8 @@ def simulated_acceptance(leads: np.ndarray, horizon: int) -> float:
     """A greedy decode's mean acceptance (tokens committed per round) over the first `horizon` new tokens of each
     sequence, from the teacher-forced leads of its anchors: leads [B, >= horizon - 1], column j the anchor j new
     tokens in (column 0: the prefill's token, the first round's bonus). A round whose bonus token is j tokens in
-    commits min(lead + 1, horizon - 1 - j) tokens, the next bonus among them, as the decode loop does (tests/
-    test_shipped_model.py checks the loop against the teacher-forced drafter round by round, DFlash's and DDTree's).
-    The same walk for DFlash's leads and DDTree's (`teacher_forced_leads`)."""
+    commits min(lead + 1, horizon - 1 - j) tokens, the next bonus among them, as the DFlash and DDTree decode loops
+    do (tests/test_shipped_model.py checks both against the teacher-forced drafter round by round)."""
     if horizon < 2 or leads.shape[1] < horizon - 1:
         raise ValueError(f"horizon {horizon} needs 2 <= horizon <= {leads.shape[1] + 1} (leads {leads.shape})")
     committed = rounds = 0
