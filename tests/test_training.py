@@ -395,6 +395,7 @@ def test_train_drafter_logs_the_decode_view(tmp_path, monkeypatch):
              ev_greedy_valid=np.array([width, width, width, 12], np.int32), ev_sampled_seqs=seqs(4),
              ev_sampled_valid=np.full(4, width, np.int32))
     out = tmp_path / "out"
+    monkeypatch.setattr(train_drafter, "plot_curves", lambda *args, **kwargs: None)  # matplotlib: the train extra
     monkeypatch.setattr(sys, "argv", [
         "train_drafter", "--target", str(tmp_path / "target"), "--data-cache", str(tmp_path / "data.npz"),
         "--steps", "2", "--eval-every", "1", "--batch", "4", "--anchors", "2", "--block-size", "4", "--layers", "1",
