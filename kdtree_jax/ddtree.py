@@ -45,6 +45,7 @@ from kdtree_jax.drafter import (
     drafter_forward,
     fold_drafter_params,
     init_drafter_cache,
+    shared_tables,
 )
 from kdtree_jax.model import KVCache, Params, fold_params, forward_with_cache, init_cache, write_rows
 from kdtree_jax.tree import Tree, build_chain, build_tree
@@ -94,8 +95,7 @@ class DFlashDraft:
 
     def _shared_tables(self, cfg: ModelConfig, params: Params) -> tuple[jax.Array, jax.Array]:
         """The target's embedding [V, D] and lm_head [D, V] the drafter shares, in compute_dtype when set."""
-        embed = params["embed_tokens"]
-        lm_head = embed.T if cfg.tie_word_embeddings else params["lm_head"]
+        embed, lm_head = shared_tables(cfg, params)
         if self.compute_dtype is None:
             return embed, lm_head
         return embed.astype(self.compute_dtype), lm_head.astype(self.compute_dtype)

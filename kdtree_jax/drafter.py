@@ -507,6 +507,13 @@ def _block_attention(p_attn: dict, dcfg: DrafterConfig, x: jax.Array, positions:
     return _linear(out.reshape(B, Tb, H * hd).astype(x.dtype), p_attn["o"])
 
 
+def shared_tables(cfg: ModelConfig, params: Mapping[str, Any]) -> tuple[jax.Array, jax.Array]:
+    """The target's embedding [V, D] and lm_head [D, V] that the drafter shares (`drafter_forward`'s two tables; the
+    embedding transposed when the target ties them)."""
+    embed = params["embed_tokens"]
+    return embed, embed.T if cfg.tie_word_embeddings else params["lm_head"]
+
+
 def drafter_forward(dparams: dict, dcfg: DrafterConfig, cache: DrafterCache, embed_tokens: jax.Array,
                     lm_head: jax.Array, bonus_tokens: jax.Array, block_start: jax.Array) -> jax.Array:
     """Draft logits for one round.

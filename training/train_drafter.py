@@ -47,6 +47,7 @@ from kdtree_jax.drafter import (
     drafter_extend_context,
     drafter_forward,
     init_drafter_cache,
+    shared_tables,
 )
 from kdtree_jax.weights import cast_params
 from training.common import (
@@ -409,8 +410,7 @@ def main() -> None:
     log(event="start", device=describe_device(), jax=jax.__version__, drafter_params=param_count(dparams),
         dcfg=str(dcfg), **{k: str(v) for k, v in vars(args).items()}, gamma_used=gamma)
 
-    embed = params["embed_tokens"]
-    lm_head = embed.T if cfg.tie_word_embeddings else params["lm_head"]
+    embed, lm_head = shared_tables(cfg, params)
     weights = jnp.asarray(block_weights(args.block_size, gamma))
     layers = dcfg.target_layer_ids
     compute_dtype = jnp.dtype(args.compute_dtype)
