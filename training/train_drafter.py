@@ -460,14 +460,18 @@ def main() -> None:
         cast_params(dparams, compute_dtype), dcfg, hidden, tokens, anchors, embed.astype(compute_dtype),
         lm_head.astype(compute_dtype), budgets))
 
+    # every bonus position of the horizon, padded to whole chunks (one compile), fixed for the run
+    columns = np.arange(-(-(horizon - 1) // chunk) * chunk)
+    anchors = (args.prompt_len + np.minimum(columns, horizon - 2)).astype(np.int32)
+    anchor_chunks = [anchors[c:c + chunk] for c in range(0, anchors.size, chunk)]
+
     def decode_acceptance() -> list[float]:
         """The simulated greedy acceptance of DFlash and of DDTree at --decode-budget."""
-        columns = np.arange(-(-(horizon - 1) // chunk) * chunk)  # padded to whole chunks (one compile)
-        anchors = args.prompt_len + np.minimum(columns, horizon - 2)
-        leads = [np.concatenate([np.asarray(leads_fn(dparams, hidden, tokens, jnp.asarray(
-                    np.broadcast_to(anchors[c:c + chunk], (tokens.shape[0], chunk)), jnp.int32)))
-                    for c in range(0, anchors.size, chunk)], axis=2)[:, :, :horizon - 1]
-                 for tokens, hidden in decode_batches]  # [budgets, rows, horizon - 1] each
+        leads = []  # [budgets, rows, horizon - 1] a batch
+        for tokens, hidden in decode_batches:
+            parts = [leads_fn(dparams, hidden, tokens, jnp.asarray(np.broadcast_to(a, (tokens.shape[0], chunk))))
+                     for a in anchor_chunks]
+            leads.append(np.concatenate([np.asarray(p) for p in parts], axis=2)[:, :, :horizon - 1])
         return [simulated_acceptance(rows, horizon) for rows in np.concatenate(leads, axis=1)]
 
     def evaluate(step: int) -> dict:
