@@ -818,6 +818,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # not something a CLI user can act on
         warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated",
                                 category=DeprecationWarning)
+        storage = sys.modules.get("kdtree_jax.storage")
+        committed_before = len(storage.COMMITTED) if storage else 0
         try:
             args = parser.parse_args(argv)
             if args.command is None:
@@ -827,7 +829,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         except KeyboardInterrupt:
             STATUS.close()
-            print(f"{PROG}: interrupted", file=sys.stderr)
+            storage = sys.modules.get("kdtree_jax.storage")
+            written = storage.COMMITTED[committed_before:] if storage else []
+            # a Ctrl-C held back during a checkpoint's commit lands just after it: that result is whole
+            kept = "".join(f"; {p} had been written in full before it and is kept" for p in written)
+            print(f"{PROG}: interrupted{kept}", file=sys.stderr)
             _quiet_after_interrupt()
             return 130
         except Exception as e:  # noqa: BLE001 (the CLI's contract: one line, no traceback)

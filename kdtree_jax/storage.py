@@ -40,6 +40,10 @@ import numpy as np
 
 CHECKSUM_ALGORITHM = "sha256"
 
+# Every checkpoint this process has committed, in order: a Ctrl-C that lands after a commit (it is held
+# back during one, then raised) interrupts the program, but that result is whole and stays; the CLI says so.
+COMMITTED: list[Path] = []
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, unreadable, corrupt or does not match its config."""
@@ -227,6 +231,7 @@ def commit(tmp: Path, dest: Path, *, replace: bool) -> None:
                 os.rename(old, dest)
             os.unlink(journal)
             raise
+        COMMITTED.append(dest)
         _fsync_dir(dest.parent)
         if old is not None:
             shutil.rmtree(old)
