@@ -53,6 +53,17 @@ def load_prompts(count: int, prompt_tokens: int) -> list[list[int]]:
     return shipped_prompts(count, prompt_tokens)
 
 
+def run_key(group_index: int, seed: int) -> jax.Array:
+    """The PRNG key of one prompt group's calls at one sampling seed (every method, budget and arm draws the same)."""
+    return jax.random.key(1000 + group_index + 100_000 * seed)
+
+
+def round_acceptances(out) -> list[int]:
+    """The acceptance length of every round of a generate() output (its padding zeros dropped)."""
+    acc = np.asarray(out.acceptance_lengths)
+    return acc[acc > 0].tolist()
+
+
 def generate_kwargs(method, budget, temperature, new_tokens, drafter, costs=None, kernels=None) -> dict:
     kwargs = dict(max_new_tokens=new_tokens, method=method, temperature=temperature, stop_tokens=(), kernels=kernels)
     if method != "ar":
@@ -75,7 +86,7 @@ def run_config(cfg, params, drafter, prompts, batch, method, budget, temperature
     timer = Timer(repeats, device=False)  # wall clock around one dispatch (compile + warm-up call first)
     runs = [(g, group, seed) for seed in range(seeds if temperature > 0 else 1) for g, group in enumerate(groups)]
     for g, group, seed in runs:
-        key = jax.random.key(1000 + g + 100_000 * seed)
+        key = run_key(g, seed)
         timing = timer(lambda group=group, key=key: kj.generate(cfg, params, group, key=key, **kwargs))
         out = timing.out
         seconds += timing.wall_s
@@ -83,8 +94,7 @@ def run_config(cfg, params, drafter, prompts, batch, method, budget, temperature
         tokens += int(lengths.sum())
         forwards += int(out.num_target_forwards) * len(group)  # a forward serves the whole batch
         rounds += int(out.rounds)
-        acc = np.asarray(out.acceptance_lengths)
-        accept.extend(acc[acc > 0].tolist())
+        accept.extend(round_acceptances(out))
         toks = np.asarray(out.tokens)
         if seed == 0:
             outputs.extend(toks[b, :lengths[b]].tolist() for b in range(len(group)))
