@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The tests a CPU CI cannot run, on a GPU host (the H200), from the repo root:
 #
-#   OUT=DIR [LIMIT_S=570] [RUNS="suite shipped"] [WORKERS=N] bash tests/gpu_host.sh
+#   OUT=DIR [LIMIT_S=570] [RUNS="suite shipped"] [WORKERS=N] [DUMP_S=150] bash tests/gpu_host.sh
 #
 # Up to three pytest runs, one after the other (each alone on the GPU: side by side, the shipped-pair file and the
 # suite's workers ran an 80 GB H100 out of memory, 2026-12-05), all within LIMIT_S seconds together, each streaming
@@ -33,7 +33,10 @@ if [[ -z "${WORKERS:-}" ]]; then
     mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
     WORKERS=$(( ${mib:-0} / (16 * 1024) )); (( WORKERS > 12 )) && WORKERS=12; (( WORKERS < 1 )) && WORKERS=1
 fi
-common=(-p no:cacheprovider -p no:benchmark -o addopts="-rfEs" -v --tb=short)
+# A test still running after DUMP_S seconds (default 150) dumps every thread's stack into the log and runs on: a call
+# cut at its limit then still says where a slow or stuck test was (session 43's shipped run was cut inside one).
+common=(-p no:cacheprovider -p no:benchmark -o addopts="-rfEs" -o faulthandler_timeout="${DUMP_S:-150}" -v
+        --tb=short --durations=8)
 end=$(( $(date +%s) + LIMIT_S ))
 left() { echo $(( end - $(date +%s) )); }
 suite_log="$OUT/gpu_suite.log" shipped_log="$OUT/shipped_gpu.log"
