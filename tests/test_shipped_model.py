@@ -267,11 +267,16 @@ def test_decode_rounds_match_the_teacher_forced_drafter(shipped, greedy_runs):
     assert all(greedy_runs[name].rows() == rows for name in methods)
     tokens = np.concatenate([np.asarray(_ids(prompts)), np.asarray(rows)], 1).astype(np.int32)
     B, T = tokens.shape
-    _, hidden = target_outputs(params, cfg, jnp.asarray(tokens), dcfg.target_layer_ids)
     anchors = np.arange(prompt_len, T - 1)  # every bonus position a round can start at (the first: the prefill's)
-    all_leads = np.asarray(teacher_forced_leads(dparams, dcfg, hidden, jnp.asarray(tokens),
-                                                jnp.asarray(np.broadcast_to(anchors, (B, anchors.size))),
-                                                *shared_tables(cfg, params), tuple(methods.values())))
+
+    @jax.jit  # as train_drafter runs it; eagerly, ~500 small programs each compiled (minutes on a GPU, session 43)
+    def leads_of(params, dparams, tokens, anchors):
+        _, hidden = target_outputs(params, cfg, tokens, dcfg.target_layer_ids)
+        return teacher_forced_leads(dparams, dcfg, hidden, tokens, anchors, *shared_tables(cfg, params),
+                                    tuple(methods.values()))
+
+    all_leads = np.asarray(leads_of(params, dparams, jnp.asarray(tokens),
+                                    jnp.asarray(np.broadcast_to(anchors, (B, anchors.size)), jnp.int32)))
     for name, leads in zip(methods, all_leads, strict=True):
         out = greedy_runs[name]
         counts = np.asarray(out.acceptance_lengths)
