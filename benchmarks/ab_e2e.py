@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kdtree_jax as kj  # noqa: E402
-from benchmarks.bench_e2e import generate_kwargs, load_prompts, round_acceptances, run_key  # noqa: E402
+from benchmarks.bench_e2e import generate_kwargs, load_prompts, run_key  # noqa: E402
 from benchmarks.common import MATMUL_PRECISIONS, metadata, set_matmul_precision, shown_path, write_results  # noqa: E402
 from kdtree_jax.ddtree import DRAFTER_DTYPES  # noqa: E402
 
@@ -44,8 +44,8 @@ def _timed(fn) -> float:
 
 
 def _mean_acceptance(outs) -> float:
-    acc = [a for o in outs for a in round_acceptances(o)]
-    return float(np.mean(acc)) if acc else 0.0
+    acc = np.concatenate([o.round_acceptances() for o in outs])
+    return float(acc.mean()) if acc.size else 0.0
 
 
 def _tokens(out) -> list[int]:
@@ -83,7 +83,7 @@ def run_point(cfg, params, arms, prompts, method, budget, temperature, new_token
 def time_ar(cfg, params, prompts, temperature, new_tokens, repeats, seeds):
     """AR's tokens/s on the same prompts (median of `repeats` summed passes) and, greedy, its tokens per prompt."""
     kwargs = generate_kwargs("ar", None, temperature, new_tokens, None)
-    calls = [lambda prompt=prompt, key=run_key(p, seed): kj.generate(cfg, params, [prompt], key=key, **kwargs)
+    calls = [functools.partial(kj.generate, cfg, params, [prompt], key=run_key(p, seed), **kwargs)
              for seed in range(seeds if temperature > 0 else 1) for p, prompt in enumerate(prompts)]
     outs = [jax.block_until_ready(call()) for call in calls]
     seconds = float(np.median([sum(_timed(call) for call in calls) for _ in range(repeats)]))

@@ -58,12 +58,6 @@ def run_key(group_index: int, seed: int) -> jax.Array:
     return jax.random.key(1000 + group_index + 100_000 * seed)
 
 
-def round_acceptances(out) -> list[int]:
-    """The acceptance length of every round of a generate() output (its padding zeros dropped)."""
-    acc = np.asarray(out.acceptance_lengths)
-    return acc[acc > 0].tolist()
-
-
 def generate_kwargs(method, budget, temperature, new_tokens, drafter, costs=None, kernels=None) -> dict:
     kwargs = dict(max_new_tokens=new_tokens, method=method, temperature=temperature, stop_tokens=(), kernels=kernels)
     if method != "ar":
@@ -94,7 +88,7 @@ def run_config(cfg, params, drafter, prompts, batch, method, budget, temperature
         tokens += int(lengths.sum())
         forwards += int(out.num_target_forwards) * len(group)  # a forward serves the whole batch
         rounds += int(out.rounds)
-        accept.extend(round_acceptances(out))
+        accept.extend(out.round_acceptances().tolist())
         toks = np.asarray(out.tokens)
         if seed == 0:
             outputs.extend(toks[b, :lengths[b]].tolist() for b in range(len(group)))

@@ -80,9 +80,8 @@ def main():
                                    kernels=kernels[path], **kw)
         timing = timer(call)
         out, seconds = timing.out, timing.wall_s
-        acc = np.asarray(out.acceptance_lengths)
         return {"tokens": np.asarray(out.tokens), "tok_s": len(prompts) * new_tokens / seconds,
-                "acceptance": float(acc[acc > 0].mean()) if kw.get("method") == "ddtree" else None}
+                "acceptance": float(out.round_acceptances().mean()) if kw.get("method") == "ddtree" else None}
 
     def compare(model, what, a, b, **extra):
         same = (a["tokens"] == b["tokens"]).all(0)

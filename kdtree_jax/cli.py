@@ -504,10 +504,7 @@ def _load_drafter(args, cfg, methods, params=None):
 
 
 def _mean_acceptance(out) -> float:
-    import numpy as np  # noqa: PLC0415
-
-    acc = np.asarray(out.acceptance_lengths)
-    acc = acc[acc > 0]
+    acc = out.round_acceptances()
     return float(acc.mean()) if acc.size else 0.0
 
 

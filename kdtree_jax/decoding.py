@@ -32,6 +32,11 @@ class GenerateOutput(NamedTuple):
         tokens, lengths = np.asarray(self.tokens), np.asarray(self.lengths)
         return [tokens[b, :lengths[b]].tolist() for b in range(tokens.shape[0])]
 
+    def round_acceptances(self) -> np.ndarray:
+        """Tokens committed by each decode round, row after row, the padding zeros dropped (on the host)."""
+        acc = np.asarray(self.acceptance_lengths)
+        return acc[acc > 0]
+
 
 # Temperatures above this sample as this one: uniform over the unmasked tokens for any logit spread < 1e20.
 MAX_EFFECTIVE_TEMPERATURE = 1e30

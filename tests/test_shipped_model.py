@@ -231,8 +231,7 @@ def test_greedy_invariant_on_every_heldout_prompt(greedy_runs):
 
 
 def _mean_acceptance(out) -> float:
-    acc = np.asarray(out.acceptance_lengths)
-    return float(acc[acc > 0].mean())
+    return float(out.round_acceptances().mean())
 
 
 @GREEDY_RUNS
